@@ -1,0 +1,119 @@
+"""``autopar.parallelize``: the decorator that traces, plans and runs a train step.
+
+The first call with a new input signature (pytree structure, shapes, dtypes) traces the step,
+plans it for the local devices and compiles it; later calls with the same signature reuse that.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from autopar.compiler.mesh import ClusterSpec, load_cluster
+from autopar.compiler.plan import Plan
+from autopar.compiler.planner import plan_step
+from autopar.compiler.trace import TracedStep, trace_step
+from autopar.errors import InvalidOptionError
+from autopar.methods import DataParallel, Method
+from autopar.runtime.shard import ShardedProgram
+
+
+def local_cluster() -> ClusterSpec:
+    """A description of the devices this process sees (the simulated CPU one for CPUs)."""
+    devices = jax.devices()
+    base = load_cluster("cpu-sim")
+    return ClusterSpec.from_dict(
+        base.to_dict() | {"name": f"local-{devices[0].platform}"}
+    ).with_devices(1, len(devices))
+
+
+@dataclass
+class CompiledStep:
+    """Everything made for one input signature: the trace, the plan, the executable."""
+
+    traced: TracedStep
+    plan: Plan
+    executable: ShardedProgram
+    compile_time_s: float
+
+
+def _signature_key(args: Sequence[Any]) -> tuple:
+    leaves, treedef = jax.tree_util.tree_flatten(tuple(args))
+    parts = []
+    for leaf in leaves:
+        if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+            parts.append((tuple(np.shape(leaf)), str(leaf.dtype)))
+        else:
+            parts.append(("static", repr(leaf)))
+    return (treedef, tuple(parts))
+
+
+class ParallelizedStep:
+    """A train step wrapped by :func:`parallelize`: call it like the original."""
+
+    def __init__(self, fn: Callable, method: Method, batch_argnums: tuple[int, ...]):
+        if not callable(fn):
+            raise InvalidOptionError(f"parallelize needs a function, got {type(fn).__name__}")
+        self.fn = fn
+        self.method = method
+        self.batch_argnums = tuple(batch_argnums)
+        self._cache: dict[tuple, CompiledStep] = {}
+        functools.update_wrapper(self, fn)
+
+    def _compiled(self, args: Sequence[Any]) -> CompiledStep:
+        key = _signature_key(args)
+        found = self._cache.get(key)
+        if found is None:
+            start = time.perf_counter()
+            traced = trace_step(self.fn, args)
+            plan = plan_step(
+                traced, self.method, local_cluster(), batch_argnums=self.batch_argnums
+            )
+            executable = ShardedProgram(traced.program, plan)
+            found = CompiledStep(traced, plan, executable, time.perf_counter() - start)
+            plan.options["compile_time_s"] = found.compile_time_s
+            self._cache[key] = found
+        return found
+
+    def __call__(self, *args: Any) -> Any:
+        compiled = self._compiled(args)
+        flat = jax.tree_util.tree_leaves(tuple(args))
+        out = compiled.executable(flat)
+        return jax.tree_util.tree_unflatten(compiled.traced.program.out_tree, out)
+
+    def get_plan(self, *args: Any) -> Plan:
+        """The plan for these arguments (arrays or ``jax.ShapeDtypeStruct``)."""
+        return self._compiled(args).plan
+
+    def get_hlo_text(self, *args: Any) -> str:
+        """The compiled, optimized HLO text of the sharded program for these arguments."""
+        compiled = self._compiled(args)
+        return compiled.executable.hlo_text(jax.tree_util.tree_leaves(tuple(args)))
+
+    def get_traced(self, *args: Any) -> TracedStep:
+        """The traced program and its OpGraph for these arguments."""
+        return self._compiled(args).traced
+
+
+def parallelize(
+    fn: Callable | None = None,
+    *,
+    method: Method | None = None,
+    batch_argnums: Sequence[int] = (1,),
+) -> Any:
+    """Parallelize a train step over the local devices.
+
+    ``step = autopar.parallelize(train_step, method=autopar.DataParallel())``; usable bare
+    (``@autopar.parallelize``) or with arguments. ``batch_argnums`` names the positional
+    arguments that hold the batch (split by data parallelism); the rest is state.
+    """
+    chosen = method if method is not None else DataParallel()
+    if fn is None:
+        return lambda f: ParallelizedStep(f, chosen, tuple(batch_argnums))
+    return ParallelizedStep(fn, chosen, tuple(batch_argnums))

@@ -1,0 +1,150 @@
+"""The ``autopar`` command.
+
+``autopar compile --model gpt --size tiny --devices 8 --mesh 2x4 --method data`` traces a zoo
+model's train step, plans it and prints the report; ``--cluster NAME`` plans for a described
+cluster instead of the local devices. Every user error is one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from autopar.errors import AutoparError, InvalidOptionError
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line and an AutoparError, not usage text + exit."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise InvalidOptionError(f"{message}; see 'autopar {self.prog.split()[-1]} --help'")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from autopar import __version__
+
+    parser = _Parser(prog="autopar", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"autopar {__version__}")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+    c = sub.add_parser("compile", help="trace, plan and report a zoo model's train step")
+    c.add_argument("--model", default="gpt", help="zoo model: mlp, gpt, moe, wresnet")
+    c.add_argument("--size", default="tiny", help="model size (tiny, or the Alpa sizes)")
+    c.add_argument("--batch-size", type=int, default=None, help="override the global batch")
+    c.add_argument("--layers", type=int, default=None, help="override the number of layers")
+    c.add_argument("--method", default="data", help="parallelization method: data")
+    c.add_argument("--mesh", default=None, help="logical mesh shape, e.g. 2x4 or 8")
+    c.add_argument(
+        "--devices", type=int, default=None,
+        help="simulate N CPU devices when no accelerator is present (default 8)",
+    )
+    c.add_argument("--cluster", default=None, help="plan for a described cluster (name or JSON)")
+    c.add_argument("--hosts", type=int, default=None, help="number of hosts of --cluster")
+    c.add_argument("--json", dest="json_path", default=None, help="write plan + report as JSON")
+    c.add_argument("--no-hlo", action="store_true", help="skip compiling the sharded program")
+    return parser
+
+
+def _set_local_devices(count: int) -> None:
+    """Ask for ``count`` simulated CPU devices; must run before JAX touches a backend."""
+    import jax
+
+    if count < 1:
+        raise InvalidOptionError(f"--devices must be at least 1, got {count}")
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:
+        present = jax.device_count()
+        if present != count and jax.devices()[0].platform == "cpu":
+            raise InvalidOptionError(
+                f"--devices {count} asked for after JAX started with {present} devices; "
+                f"pass --devices {present} or start a new process"
+            ) from None
+
+
+def run_compile(args: argparse.Namespace) -> int:
+    from autopar.compiler.mesh import load_cluster, parse_mesh_shape
+    from autopar.compiler.planner import plan_step
+    from autopar.compiler.trace import trace_step
+    from autopar.methods import method_from_name
+    from autopar.models import get_model
+    from autopar.report import CompileReport
+
+    overrides = {"num_layers": args.layers} if args.layers is not None else {}
+    model = get_model(args.model, args.size, batch_size=args.batch_size, **overrides)
+    mesh_shape = parse_mesh_shape(args.mesh) if args.mesh else None
+    method = method_from_name(args.method, mesh_shape)
+    if args.cluster is not None:
+        cluster = load_cluster(args.cluster)
+        if args.hosts is not None:
+            cluster = cluster.with_hosts(args.hosts)
+    else:
+        _set_local_devices(args.devices if args.devices is not None else 8)
+        from autopar.api import local_cluster
+
+        cluster = local_cluster()
+    start = time.perf_counter()
+    traced = trace_step(model.train_step, model.abstract_inputs())
+    plan = plan_step(traced, method, cluster, batch_argnums=(1,))
+    compile_time = time.perf_counter() - start
+    hlo = None
+    if args.cluster is None and not args.no_hlo:
+        from autopar.hlo import count_collectives
+        from autopar.runtime.shard import ShardedProgram
+
+        executable = ShardedProgram(traced.program, plan)
+        text = executable.hlo_text(
+            [leaf for leaf in _leaves(model.abstract_inputs())]
+        )
+        hlo = count_collectives(text).by_kind()
+    report = CompileReport.build(
+        model=f"{args.model} {args.size}",
+        plan=plan,
+        graph=traced.graph,
+        num_params=model.num_params(),
+        compile_time_s=compile_time,
+        hlo_collectives=hlo,
+    )
+    print(report.to_text())
+    if args.json_path:
+        path = Path(args.json_path)
+        try:
+            path.write_text(json.dumps(report.to_dict(), indent=2))
+        except OSError as exc:
+            raise InvalidOptionError(f"cannot write --json file '{path}': {exc.strerror}") from exc
+        print(f"wrote {path}")
+    return 0
+
+
+def _leaves(tree: object) -> list:
+    import jax
+
+    return jax.tree_util.tree_leaves(tree)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point; returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return EXIT_USAGE
+        if args.command == "compile":
+            return run_compile(args)
+        raise InvalidOptionError(f"unknown command '{args.command}'; valid commands: compile")
+    except AutoparError as exc:
+        print(f"autopar: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("autopar: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

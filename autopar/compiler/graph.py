@@ -1,0 +1,184 @@
+"""OpGraph: the compiler's view of a traced train step.
+
+One node per primitive equation of the flat program (nested calls already inlined), each with
+its input and output tensors (shape, dtype) and flop/byte estimates. Tensor ids are the flat
+program's value ids, so a sharding chosen for tensor ``t`` here is applied to value ``t`` by the
+runtime. Graph algorithms (topological order, liveness, clustering) run on the networkx view
+from :meth:`OpGraph.to_networkx`, which converts back losslessly with :meth:`OpGraph.from_networkx`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import networkx as nx
+import numpy as np
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A value of the program: id, shape, dtype and origin (input/const/literal/intermediate)."""
+
+    id: int
+    shape: tuple[int, ...]
+    dtype: str
+    kind: str
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        try:
+            return np.dtype(self.dtype).itemsize
+        except TypeError:  # extended dtypes such as PRNG keys
+            return 8
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.itemsize
+
+
+@dataclass(frozen=True)
+class OpNode:
+    """One primitive application. ``params`` are the primitive's own parameters (not JSON)."""
+
+    id: int
+    primitive: str
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    flops: float
+    bytes_accessed: float
+    params: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class GraphIO:
+    """A graph input or output leaf: its tensor id and the pytree path in the step's signature."""
+
+    tensor: int
+    path: str
+    arg_index: int = -1  # which positional argument (inputs) or result leaf (outputs) it is in
+
+
+@dataclass
+class OpGraph:
+    """Nodes in program (topological) order, tensors by id, inputs/outputs by pytree path."""
+
+    nodes: list[OpNode]
+    tensors: dict[int, TensorInfo]
+    inputs: list[GraphIO]
+    outputs: list[GraphIO]
+
+    @cached_property
+    def producer(self) -> dict[int, int]:
+        """Tensor id -> id of the node that computes it (inputs, constants: absent)."""
+        return {t: node.id for node in self.nodes for t in node.outputs}
+
+    @cached_property
+    def consumers(self) -> dict[int, list[int]]:
+        """Tensor id -> ids of the nodes that read it, in program order (each node once)."""
+        users: dict[int, list[int]] = {t: [] for t in self.tensors}
+        for node in self.nodes:
+            for t in dict.fromkeys(node.inputs):
+                users[t].append(node.id)
+        return users
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def num_edges(self) -> int:
+        """Producer -> consumer pairs (the edges of :meth:`to_networkx`)."""
+        producer = self.producer
+        return sum(len({producer[t] for t in n.inputs if t in producer}) for n in self.nodes)
+
+    @property
+    def total_flops(self) -> float:
+        return float(sum(node.flops for node in self.nodes))
+
+    def input_paths(self) -> dict[str, int]:
+        return {io.path: io.tensor for io in self.inputs}
+
+    def primitive_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for node in self.nodes:
+            counts[node.primitive] = counts.get(node.primitive, 0) + 1
+        return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+    def bytes_of(self, tensor_ids: Iterable[int]) -> int:
+        return sum(self.tensors[t].nbytes for t in tensor_ids)
+
+    # -- networkx view -------------------------------------------------------------------------
+
+    def to_networkx(self) -> nx.DiGraph:
+        """A DiGraph with one node per op (attribute ``op``) and an edge producer -> consumer per
+        data dependency (attribute ``tensors``: the ids carried). Graph inputs, outputs and the
+        tensor table ride along in ``G.graph`` so :meth:`from_networkx` loses nothing."""
+        g = nx.DiGraph(
+            tensors=dict(self.tensors),
+            inputs=list(self.inputs),
+            outputs=list(self.outputs),
+        )
+        for node in self.nodes:
+            g.add_node(node.id, op=node)
+        producer = self.producer
+        for node in self.nodes:
+            for t in node.inputs:
+                src = producer.get(t)
+                if src is None:
+                    continue
+                if g.has_edge(src, node.id):
+                    if t not in g.edges[src, node.id]["tensors"]:
+                        g.edges[src, node.id]["tensors"].append(t)
+                else:
+                    g.add_edge(src, node.id, tensors=[t])
+        return g
+
+    @classmethod
+    def from_networkx(cls, g: nx.DiGraph) -> OpGraph:
+        """Rebuild an OpGraph from :meth:`to_networkx`'s output (node order: topological)."""
+        order = list(nx.lexicographical_topological_sort(g))
+        return cls(
+            nodes=[g.nodes[n]["op"] for n in order],
+            tensors=dict(g.graph["tensors"]),
+            inputs=list(g.graph["inputs"]),
+            outputs=list(g.graph["outputs"]),
+        )
+
+    def peak_live_bytes(self, exclude: Iterable[int] = ()) -> int:
+        """Largest total size of intermediate tensors alive at once, in program order.
+
+        A tensor is alive from the node that produces it until its last reader (or to the end if
+        it is a graph output). ``exclude`` lists tensors counted elsewhere (state, batch).
+        """
+        excluded = set(exclude)
+        last_use: dict[int, int] = {}
+        for node in self.nodes:
+            for t in node.inputs:
+                last_use[t] = node.id
+        end = len(self.nodes)
+        for io in self.outputs:
+            last_use[io.tensor] = end
+        frees: dict[int, list[int]] = {}
+        live = peak = 0
+        for node in self.nodes:
+            for t in node.outputs:
+                if t in excluded or t not in last_use:
+                    continue
+                live += self.tensors[t].nbytes
+                frees.setdefault(last_use[t], []).append(t)
+            peak = max(peak, live)
+            for t in frees.pop(node.id, []):
+                live -= self.tensors[t].nbytes
+        return peak

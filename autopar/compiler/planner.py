@@ -1,0 +1,61 @@
+"""The compiler's entry point: traced step + method + cluster -> Plan (pure, no devices)."""
+
+from __future__ import annotations
+
+import time
+
+from autopar.compiler.data_parallel import plan_data_parallel
+from autopar.compiler.mesh import ClusterSpec, LogicalMesh, format_mesh_shape
+from autopar.compiler.plan import Plan
+from autopar.compiler.trace import TracedStep
+from autopar.errors import InvalidOptionError, MeshError
+from autopar.methods import DataParallel, Method
+
+
+def mesh_shape_choices(num_devices: int) -> list[str]:
+    """Valid 1-D and 2-D mesh shapes for ``num_devices`` devices, for error messages."""
+    shapes = [str(num_devices)]
+    shapes += [f"{a}x{num_devices // a}" for a in range(1, num_devices + 1) if num_devices % a == 0]
+    return shapes
+
+
+def logical_mesh_for(cluster: ClusterSpec, mesh_shape: tuple[int, ...] | None) -> LogicalMesh:
+    """The logical mesh over the whole cluster (default: one axis over all its devices)."""
+    n = cluster.num_devices
+    shape = tuple(mesh_shape) if mesh_shape else (n,)
+    count = 1
+    for d in shape:
+        count *= d
+    if count != n:
+        raise MeshError(
+            f"mesh shape {format_mesh_shape(shape)} covers {count} devices but the cluster "
+            f"'{cluster.name}' has {n}; valid shapes: {', '.join(mesh_shape_choices(n))}"
+        )
+    return LogicalMesh.from_cluster(cluster, shape)
+
+
+def plan_step(
+    traced: TracedStep,
+    method: Method,
+    cluster: ClusterSpec,
+    *,
+    batch_argnums: tuple[int, ...] = (1,),
+) -> Plan:
+    """Plan ``traced`` with ``method`` on ``cluster``; records the planning time in the plan."""
+    start = time.perf_counter()
+    if isinstance(method, DataParallel):
+        mesh = logical_mesh_for(cluster, method.mesh_shape)
+        plan = plan_data_parallel(
+            traced,
+            mesh,
+            batch_argnums=batch_argnums,
+            cluster_name=cluster.name,
+            devices_per_host=cluster.devices_per_host,
+        )
+    else:
+        raise InvalidOptionError(
+            f"unknown method {type(method).__name__}; valid methods: DataParallel"
+        )
+    plan.options = {"method": method.name, "mesh_shape": list(mesh.shape)}
+    plan.options["planning_time_s"] = time.perf_counter() - start
+    return plan

@@ -1,0 +1,37 @@
+"""Typed errors raised by autopar.
+
+Every error a user can cause (bad option, bad mesh, bad batch, untraceable step) is an
+``AutoparError``; its message is one line naming the problem and the valid choices, and the
+CLI prints exactly that line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+
+class AutoparError(Exception):
+    """Base class of every error autopar raises on purpose."""
+
+
+class InvalidOptionError(AutoparError, ValueError):
+    """An option (model, size, method, cluster, schedule, ...) is not one of the valid choices."""
+
+
+class MeshError(AutoparError, ValueError):
+    """A mesh shape does not match the devices it should cover."""
+
+
+class BatchSizeError(AutoparError, ValueError):
+    """A batch dimension is not divisible by the parallel degree that must split it."""
+
+
+class TraceError(AutoparError):
+    """The train step could not be traced to a jaxpr."""
+
+
+class PlanError(AutoparError, ValueError):
+    """A plan is malformed, of an unknown format version, or does not match the step."""
+
+
+def choices_text(choices) -> str:
+    """Format valid choices for an error message: ``a, b, c``."""
+    return ", ".join(str(c) for c in choices)

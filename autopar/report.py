@@ -1,0 +1,172 @@
+"""The compile report: a plain dict (for ``--json``) and its readable text rendering."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from autopar.compiler.graph import OpGraph
+from autopar.compiler.mesh import format_mesh_shape
+from autopar.compiler.plan import Plan
+
+
+@dataclass
+class CompileReport:
+    """What ``autopar compile`` found: the step's size, the plan and its estimates."""
+
+    model: str
+    plan: Plan
+    graph_nodes: int
+    graph_edges: int
+    num_params: int
+    flops_per_step: float
+    compile_time_s: float
+    top_primitives: dict[str, int] = field(default_factory=dict)
+    hlo_collectives: dict[str, dict[str, int]] | None = None  # kind -> {count, bytes}
+    notes: list[str] = field(default_factory=list)
+
+    @classmethod
+    def build(
+        cls,
+        model: str,
+        plan: Plan,
+        graph: OpGraph,
+        num_params: int,
+        compile_time_s: float,
+        hlo_collectives: dict[str, dict[str, int]] | None = None,
+    ) -> CompileReport:
+        top = dict(list(graph.primitive_counts().items())[:8])
+        return cls(
+            model=model,
+            plan=plan,
+            graph_nodes=graph.num_nodes,
+            graph_edges=graph.num_edges,
+            num_params=num_params,
+            flops_per_step=graph.total_flops,
+            compile_time_s=compile_time_s,
+            top_primitives=top,
+            hlo_collectives=hlo_collectives,
+        )
+
+    def predicted_collectives(self) -> dict[str, dict[str, float]]:
+        out: dict[str, dict[str, float]] = {}
+        for stage in self.plan.stages:
+            for c in stage.collectives:
+                entry = out.setdefault(c.kind.value, {"count": 0, "bytes": 0.0, "time_s": 0.0})
+                entry["count"] += c.count
+                entry["bytes"] += c.nbytes
+                entry["time_s"] += c.time_s
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``--json`` document: the report's keys, with the whole plan under ``plan``."""
+        plan = self.plan
+        return {
+            "model": self.model,
+            "method": plan.method,
+            "cluster": plan.cluster,
+            "mesh_shape": list(plan.mesh_shape),
+            "compile_time_s": self.compile_time_s,
+            "est_step_time_s": plan.est_step_time_s,
+            "peak_memory_bytes": plan.peak_memory_bytes,
+            "num_params": self.num_params,
+            "flops_per_step": self.flops_per_step,
+            "graph": {
+                "nodes": self.graph_nodes,
+                "edges": self.graph_edges,
+                "top_primitives": self.top_primitives,
+            },
+            "stages": [
+                {
+                    "layers": list(s.layers),
+                    "submesh_shape": list(s.submesh_shape),
+                    "logical_mesh_shape": list(s.logical_mesh_shape),
+                    "est_time_s": s.est_time_s,
+                    "peak_memory_bytes": s.peak_memory_bytes,
+                    "memory_breakdown": dict(s.memory_breakdown),
+                }
+                for s in plan.stages
+            ],
+            "shardings": plan.shardings(),
+            "collectives": {
+                "predicted": self.predicted_collectives(),
+                "hlo": self.hlo_collectives,
+            },
+            "notes": list(self.notes) + list(plan.notes),
+            "plan": plan.to_dict(),
+        }
+
+    def to_text(self, max_shardings: int = 40) -> str:
+        plan = self.plan
+        lines = [
+            f"autopar compile report: {self.model}",
+            f"  method            {plan.method}",
+            f"  cluster           {plan.cluster}",
+            f"  mesh              {format_mesh_shape(plan.mesh_shape)}",
+            f"  graph             {self.graph_nodes} ops, {self.graph_edges} edges",
+            f"  parameters        {_count(self.num_params)}",
+            f"  flops per step    {_count(self.flops_per_step)}",
+            f"  compile time      {self.compile_time_s:.2f} s",
+            f"  est. step time    {_seconds(plan.est_step_time_s)}",
+            f"  per-device memory {_bytes(plan.peak_memory_bytes)}",
+            "",
+            "stages",
+            f"  {'#':>2}  {'layers':<10} {'submesh':<8} {'logical':<8} {'est time':>10} "
+            f"{'compute':>10} {'comm':>10} {'memory':>10}",
+        ]
+        for s in plan.stages:
+            layers = f"{s.layers[0]}-{s.layers[-1]}" if len(s.layers) > 1 else str(s.layers[0])
+            lines.append(
+                f"  {s.index:>2}  {layers:<10} {format_mesh_shape(s.submesh_shape):<8} "
+                f"{format_mesh_shape(s.logical_mesh_shape):<8} {_seconds(s.est_time_s):>10} "
+                f"{_seconds(s.est_compute_time_s):>10} "
+                f"{_seconds(s.est_communication_time_s):>10} {_bytes(s.peak_memory_bytes):>10}"
+            )
+        lines += ["", "collectives (predicted by the plan | counted in compiled HLO)"]
+        predicted = self.predicted_collectives()
+        kinds = sorted(set(predicted) | set(self.hlo_collectives or {}))
+        if not kinds:
+            lines.append("  none")
+        for kind in kinds:
+            p = predicted.get(kind, {"count": 0, "bytes": 0})
+            row = f"  {kind:<18} plan {int(p['count']):>4} x, {_bytes(p['bytes']):>10}"
+            if self.hlo_collectives is not None:
+                h = self.hlo_collectives.get(kind, {"count": 0, "bytes": 0})
+                ratio = f"{p['bytes'] / h['bytes']:.2f}" if h["bytes"] else "-"
+                row += f" | hlo {h['count']:>4} x, {_bytes(h['bytes']):>10} | bytes ratio {ratio}"
+            lines.append(row)
+        if self.hlo_collectives is None:
+            lines.append("  (HLO not compiled: planned for a described cluster)")
+        shardings = plan.shardings()
+        lines += ["", f"shardings ({len(shardings)} input leaves)"]
+        width = max((len(p) for p in shardings), default=0)
+        for i, (path, spec) in enumerate(shardings.items()):
+            if i == max_shardings:
+                lines.append(f"  ... {len(shardings) - max_shardings} more (see --json)")
+                break
+            lines.append(f"  {path:<{width}}  {spec}")
+        for note in list(self.notes) + list(plan.notes):
+            lines.append(f"note: {note}")
+        return "\n".join(lines)
+
+
+def _count(x: float) -> str:
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.2f}{unit}"
+    return f"{x:.0f}"
+
+
+def _bytes(x: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(x) >= scale:
+            return f"{x / scale:.2f} {unit}"
+    return f"{x:.0f} B"
+
+
+def _seconds(x: float) -> str:
+    if x >= 1:
+        return f"{x:.3f} s"
+    if x >= 1e-3:
+        return f"{x * 1e3:.3f} ms"
+    return f"{x * 1e6:.1f} us"

@@ -1,0 +1,107 @@
+"""Run a flat program under a plan's shardings on real devices.
+
+The program is evaluated again inside ``jax.jit`` with the plan's in/out shardings; every
+intermediate tensor the plan names gets ``jax.lax.with_sharding_constraint``, and XLA's SPMD
+partitioner inserts the collectives. This module is the only place that turns plan data into
+``jax.sharding`` objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from autopar.compiler.plan import Plan, ShardingSpec, StagePlan
+from autopar.errors import MeshError, PlanError
+from autopar.program import FlatProgram
+
+
+def partition_spec(spec: ShardingSpec) -> PartitionSpec:
+    """A plan spec as a ``jax.sharding.PartitionSpec``."""
+    parts: list[Any] = []
+    for axes in spec.dims:
+        if not axes:
+            parts.append(None)
+        elif len(axes) == 1:
+            parts.append(axes[0])
+        else:
+            parts.append(tuple(axes))
+    return PartitionSpec(*parts)
+
+
+def stage_mesh(stage: StagePlan, devices: Sequence[Any] | None = None) -> Mesh:
+    """The ``jax.sharding.Mesh`` of a stage: its device ids laid out in its logical shape."""
+    devices = list(jax.devices() if devices is None else devices)
+    missing = [d for d in stage.device_ids if d >= len(devices)]
+    if missing:
+        raise MeshError(
+            f"the plan uses device ids up to {max(stage.device_ids)} but only {len(devices)} "
+            "devices are present; plan for the local devices or run on the described cluster"
+        )
+    grid = np.array([devices[d] for d in stage.device_ids], dtype=object)
+    return Mesh(grid.reshape(stage.logical_mesh_shape), stage.axis_names)
+
+
+class ShardedProgram:
+    """A flat program compiled for one single-stage plan; call it with flat arguments."""
+
+    def __init__(self, program: FlatProgram, plan: Plan, devices: Sequence[Any] | None = None):
+        if len(plan.stages) != 1:
+            raise PlanError(
+                f"this executor runs single-stage plans; the plan has {len(plan.stages)} stages"
+            )
+        stage = plan.stages[0]
+        self.program = program
+        self.plan = plan
+        self.mesh = stage_mesh(stage, devices)
+        self.in_shardings = tuple(
+            self._named(stage.input_shardings, path) for path in program.in_paths
+        )
+        self.out_shardings = tuple(
+            self._named(stage.output_shardings, path) for path in program.out_paths
+        )
+        self._constraints = {
+            vid: NamedSharding(self.mesh, partition_spec(spec))
+            for vid, spec in stage.tensor_shardings.items()
+        }
+        self.jitted = jax.jit(
+            self._run, in_shardings=self.in_shardings, out_shardings=self.out_shardings
+        )
+
+    def _named(self, specs: dict[str, ShardingSpec], path: str) -> NamedSharding:
+        spec = specs.get(path)
+        if spec is None:
+            raise PlanError(f"the plan has no sharding for '{path}'; it was made for another step")
+        return NamedSharding(self.mesh, partition_spec(spec))
+
+    def _constrain(self, vid: int, value: Any) -> Any:
+        sharding = self._constraints.get(vid)
+        return value if sharding is None else jax.lax.with_sharding_constraint(value, sharding)
+
+    def _run(self, *flat_args: Any) -> tuple[Any, ...]:
+        hook = self._constrain if self._constraints else None
+        return tuple(self.program.evaluate(flat_args, on_value=hook))
+
+    def place(self, flat_args: Sequence[Any]) -> list[Any]:
+        """Move arguments to the devices and layouts the plan wants (no-op where they are)."""
+        return [
+            jax.device_put(a, s) if isinstance(a, jax.Array | np.ndarray) else a
+            for a, s in zip(flat_args, self.in_shardings, strict=True)
+        ]
+
+    def __call__(self, flat_args: Sequence[Any]) -> list[Any]:
+        return list(self.jitted(*self.place(flat_args)))
+
+    def abstract_args(self, flat_args: Sequence[Any]) -> list[Any]:
+        return [
+            jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=s)
+            for a, s in zip(flat_args, self.in_shardings, strict=True)
+        ]
+
+    def hlo_text(self, flat_args: Sequence[Any]) -> str:
+        """The compiled, optimized, SPMD-partitioned HLO text of the sharded program."""
+        return self.jitted.lower(*self.abstract_args(flat_args)).compile().as_text()
