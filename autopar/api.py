@@ -20,7 +20,7 @@ from autopar.compiler.plan import Plan
 from autopar.compiler.planner import plan_step
 from autopar.compiler.trace import TracedStep, trace_step
 from autopar.errors import InvalidOptionError
-from autopar.methods import DataParallel, Method
+from autopar.methods import METHOD_TYPES, DataParallel, Method
 from autopar.runtime.shard import ShardedProgram
 
 
@@ -60,6 +60,15 @@ class ParallelizedStep:
     def __init__(self, fn: Callable, method: Method, batch_argnums: tuple[int, ...]):
         if not callable(fn):
             raise InvalidOptionError(f"parallelize needs a function, got {type(fn).__name__}")
+        if not isinstance(method, METHOD_TYPES):
+            raise InvalidOptionError(
+                f"method={method!r} is not a parallelization method; valid methods: "
+                + ", ".join(f"autopar.{t.__name__}()" for t in METHOD_TYPES)
+            )
+        if any(not isinstance(i, int) or i < 0 for i in batch_argnums):
+            raise InvalidOptionError(
+                f"batch_argnums={tuple(batch_argnums)!r} must be non-negative argument indices"
+            )
         self.fn = fn
         self.method = method
         self.batch_argnums = tuple(batch_argnums)
@@ -67,6 +76,11 @@ class ParallelizedStep:
         functools.update_wrapper(self, fn)
 
     def _compiled(self, args: Sequence[Any]) -> CompiledStep:
+        if any(i >= len(args) for i in self.batch_argnums):
+            raise InvalidOptionError(
+                f"batch_argnums={self.batch_argnums} names argument {max(self.batch_argnums)} "
+                f"but the step was called with {len(args)} argument(s)"
+            )
         key = _signature_key(args)
         found = self._cache.get(key)
         if found is None:

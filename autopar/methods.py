@@ -25,6 +25,7 @@ class DataParallel:
 
 Method = DataParallel
 
+METHOD_TYPES: tuple[type, ...] = (DataParallel,)
 METHOD_NAMES: tuple[str, ...] = ("data",)
 
 

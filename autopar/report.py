@@ -124,7 +124,8 @@ class CompileReport:
             )
         lines += ["", "collectives (predicted by the plan | counted in compiled HLO)"]
         predicted = self.predicted_collectives()
-        kinds = sorted(set(predicted) | set(self.hlo_collectives or {}))
+        emitted = {k: v for k, v in (self.hlo_collectives or {}).items() if v["count"]}
+        kinds = sorted(set(predicted) | set(emitted))
         if not kinds:
             lines.append("  none")
         for kind in kinds:
@@ -137,6 +138,10 @@ class CompileReport:
             lines.append(row)
         if self.hlo_collectives is None:
             lines.append("  (HLO not compiled: planned for a described cluster)")
+        elif any(emitted.get(k, {"count": 0})["count"] < predicted[k]["count"] for k in predicted):
+            lines.append(
+                "  (XLA combines collectives of one kind into tuple-shaped ones: compare bytes)"
+            )
         shardings = plan.shardings()
         lines += ["", f"shardings ({len(shardings)} input leaves)"]
         width = max((len(p) for p in shardings), default=0)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import autopar
-from autopar.errors import BatchSizeError, MeshError
+from autopar.errors import BatchSizeError, InvalidOptionError, MeshError, TraceError
 from autopar.hlo import count_collectives
 from autopar.models import get_model
 
@@ -113,3 +113,20 @@ def test_mesh_that_does_not_cover_the_devices_is_a_mesh_error():
     step = autopar.parallelize(model.train_step, method=autopar.DataParallel(mesh_shape=(2, 2)))
     with pytest.raises(MeshError, match=r"covers 4 devices .* has 8; valid shapes: 8, 1x8, 2x4"):
         step.get_plan(*model.abstract_inputs())
+
+
+def test_api_bad_input_raises_typed_errors():
+    model = get_model("mlp", "tiny")
+    with pytest.raises(InvalidOptionError, match=r"valid methods: autopar.DataParallel\(\)"):
+        autopar.parallelize(model.train_step, method="data")
+    step = autopar.parallelize(model.train_step, batch_argnums=(2,))
+    with pytest.raises(InvalidOptionError, match="names argument 2 but the step was called with 2"):
+        step.get_plan(*model.abstract_inputs())
+
+    def untraceable(state, batch):
+        if batch["x"].sum() > 0:
+            return state
+        return state
+
+    with pytest.raises(TraceError, match="could not trace untraceable"):
+        autopar.parallelize(untraceable).get_plan(*model.abstract_inputs())
