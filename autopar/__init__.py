@@ -10,7 +10,7 @@ from autopar.errors import (
     PlanError,
     TraceError,
 )
-from autopar.methods import DataParallel
+from autopar.methods import DataParallel, ShardParallel
 
 __version__ = "0.1.0"
 
@@ -23,6 +23,7 @@ __all__ = [
     "ParallelizedStep",
     "Plan",
     "PlanError",
+    "ShardParallel",
     "ShardingSpec",
     "StagePlan",
     "TraceError",

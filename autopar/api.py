@@ -24,9 +24,9 @@ from autopar.methods import METHOD_TYPES, DataParallel, Method
 from autopar.runtime.shard import ShardedProgram
 
 
-def local_cluster() -> ClusterSpec:
-    """A description of the devices this process sees (the simulated CPU one for CPUs)."""
-    devices = jax.devices()
+def local_cluster(devices: Sequence[Any] | None = None) -> ClusterSpec:
+    """A description of ``devices`` (default: all this process sees) as one host."""
+    devices = list(jax.devices() if devices is None else devices)
     base = load_cluster("cpu-sim")
     return ClusterSpec.from_dict(
         base.to_dict() | {"name": f"local-{devices[0].platform}"}
@@ -57,7 +57,13 @@ def _signature_key(args: Sequence[Any]) -> tuple:
 class ParallelizedStep:
     """A train step wrapped by :func:`parallelize`: call it like the original."""
 
-    def __init__(self, fn: Callable, method: Method, batch_argnums: tuple[int, ...]):
+    def __init__(
+        self,
+        fn: Callable,
+        method: Method,
+        batch_argnums: tuple[int, ...],
+        devices: Sequence[Any] | None = None,
+    ):
         if not callable(fn):
             raise InvalidOptionError(f"parallelize needs a function, got {type(fn).__name__}")
         if not isinstance(method, METHOD_TYPES):
@@ -72,6 +78,7 @@ class ParallelizedStep:
         self.fn = fn
         self.method = method
         self.batch_argnums = tuple(batch_argnums)
+        self.devices = None if devices is None else list(devices)
         self._cache: dict[tuple, CompiledStep] = {}
         functools.update_wrapper(self, fn)
 
@@ -87,9 +94,9 @@ class ParallelizedStep:
             start = time.perf_counter()
             traced = trace_step(self.fn, args)
             plan = plan_step(
-                traced, self.method, local_cluster(), batch_argnums=self.batch_argnums
+                traced, self.method, local_cluster(self.devices), batch_argnums=self.batch_argnums
             )
-            executable = ShardedProgram(traced.program, plan)
+            executable = ShardedProgram(traced.program, plan, self.devices)
             found = CompiledStep(traced, plan, executable, time.perf_counter() - start)
             plan.options["compile_time_s"] = found.compile_time_s
             self._cache[key] = found
@@ -120,14 +127,16 @@ def parallelize(
     *,
     method: Method | None = None,
     batch_argnums: Sequence[int] = (1,),
+    devices: Sequence[Any] | None = None,
 ) -> Any:
     """Parallelize a train step over the local devices.
 
     ``step = autopar.parallelize(train_step, method=autopar.DataParallel())``; usable bare
     (``@autopar.parallelize``) or with arguments. ``batch_argnums`` names the positional
     arguments that hold the batch (split by data parallelism); the rest is state.
+    ``devices`` restricts the step to these devices (default: all of this process's).
     """
     chosen = method if method is not None else DataParallel()
     if fn is None:
-        return lambda f: ParallelizedStep(f, chosen, tuple(batch_argnums))
-    return ParallelizedStep(fn, chosen, tuple(batch_argnums))
+        return lambda f: ParallelizedStep(f, chosen, tuple(batch_argnums), devices)
+    return ParallelizedStep(fn, chosen, tuple(batch_argnums), devices)

@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--size", default="tiny", help="model size (tiny, or the Alpa sizes)")
     c.add_argument("--batch-size", type=int, default=None, help="override the global batch")
     c.add_argument("--layers", type=int, default=None, help="override the number of layers")
-    c.add_argument("--method", default="data", help="parallelization method: data")
+    c.add_argument("--method", default="data", help="parallelization method: data, shard")
     c.add_argument("--mesh", default=None, help="logical mesh shape, e.g. 2x4 or 8")
     c.add_argument(
         "--devices", type=int, default=None,
@@ -47,6 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--hosts", type=int, default=None, help="number of hosts of --cluster")
     c.add_argument("--json", dest="json_path", default=None, help="write plan + report as JSON")
     c.add_argument("--no-hlo", action="store_true", help="skip compiling the sharded program")
+    c.add_argument("--dump-ilp", default=None, help="write the sharding ILP instance as JSON")
+    c.add_argument("--solver", default="auto", help="ILP solver: auto, highs, cbc")
+    c.add_argument("--time-limit", type=float, default=30.0, help="ILP time limit (seconds)")
+    c.add_argument(
+        "--memory-budget", type=float, default=None, help="per-device memory budget in GiB"
+    )
     return parser
 
 
@@ -78,7 +84,12 @@ def run_compile(args: argparse.Namespace) -> int:
     overrides = {"num_layers": args.layers} if args.layers is not None else {}
     model = get_model(args.model, args.size, batch_size=args.batch_size, **overrides)
     mesh_shape = parse_mesh_shape(args.mesh) if args.mesh else None
-    method = method_from_name(args.method, mesh_shape)
+    shard_options = {"solver": args.solver, "time_limit_s": args.time_limit}
+    if args.memory_budget is not None:
+        shard_options["memory_budget_bytes"] = args.memory_budget * 2**30
+    method = method_from_name(
+        args.method, mesh_shape, **(shard_options if args.method == "shard" else {})
+    )
     if args.cluster is not None:
         cluster = load_cluster(args.cluster)
         if args.hosts is not None:
@@ -90,7 +101,17 @@ def run_compile(args: argparse.Namespace) -> int:
         cluster = local_cluster()
     start = time.perf_counter()
     traced = trace_step(model.train_step, model.abstract_inputs())
-    plan = plan_step(traced, method, cluster, batch_argnums=(1,))
+    dumped: list[str] = []
+
+    def dump_ilp(problem: object, solution: object) -> None:
+        from autopar.compiler.ilp import problem_to_json
+
+        dumped.append(problem_to_json(problem, solution))
+
+    plan = plan_step(
+        traced, method, cluster, batch_argnums=(1,),
+        ilp_observer=dump_ilp if args.dump_ilp else None,
+    )
     compile_time = time.perf_counter() - start
     hlo = None
     if args.cluster is None and not args.no_hlo:
@@ -111,14 +132,24 @@ def run_compile(args: argparse.Namespace) -> int:
         hlo_collectives=hlo,
     )
     print(report.to_text())
+    if args.dump_ilp:
+        if not dumped:
+            raise InvalidOptionError(
+                f"--dump-ilp needs an ILP; method '{args.method}' solves none (use --method shard)"
+            )
+        _write(args.dump_ilp, dumped[-1], "--dump-ilp")
     if args.json_path:
-        path = Path(args.json_path)
-        try:
-            path.write_text(json.dumps(report.to_dict(), indent=2))
-        except OSError as exc:
-            raise InvalidOptionError(f"cannot write --json file '{path}': {exc.strerror}") from exc
-        print(f"wrote {path}")
+        _write(args.json_path, json.dumps(report.to_dict(), indent=2), "--json")
     return 0
+
+
+def _write(path_text: str, text: str, flag: str) -> None:
+    path = Path(path_text)
+    try:
+        path.write_text(text)
+    except OSError as exc:
+        raise InvalidOptionError(f"cannot write {flag} file '{path}': {exc.strerror}") from exc
+    print(f"wrote {path}")
 
 
 def _leaves(tree: object) -> list:

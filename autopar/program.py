@@ -103,11 +103,14 @@ class FlatProgram:
         self,
         flat_args: Sequence[Any],
         on_value: Callable[[int, Any], Any] | None = None,
+        on_operand: Callable[[int, int, Any], Any] | None = None,
     ) -> list[Any]:
         """Run the program on ``flat_args`` (arrays or tracers); returns the flat results.
 
-        ``on_value(id, value)`` is called for every equation result and may return a replacement
-        (the runtime uses it to put ``with_sharding_constraint`` on the plan's chosen tensors).
+        ``on_value(id, value)`` is called for every input and equation result and may return a
+        replacement; ``on_operand(eqn_index, position, value)`` likewise for every operand as an
+        equation reads it. The runtime uses them to put ``with_sharding_constraint`` on the
+        plan's chosen tensors (as produced, and as each consumer needs them).
         """
         env: dict[int, Any] = dict(self.values)
         for vid, arg in zip(self.in_ids, flat_args, strict=True):
@@ -116,6 +119,8 @@ class FlatProgram:
                 env[vid] = on_value(vid, arg)
         for eqn in self.eqns:
             operands = [env[i] for i in eqn.inputs]
+            if on_operand is not None:
+                operands = [on_operand(eqn.index, k, v) for k, v in enumerate(operands)]
             bind_params = eqn.primitive.get_bind_params(eqn.params)
             if eqn.context is not None:
                 with eqn.context.manager:

@@ -142,6 +142,8 @@ class CompileReport:
             lines.append(
                 "  (XLA combines collectives of one kind into tuple-shaped ones: compare bytes)"
             )
+        if plan.solver:
+            lines += ["", "sharding ILP"] + _solver_lines(plan.solver)
         shardings = plan.shardings()
         lines += ["", f"shardings ({len(shardings)} input leaves)"]
         width = max((len(p) for p in shardings), default=0)
@@ -153,6 +155,23 @@ class CompileReport:
         for note in list(self.notes) + list(plan.notes):
             lines.append(f"note: {note}")
         return "\n".join(lines)
+
+
+def _solver_lines(stats: dict[str, Any]) -> list[str]:
+    gap = stats.get("gap")
+    rows = [
+        ("solver", f"{stats.get('solver')} ({stats.get('status')}"
+                   f"{', proven optimal' if stats.get('proven_optimal') else ''})"),
+        ("objective", _seconds(float(stats.get("objective", 0.0)))),
+        ("gap", "-" if gap is None else f"{gap:.2e}"),
+        ("decisions", f"{stats.get('decision_variables', '-')} (from "
+                      f"{stats.get('variables_before_merging', '-')} ops and inputs)"),
+        ("ILP size", f"{stats.get('num_variables', 0)} variables, "
+                     f"{stats.get('num_constraints', 0)} constraints"),
+        ("time", f"build {float(stats.get('build_time_s', 0.0)):.2f} s, "
+                 f"solve {float(stats.get('solve_time_s', 0.0)):.2f} s"),
+    ]
+    return [f"  {k:<10} {v}" for k, v in rows]
 
 
 def _count(x: float) -> str:

@@ -56,7 +56,7 @@ def test_plans_for_a_described_cluster(capsys):
         (["compile", "--model", "gtp"],
          "unknown model 'gtp'; valid models: mlp, gpt, moe, wresnet"),
         (["compile", "--size", "huge"], "unknown size 'huge'"),
-        (["compile", "--method", "magic"], "unknown method 'magic'; valid methods: data"),
+        (["compile", "--method", "magic"], "unknown method 'magic'; valid methods: data, shard"),
         (["compile", "--cluster", "nope"], "unknown cluster 'nope'; valid clusters:"),
         (["compile", "--devices", "8", "--mesh", "3x3"], "covers 9 devices"),
         (["compile", "--mesh", "axb"], "invalid mesh shape 'axb'"),

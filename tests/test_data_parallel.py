@@ -117,7 +117,7 @@ def test_mesh_that_does_not_cover_the_devices_is_a_mesh_error():
 
 def test_api_bad_input_raises_typed_errors():
     model = get_model("mlp", "tiny")
-    with pytest.raises(InvalidOptionError, match=r"valid methods: autopar.DataParallel\(\)"):
+    with pytest.raises(InvalidOptionError, match=r"valid methods: autopar.DataParallel\(\), "):
         autopar.parallelize(model.train_step, method="data")
     step = autopar.parallelize(model.train_step, batch_argnums=(2,))
     with pytest.raises(InvalidOptionError, match="names argument 2 but the step was called with 2"):

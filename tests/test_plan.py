@@ -24,6 +24,7 @@ def make_plan() -> Plan:
         },
         output_shardings={"out/1": ShardingSpec(())},
         tensor_shardings={17: ShardingSpec(((), ("y",)))},
+        operand_shardings={(5, 1): ShardingSpec((("x",), ()))},
         collectives=[CollectiveEstimate(CollectiveKind.ALL_REDUCE, 3, 1024.0, (0, 1), 1e-4)],
         est_time_s=0.5,
         est_compute_time_s=0.4,

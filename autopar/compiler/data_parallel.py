@@ -10,14 +10,10 @@ from __future__ import annotations
 from autopar.compiler.batch_split import propagate_batch_split
 from autopar.compiler.estimate import compute_time_s, dominant_float_dtype, summarize_collectives
 from autopar.compiler.mesh import LogicalMesh, format_mesh_shape
-from autopar.compiler.plan import InputSignature, Plan, ShardingSpec, StagePlan
+from autopar.compiler.plan import Plan, ShardingSpec, StagePlan
+from autopar.compiler.plan_common import signature_of, submesh_shape
 from autopar.compiler.trace import TracedStep
 from autopar.errors import BatchSizeError
-
-
-def _submesh_shape(mesh: LogicalMesh, devices_per_host: int) -> tuple[int, int]:
-    hosts = {d // devices_per_host for d in mesh.device_ids}
-    return (len(hosts), mesh.num_devices // len(hosts))
 
 
 def plan_data_parallel(
@@ -82,7 +78,7 @@ def plan_data_parallel(
     stage = StagePlan(
         index=0,
         layers=(0,),
-        submesh_shape=_submesh_shape(mesh, devices_per_host),
+        submesh_shape=submesh_shape(mesh, devices_per_host),
         logical_mesh_shape=tuple(mesh.shape),
         axis_names=all_axes,
         device_ids=tuple(mesh.device_ids),
@@ -95,10 +91,6 @@ def plan_data_parallel(
         peak_memory_bytes=sum(memory.values()),
         memory_breakdown=memory,
     )
-    signature = [
-        InputSignature(io.path, graph.tensors[io.tensor].shape, graph.tensors[io.tensor].dtype)
-        for io in graph.inputs
-    ]
     return Plan(
         method="data",
         mesh_shape=tuple(mesh.shape),
@@ -106,6 +98,6 @@ def plan_data_parallel(
         stages=[stage],
         est_step_time_s=stage.est_time_s,
         total_flops=graph.total_flops,
-        signature=signature,
+        signature=signature_of(graph),
         batch_argnums=tuple(batch_argnums),
     )

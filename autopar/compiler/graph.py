@@ -156,12 +156,16 @@ class OpGraph:
             outputs=list(g.graph["outputs"]),
         )
 
-    def peak_live_bytes(self, exclude: Iterable[int] = ()) -> int:
+    def peak_live_bytes(
+        self, exclude: Iterable[int] = (), shards: Mapping[int, int] | None = None
+    ) -> int:
         """Largest total size of intermediate tensors alive at once, in program order.
 
         A tensor is alive from the node that produces it until its last reader (or to the end if
-        it is a graph output). ``exclude`` lists tensors counted elsewhere (state, batch).
+        it is a graph output). ``exclude`` lists tensors counted elsewhere (state, batch);
+        ``shards[t]`` divides tensor ``t``'s size (its per-device share under a sharding).
         """
+        shards = shards or {}
         excluded = set(exclude)
         last_use: dict[int, int] = {}
         for node in self.nodes:
@@ -176,9 +180,9 @@ class OpGraph:
             for t in node.outputs:
                 if t in excluded or t not in last_use:
                     continue
-                live += self.tensors[t].nbytes
+                live += self.tensors[t].nbytes // shards.get(t, 1)
                 frees.setdefault(last_use[t], []).append(t)
             peak = max(peak, live)
             for t in frees.pop(node.id, []):
-                live -= self.tensors[t].nbytes
+                live -= self.tensors[t].nbytes // shards.get(t, 1)
         return peak

@@ -105,6 +105,11 @@ class ShardingSpec:
         return cls(tuple(tuple(axes) for axes in data))
 
 
+def _use_key(text: str) -> tuple[int, int]:
+    node, operand = text.split(":")
+    return int(node), int(operand)
+
+
 def _specs_to_json(specs: dict[Any, ShardingSpec]) -> dict[str, list[list[str]]]:
     return {str(k): v.to_json() for k, v in specs.items()}
 
@@ -122,6 +127,9 @@ class StagePlan:
     input_shardings: dict[str, ShardingSpec] = field(default_factory=dict)
     output_shardings: dict[str, ShardingSpec] = field(default_factory=dict)
     tensor_shardings: dict[int, ShardingSpec] = field(default_factory=dict)
+    # (node id, operand position) -> the spec that use needs, where it differs from the
+    # producer's: the runtime constrains the tensor twice, so XLA reshards exactly there.
+    operand_shardings: dict[tuple[int, int], ShardingSpec] = field(default_factory=dict)
     collectives: list[CollectiveEstimate] = field(default_factory=list)
     est_time_s: float = 0.0
     est_compute_time_s: float = 0.0
@@ -144,6 +152,9 @@ class StagePlan:
             "input_shardings": _specs_to_json(self.input_shardings),
             "output_shardings": _specs_to_json(self.output_shardings),
             "tensor_shardings": _specs_to_json(self.tensor_shardings),
+            "operand_shardings": {
+                f"{n}:{k}": v.to_json() for (n, k), v in self.operand_shardings.items()
+            },
             "collectives": [c.to_dict() for c in self.collectives],
             "est_time_s": self.est_time_s,
             "est_compute_time_s": self.est_compute_time_s,
@@ -165,6 +176,9 @@ class StagePlan:
             input_shardings={k: specs(v) for k, v in d["input_shardings"].items()},
             output_shardings={k: specs(v) for k, v in d["output_shardings"].items()},
             tensor_shardings={int(k): specs(v) for k, v in d["tensor_shardings"].items()},
+            operand_shardings={
+                _use_key(k): specs(v) for k, v in d.get("operand_shardings", {}).items()
+            },
             collectives=[CollectiveEstimate.from_dict(c) for c in d["collectives"]],
             est_time_s=float(d["est_time_s"]),
             est_compute_time_s=float(d["est_compute_time_s"]),

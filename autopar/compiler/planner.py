@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 from autopar.compiler.data_parallel import plan_data_parallel
 from autopar.compiler.mesh import ClusterSpec, LogicalMesh, format_mesh_shape
 from autopar.compiler.plan import Plan
 from autopar.compiler.trace import TracedStep
 from autopar.errors import InvalidOptionError, MeshError
-from autopar.methods import DataParallel, Method
+from autopar.methods import DataParallel, Method, ShardParallel
 
 
 def mesh_shape_choices(num_devices: int) -> list[str]:
@@ -40,10 +42,35 @@ def plan_step(
     cluster: ClusterSpec,
     *,
     batch_argnums: tuple[int, ...] = (1,),
+    ilp_observer: Callable[[Any, Any], None] | None = None,
 ) -> Plan:
-    """Plan ``traced`` with ``method`` on ``cluster``; records the planning time in the plan."""
+    """Plan ``traced`` with ``method`` on ``cluster``; records the planning time in the plan.
+
+    ``ilp_observer(problem, solution)`` is called with each intra-operator ILP solved (for
+    ``--dump-ilp``).
+    """
     start = time.perf_counter()
-    if isinstance(method, DataParallel):
+    if isinstance(method, ShardParallel):
+        # imported here: the ILP stack (PuLP, strategies) loads only when a plan needs it
+        from autopar.compiler.intra_op import IntraOpOptions
+        from autopar.compiler.shard_parallel import plan_shard_parallel
+
+        mesh = logical_mesh_for(cluster, method.mesh_shape)
+        plan = plan_shard_parallel(
+            traced,
+            mesh,
+            IntraOpOptions(
+                memory_budget_bytes=method.memory_budget_bytes,
+                solver=method.solver,
+                time_limit_s=method.time_limit_s,
+                batch_argnums=tuple(batch_argnums),
+            ),
+            batch_argnums=batch_argnums,
+            cluster_name=cluster.name,
+            devices_per_host=cluster.devices_per_host,
+            ilp_observer=ilp_observer,
+        )
+    elif isinstance(method, DataParallel):
         mesh = logical_mesh_for(cluster, method.mesh_shape)
         plan = plan_data_parallel(
             traced,
@@ -54,7 +81,7 @@ def plan_step(
         )
     else:
         raise InvalidOptionError(
-            f"unknown method {type(method).__name__}; valid methods: DataParallel"
+            f"unknown method {type(method).__name__}; valid methods: DataParallel, ShardParallel"
         )
     plan.options = {"method": method.name, "mesh_shape": list(mesh.shape)}
     plan.options["planning_time_s"] = time.perf_counter() - start

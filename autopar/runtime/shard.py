@@ -68,6 +68,10 @@ class ShardedProgram:
             vid: NamedSharding(self.mesh, partition_spec(spec))
             for vid, spec in stage.tensor_shardings.items()
         }
+        self._operand_constraints = {
+            use: NamedSharding(self.mesh, partition_spec(spec))
+            for use, spec in stage.operand_shardings.items()
+        }
         self.jitted = jax.jit(
             self._run, in_shardings=self.in_shardings, out_shardings=self.out_shardings
         )
@@ -82,9 +86,18 @@ class ShardedProgram:
         sharding = self._constraints.get(vid)
         return value if sharding is None else jax.lax.with_sharding_constraint(value, sharding)
 
+    def _constrain_operand(self, eqn: int, position: int, value: Any) -> Any:
+        sharding = self._operand_constraints.get((eqn, position))
+        return value if sharding is None else jax.lax.with_sharding_constraint(value, sharding)
+
     def _run(self, *flat_args: Any) -> tuple[Any, ...]:
-        hook = self._constrain if self._constraints else None
-        return tuple(self.program.evaluate(flat_args, on_value=hook))
+        return tuple(
+            self.program.evaluate(
+                flat_args,
+                on_value=self._constrain if self._constraints else None,
+                on_operand=self._constrain_operand if self._operand_constraints else None,
+            )
+        )
 
     def place(self, flat_args: Sequence[Any]) -> list[Any]:
         """Move arguments to the devices and layouts the plan wants (no-op where they are)."""
