@@ -207,6 +207,8 @@ def test_time_limit_returns_a_plan(solver: str) -> None:
     assert got.proven_optimal == (got.status == "optimal")
     assert got.objective == evaluate(problem, got.choices)
     assert got.gap is None or got.gap >= 0.0
+    if solver == "cbc":  # read from CBC's log: "Lower bound:" when stopped, 0 when optimal
+        assert got.gap is not None
 
 
 def test_json_round_trip() -> None:

@@ -26,12 +26,10 @@ from autopar.errors import AutoparError, InvalidOptionError, PlanError, choices_
 
 FORMAT_VERSION = 1
 SOLVERS = ("auto", "highs", "cbc")
-# A relative MIP gap of 1e-9 makes "optimal" mean optimal: the scaled objective is O(1..1e4), so
-# HiGHS's default 1e-4 would stop at plans measurably worse than the best one.
+# HiGHS's default relative gap (1e-4) stops at measurably worse plans; at 1e-9 the solvers'
+# integrality/feasibility tolerances (~1e-6) are what limit "optimal" (docs/ilp-format.md).
 MIP_REL_GAP = 1e-9
-# "auto" picks CBC below this many edge variables and HiGHS above (docs/ilp-format.md).
-AUTO_CBC_MAX_EDGE_VARS = 20_000
-WARM_START = True
+WARM_START = True  # hand the greedy plan to the solver (a switch for measurements)
 
 
 @dataclass
@@ -66,27 +64,17 @@ class IntraOpProblem:
 
     def to_dict(self) -> dict[str, Any]:
         """The ``--dump-ilp`` problem section (format version 1)."""
-        return {
-            "format": "autopar-ilp",
-            "version": FORMAT_VERSION,
-            "memory_budget": None if self.memory_budget is None else float(self.memory_budget),
-            "nodes": [
-                {
-                    "name": n.name,
-                    "strategies": list(n.strategy_names),
-                    "costs": [float(c) for c in n.costs],
-                    "memory": None if n.memory is None else [float(m) for m in n.memory],
-                    "follow_note": n.follow_note,
-                }
-                for n in self.nodes
-            ],
-            "edges": [
-                {"src": e.src, "dst": e.dst, "costs": [[float(c) for c in row] for row in e.costs],
-                 "note": e.note}
-                for e in self.edges
-            ],
-            "live_sets": [list(map(int, s)) for s in self.live_sets],
-        }
+        budget = self.memory_budget
+        return {"format": "autopar-ilp", "version": FORMAT_VERSION,
+                "memory_budget": None if budget is None else float(budget),
+                "nodes": [{"name": n.name, "strategies": list(n.strategy_names),
+                           "costs": [float(c) for c in n.costs],
+                           "memory": None if n.memory is None else [float(m) for m in n.memory],
+                           "follow_note": n.follow_note} for n in self.nodes],
+                "edges": [{"src": e.src, "dst": e.dst, "note": e.note,
+                           "costs": [[float(c) for c in row] for row in e.costs]}
+                          for e in self.edges],
+                "live_sets": [[int(u) for u in s] for s in self.live_sets]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> IntraOpProblem:
@@ -187,23 +175,18 @@ def problem_to_json(problem: IntraOpProblem, solution: IntraOpSolution | None = 
 # ---------------------------------------------------------------- evaluation ----------------
 
 def _check(problem: IntraOpProblem) -> None:
-    n = len(problem.nodes)
-    for u, node in enumerate(problem.nodes):
-        k = len(node.costs)
-        if k == 0 or len(node.strategy_names) != k or (node.memory is not None
-                                                       and len(node.memory) != k):
-            raise ValueError(f"node {u} ({node.name}): needs >= 1 strategy and equally long "
-                             "costs, strategy_names and memory")
-        if not np.all(np.isfinite(node.costs)):
-            raise ValueError(f"node {u} ({node.name}): costs must be finite")
+    """Malformed problems are the builder's bug: a plain ValueError naming the culprit."""
+    n, sizes = len(problem.nodes), [len(nd.costs) for nd in problem.nodes]
+    for u, nd in enumerate(problem.nodes):
+        if not sizes[u] or len(nd.strategy_names) != sizes[u] or not np.all(np.isfinite(
+                nd.costs)) or (nd.memory is not None and len(nd.memory) != sizes[u]):
+            raise ValueError(f"node {u} ({nd.name}): needs >= 1 strategy, finite costs and "
+                             "equally long costs, strategy_names and memory")
     for e in problem.edges:
-        if not (0 <= e.src < n and 0 <= e.dst < n):
-            raise ValueError(f"edge {e.src}->{e.dst}: node index out of range")
-        m = np.asarray(e.costs, dtype=float)
-        if m.shape != (len(problem.nodes[e.src].costs), len(problem.nodes[e.dst].costs)):
-            raise ValueError(f"edge {e.src}->{e.dst}: cost matrix has shape {m.shape}")
-        if not np.all(np.isfinite(m)):
-            raise ValueError(f"edge {e.src}->{e.dst}: costs must be finite")
+        if not (0 <= e.src < n and 0 <= e.dst < n) or np.shape(e.costs) != (
+                sizes[e.src], sizes[e.dst]) or not np.all(np.isfinite(e.costs)):
+            raise ValueError(f"edge {e.src}->{e.dst}: needs node indices in range and finite "
+                             "costs of shape [src strategies][dst strategies]")
     if any(not 0 <= u < n for s in problem.live_sets for u in s):
         raise ValueError("live set: node index out of range")
 
@@ -313,13 +296,9 @@ def _presolve(problem: IntraOpProblem, exact_reductions: bool) -> _Reduced:
         else:
             r.cost[u], r.adj[u] = np.asarray(nd.costs, float), {}
     for e in problem.edges:
-        m = np.asarray(e.costs, float)
-        u, w = e.src, e.dst
-        if u == w:  # a self-loop pays its diagonal
-            if u in r.fixed:
-                r.const += m[0, 0]
-            else:
-                r.cost[u] = r.cost[u] + np.diagonal(m)
+        m, u, w = np.asarray(e.costs, float), e.src, e.dst
+        if u == w and u not in r.fixed:  # a self-loop pays its diagonal
+            r.cost[u] = r.cost[u] + np.diagonal(m)
         elif u in r.fixed and w in r.fixed:
             r.const += m[0, 0]
         elif u in r.fixed:
@@ -435,6 +414,18 @@ def _available(solver: str) -> bool:
         return bool(pulp.PULP_CBC_CMD().available())
 
 
+def _groups(m: np.ndarray) -> tuple[np.ndarray, list[int]]:
+    """Group of each row (rows equal bit for bit) and each group's first row; a dict of row
+    bytes is ~50x faster than ``np.unique(axis=0)`` on these small matrices."""
+    ids: dict[bytes, int] = {}
+    of, reps = [], []
+    for i, row in enumerate(m + 0.0):  # + 0.0 turns -0.0 into 0.0
+        of.append(ids.setdefault(row.tobytes(), len(ids)))
+        if of[-1] == len(reps):
+            reps.append(i)
+    return np.array(of), reps
+
+
 def _build(r: _Reduced, start: dict[int, int] | None
            ) -> tuple[pulp.LpProblem, dict[int, list[pulp.LpVariable]], float]:
     """One-hot binaries per node; per edge, continuous pair variables whose row and column
@@ -460,9 +451,9 @@ def _build(r: _Reduced, start: dict[int, int] | None
             # every choice of the other end: one pair variable serves the whole group. Exact:
             # a group's one-hot sum is 0 or 1, so the pair variables are still forced one-hot.
             # Resharding matrices depend only on the tensor's spec, so groups are large.
-            rows, row_of = np.unique(m, axis=0, return_inverse=True)
-            g, col_of = np.unique(rows, axis=1, return_inverse=True)
-            row_of, col_of = row_of.reshape(-1), col_of.reshape(-1)
+            row_of, rep_rows = _groups(m)
+            col_of, rep_cols = _groups(m[rep_rows].T)
+            g = m[np.ix_(rep_rows, rep_cols)]
             e = [[var(f"e_{u}_{w}_{a}_{b}", lowBound=0) for b in range(g.shape[1])]
                  for a in range(g.shape[0])]
             for a, row in enumerate(e):
@@ -539,11 +530,11 @@ def solve(problem: IntraOpProblem, *, solver: str = "auto", time_limit_s: float 
           presolve: bool = True) -> IntraOpSolution:
     """Cheapest choices within the memory budget.
 
-    ``time_limit_s`` bounds the whole call (presolve, model building, solver; the solver gets
-    at least 0.05 s). When the solver stops on it, the best plan found — the solver's or a
-    greedy one, whichever is cheaper — comes back with status "time_limit". Raises
-    ``InfeasibleMemoryError`` when no plan fits the budget. ``presolve=False`` keeps every node
-    in the MIP (for tests and measurements).
+    The solver gets what is left of ``time_limit_s`` after presolve and model building (at least
+    0.05 s); PuLP's hand-over to it and CBC's overshoot come on top (docs/ilp-format.md). On the
+    limit, the better of the solver's incumbent and the greedy start plan comes back with status
+    "time_limit". Raises ``InfeasibleMemoryError`` when no plan fits the budget.
+    ``presolve=False`` keeps every node in the MIP (for tests and measurements).
     """
     t0 = time.perf_counter()
     name = _solver_name(solver)
@@ -557,17 +548,14 @@ def solve(problem: IntraOpProblem, *, solver: str = "auto", time_limit_s: float 
         return IntraOpSolution([0] * n, evaluate(problem, [0] * n), "trivial", True, 0.0,
                                "trivial", 0, 0, time.perf_counter() - t0, 0.0)
     r = _presolve(problem, presolve)
-    ilp_edges = sum(len(a) for a in r.adj.values()) // 2
     if not r.cost:  # presolve decided every node exactly
         choices = _complete(r, n, {})
         return IntraOpSolution(choices, evaluate(problem, choices), "optimal", True, 0.0,
                                "presolve", 0, 0, time.perf_counter() - t0, 0.0)
-    if name == "auto":
-        edge_vars = sum(m.size for a in r.adj.values() for m in a.values()) // 2
-        name = "highs" if pulp.HiGHS().available() and (
-            edge_vars > AUTO_CBC_MAX_EDGE_VARS) else "cbc"
-    # Greedy plans, from the cheapest and from the least-memory choices (the latter always fits,
-    # as the budget was checked): the solver's warm start, and the answer if it finds no better.
+    if name == "auto":  # neither was consistently faster at any size measured: prefer HiGHS,
+        name = "highs" if _available("highs") else "cbc"  # which keeps to its time limit
+    # Greedy plans from the cheapest and from the least-memory choices (the latter always fits:
+    # the budget was checked): the solver's warm start, and the answer if it finds no better.
     cheap = {u: int(np.argmin(c)) for u, c in r.cost.items()}
     lean = {**cheap, **{u: int(np.argmin(d)) for terms, _ in r.rows for u, d in terms}}
     greedy = [g for g in (_local_search(r, cheap), _local_search(r, lean) if r.rows else None)
@@ -578,24 +566,18 @@ def solve(problem: IntraOpProblem, *, solver: str = "auto", time_limit_s: float 
     t1 = time.perf_counter()
     status, bound = _run(prob, name, max(time_limit_s - (t1 - t0), 0.05))
     t2 = time.perf_counter()
-
-    def fits(ch: list[int]) -> bool:
-        return budget is None or peak_memory(problem, ch) <= budget * (1 + 1e-9)
-
     if status != "none":
         core = {u: int(np.argmax([x.varValue or 0.0 for x in xs])) for u, xs in s.items()}
         plans.append(_complete(r, n, core))
-    plans = [p for p in plans if fits(p)]
-    if not plans:
+    plans = [p for p in plans if budget is None or peak_memory(problem, p) <= budget * (1 + 1e-9)]
+    if not plans:  # unreachable while the least-memory plan fits; kept as a guard
         raise AutoparError(f"the ILP solver found no plan within time_limit_s={time_limit_s:g}; "
                            "raise the time limit")
     choices = min(plans, key=lambda p: evaluate(problem, p))
-    objective = evaluate(problem, choices)
-    gap = 0.0 if status == "optimal" else None
-    if bound is not None and objective:
-        lower = r.const + scale * bound  # the MIP's bound in the original problem's units
-        gap = max(0.0, objective - lower) / abs(objective)
+    objective, gap = evaluate(problem, choices), (0.0 if status == "optimal" else None)
+    if bound is not None and objective:  # the bound in original units: constant + scaled MIP's
+        gap = max(0.0, objective - (r.const + scale * bound)) / abs(objective)
     return IntraOpSolution(
         choices, objective, "optimal" if status == "optimal" else "time_limit",
-        status == "optimal", gap, name, prob.numVariables(), prob.numConstraints(),
-        t1 - t0, t2 - t1, len(r.cost), ilp_edges)
+        status == "optimal", gap, name, prob.numVariables(), prob.numConstraints(), t1 - t0,
+        t2 - t1, len(r.cost), sum(len(a) for a in r.adj.values()) // 2)
