@@ -96,7 +96,9 @@ def test_inlined_program_computes_the_same_values():
     state = model.init_state(jax.random.key(0))
     batch = model.make_batch(jax.random.key(1))
     traced = trace_step(model.train_step, (state, batch))
-    flat = traced.program.evaluate(jax.tree_util.tree_leaves((state, batch)))
+    flat = jax.jit(lambda *a: traced.program.evaluate(a))(
+        *jax.tree_util.tree_leaves((state, batch))
+    )
     expected = jax.tree_util.tree_leaves(model.train_step(state, batch))
     for got, want in zip(flat, expected, strict=True):
         assert jnp.allclose(got, want, atol=1e-6)

@@ -75,6 +75,7 @@ class ShardedProgram:
         self.jitted = jax.jit(
             self._run, in_shardings=self.in_shardings, out_shardings=self.out_shardings
         )
+        self._compiled: Any = None
 
     def _named(self, specs: dict[str, ShardingSpec], path: str) -> NamedSharding:
         spec = specs.get(path)
@@ -106,8 +107,16 @@ class ShardedProgram:
             for a, s in zip(flat_args, self.in_shardings, strict=True)
         ]
 
+    def compiled(self, flat_args: Sequence[Any]) -> Any:
+        """The XLA executable for arguments shaped like ``flat_args``, compiled once: running
+        the step and reading its HLO share it."""
+        if self._compiled is None:
+            self._compiled = self.jitted.lower(*self.abstract_args(flat_args)).compile()
+        return self._compiled
+
     def __call__(self, flat_args: Sequence[Any]) -> list[Any]:
-        return list(self.jitted(*self.place(flat_args)))
+        placed = self.place(flat_args)
+        return list(self.compiled(placed)(*placed))
 
     def abstract_args(self, flat_args: Sequence[Any]) -> list[Any]:
         return [
@@ -117,4 +126,4 @@ class ShardedProgram:
 
     def hlo_text(self, flat_args: Sequence[Any]) -> str:
         """The compiled, optimized, SPMD-partitioned HLO text of the sharded program."""
-        return self.jitted.lower(*self.abstract_args(flat_args)).compile().as_text()
+        return self.compiled(flat_args).as_text()
