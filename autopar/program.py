@@ -23,6 +23,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from autopar.errors import TraceError
+from autopar.loss_markers import PIPELINE_BOUNDARY, VALUE_AND_GRAD, expand_value_and_grad
 
 # Call-like primitives whose body is inlined, and the parameter that holds the body. Bodies are
 # traced with the call's operands in order (for custom_jvp/vjp the consts come first already).
@@ -121,22 +122,40 @@ class FlatProgram:
             operands = [env[i] for i in eqn.inputs]
             if on_operand is not None:
                 operands = [on_operand(eqn.index, k, v) for k, v in enumerate(operands)]
-            bind_params = eqn.primitive.get_bind_params(eqn.params)
-            if eqn.context is not None:
-                with eqn.context.manager:
-                    result = eqn.primitive.bind(*operands, **bind_params)
-            else:
-                result = eqn.primitive.bind(*operands, **bind_params)
-            results = result if eqn.primitive.multiple_results else (result,)
-            for vid, value in zip(eqn.outputs, results, strict=True):
+            for vid, value in zip(eqn.outputs, bind_eqn(eqn, operands), strict=True):
                 env[vid] = value if on_value is None else on_value(vid, value)
         return [env[i] for i in self.out_ids]
 
 
-class _Numberer:
-    """Walks a jaxpr, inlining calls and giving every value a fresh integer id."""
+def bind_eqn(eqn: FlatEqn, operands: Sequence[Any]) -> Sequence[Any]:
+    """Apply one equation to ``operands``; returns its results as a sequence."""
+    bind_params = eqn.primitive.get_bind_params(eqn.params)
+    if eqn.context is not None:
+        with eqn.context.manager:
+            result = eqn.primitive.bind(*operands, **bind_params)
+    else:
+        result = eqn.primitive.bind(*operands, **bind_params)
+    return result if eqn.primitive.multiple_results else (result,)
 
-    def __init__(self) -> None:
+
+def run_eqns(program: FlatProgram, eqn_indices: Sequence[int], env: dict[int, Any]) -> None:
+    """Apply the equations ``eqn_indices`` of ``program`` in order, reading and writing ``env``
+    (value id -> value); constants and literals are read from the program."""
+    for i in eqn_indices:
+        eqn = program.eqns[i]
+        operands = [env[v] if v in env else program.values[v] for v in eqn.inputs]
+        env.update(zip(eqn.outputs, bind_eqn(eqn, operands), strict=True))
+
+
+class _Numberer:
+    """Walks a jaxpr, inlining calls and giving every value a fresh integer id.
+
+    ``keep_markers``: keep ``autopar_value_and_grad`` as one equation and the pipeline-boundary
+    markers as equations (the pipeline pass reads them); otherwise the first is inlined as the
+    forward and backward it stands for and the markers vanish (they are identities)."""
+
+    def __init__(self, keep_markers: bool = False) -> None:
+        self.keep_markers = keep_markers
         self.eqns: list[FlatEqn] = []
         self.avals: dict[int, Any] = {}
         self.kinds: dict[int, str] = {}
@@ -151,9 +170,19 @@ class _Numberer:
         return vid
 
     def walk(self, jaxpr: Any, consts: Sequence[Any], operand_ids: Sequence[int]) -> list[int]:
+        const_ids = [
+            self.new_id(var.aval, TensorKind.CONST, const)
+            for var, const in zip(jaxpr.constvars, consts, strict=True)
+        ]
+        return self.walk_ids(jaxpr, const_ids, operand_ids)
+
+    def walk_ids(
+        self, jaxpr: Any, const_ids: Sequence[int], operand_ids: Sequence[int]
+    ) -> list[int]:
+        """Like ``walk``, with the constvars bound to existing value ids."""
         env: dict[Any, int] = {}
-        for var, const in zip(jaxpr.constvars, consts, strict=True):
-            env[var] = self.new_id(var.aval, TensorKind.CONST, const)
+        for var, vid in zip(jaxpr.constvars, const_ids, strict=True):
+            env[var] = vid
         for var, vid in zip(jaxpr.invars, operand_ids, strict=True):
             env[var] = vid
 
@@ -165,7 +194,15 @@ class _Numberer:
         for eqn in jaxpr.eqns:
             operands = [read(a) for a in eqn.invars]
             body_param = INLINED_CALLS.get(eqn.primitive.name)
-            if body_param is not None and body_param in eqn.params:
+            name = eqn.primitive.name
+            if name == PIPELINE_BOUNDARY and not self.keep_markers:
+                results = operands
+            elif name == VALUE_AND_GRAD and not self.keep_markers:
+                expanded = jax.make_jaxpr(expand_value_and_grad(eqn.params["loss"]))(
+                    *[v.aval for v in eqn.invars]
+                )
+                results = self.walk(expanded.jaxpr, expanded.consts, operands)
+            elif body_param is not None and body_param in eqn.params:
                 body = eqn.params[body_param]
                 inner, inner_consts = (
                     (body.jaxpr, body.consts) if hasattr(body, "consts") else (body, ())
@@ -222,10 +259,11 @@ def _abstract_leaf(leaf: Any) -> Any:
     )
 
 
-def flatten_step(fn: Callable, args: Sequence[Any]) -> FlatProgram:
+def flatten_step(fn: Callable, args: Sequence[Any], keep_markers: bool = False) -> FlatProgram:
     """Trace ``fn(*args)`` (arrays or ``jax.ShapeDtypeStruct``) into a ``FlatProgram``.
 
     Nothing is computed and no device memory is touched: abstract shapes are enough.
+    ``keep_markers``: see ``_Numberer`` (the pipeline pass sets it).
     """
     names = argument_names(fn, len(args))
     in_paths: list[str] = []
@@ -257,7 +295,7 @@ def flatten_step(fn: Callable, args: Sequence[Any]) -> FlatProgram:
             f"could not trace {name}: {type(exc).__name__}: {first}"
         ) from exc
     out_tree = out_tree_box[-1]
-    numberer = _Numberer()
+    numberer = _Numberer(keep_markers)
     in_ids = [
         numberer.new_id(var.aval, TensorKind.INPUT) for var in closed.jaxpr.invars
     ]
@@ -280,4 +318,27 @@ def flatten_step(fn: Callable, args: Sequence[Any]) -> FlatProgram:
         in_tree=in_tree,
         out_tree=out_tree,
         arg_leaf_ranges=ranges,
+    )
+
+
+def flatten_jaxpr(jaxpr: Any, in_paths: Sequence[str], keep_markers: bool = True) -> FlatProgram:
+    """A ``FlatProgram`` of an open jaxpr whose constvars, then invars, are its inputs (the loss
+    function of ``autopar.value_and_grad``: closed-over values, then argument leaves)."""
+    numberer = _Numberer(keep_markers)
+    const_ids = [numberer.new_id(v.aval, TensorKind.INPUT) for v in jaxpr.constvars]
+    arg_ids = [numberer.new_id(v.aval, TensorKind.INPUT) for v in jaxpr.invars]
+    out_ids = numberer.walk_ids(jaxpr, const_ids, arg_ids)
+    in_ids = const_ids + arg_ids
+    return FlatProgram(
+        eqns=numberer.eqns,
+        avals=numberer.avals,
+        kinds=numberer.kinds,
+        values=numberer.values,
+        in_ids=in_ids,
+        out_ids=out_ids,
+        in_paths=list(in_paths),
+        out_paths=[f"out/{i}" for i in range(len(out_ids))],
+        in_tree=None,
+        out_tree=None,
+        arg_leaf_ranges=[(0, len(in_ids))],
     )

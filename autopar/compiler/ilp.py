@@ -1,34 +1,30 @@
-"""The intra-operator sharding ILP as plain data, its exact presolve, and its solution.
+"""The intra-operator sharding ILP as plain data, its solution, and ``solve``.
 
 Each node picks one strategy; an edge (u, v) costs ``costs[i][j]`` when u picks i and v picks j;
 the objective is the sum of chosen node and edge costs, optionally under a per-device memory
 budget over live sets. Nothing here knows about JAX: the builder in ``intra_op.py`` makes the
-problem, ``solve`` answers it. The ``--dump-ilp`` JSON format is described in docs/ilp-format.md.
+problem, ``solve`` answers it (exact presolve in ``ilp_presolve.py``, the MIP and its solvers
+in ``ilp_mip.py``). The ``--dump-ilp`` JSON format is described in docs/ilp-format.md.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import re
-import tempfile
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
-import pulp
 
-from autopar.errors import AutoparError, InvalidOptionError, PlanError, choices_text
+from autopar.compiler.ilp_mip import SOLVERS, build_mip, resolve_auto, run_mip, solver_name
+from autopar.compiler.ilp_presolve import complete_choices, local_search
+from autopar.compiler.ilp_presolve import presolve as reduce_problem
+from autopar.errors import AutoparError, InvalidOptionError, PlanError
 
+__all__ = ["SOLVERS"]  # re-exported: the CLI and options list the valid solver names
 FORMAT_VERSION = 1
-SOLVERS = ("auto", "highs", "cbc")
-# HiGHS's default relative gap (1e-4) stops at measurably worse plans; at 1e-9 the solvers'
-# integrality/feasibility tolerances (~1e-6) are what limit "optimal" (docs/ilp-format.md).
-MIP_REL_GAP = 1e-9
 WARM_START = True  # hand the greedy plan to the solver (a switch for measurements)
 
 
@@ -221,7 +217,7 @@ def min_peak_memory(problem: IntraOpProblem, *, solver: str = "auto",
     """Smallest peak memory any plan has. Exact and solver-free: every live-set sum grows with
     each node's own memory, so each node at its least-memory strategy minimises all of them at
     once. ``solver``/``time_limit_s`` are only checked, for a uniform signature."""
-    _solver_name(solver)
+    solver_name(solver)
     return peak_memory(problem, _min_memory(problem))
 
 
@@ -253,279 +249,6 @@ def brute_force(problem: IntraOpProblem) -> tuple[list[int], float]:
     return choices, evaluate(problem, choices)
 
 
-# ---------------------------------------------------------------- exact presolve ------------
-
-@dataclass
-class _Reduced:
-    """What the MIP still decides after presolve, and how to recover everything else."""
-
-    cost: dict[int, np.ndarray] = field(default_factory=dict)  # free node -> cost vector
-    adj: dict[int, dict[int, np.ndarray]] = field(default_factory=dict)  # adj[u][w]: [ku][kw]
-    fixed: dict[int, int] = field(default_factory=dict)
-    # Eliminated nodes in order: (node, its cost then, [(neighbour, matrix [k_node][k_nbr])]).
-    trail: list[tuple[int, np.ndarray, list[tuple[int, np.ndarray]]]] = field(default_factory=list)
-    rows: list[tuple[list[tuple[int, np.ndarray]], float]] = field(default_factory=list)
-    const: float = 0.0
-
-    def add_edge(self, u: int, w: int, m: np.ndarray, fold: bool) -> None:
-        """Add ``m`` to edge (u, w); with ``fold``, an edge whose matrix is a_i + b_j (all-zero
-        and constant ones included) moves into the two node costs and disappears."""
-        if w in self.adj[u]:
-            m = self.adj[u][w] + m
-        a, b = m[:, 0], m[0, :] - m[0, 0]
-        if fold and np.allclose(m, a[:, None] + b[None, :], rtol=0,
-                                atol=1e-12 * max(1.0, float(np.abs(m).max()))):
-            self.cost[u] = self.cost[u] + a
-            self.cost[w] = self.cost[w] + b
-            self.adj[u].pop(w, None)
-            self.adj[w].pop(u, None)
-        else:
-            self.adj[u][w], self.adj[w][u] = m, m.T
-
-
-def _presolve(problem: IntraOpProblem, exact_reductions: bool) -> _Reduced:
-    """Fold single-strategy nodes into neighbours, sum parallel edges, drop separable edges,
-    reduce memory rows, then eliminate free degree-0/1/2 nodes by min-plus products (exact
-    variable elimination; it turns chains and trees into nothing). Without
-    ``exact_reductions`` only parallel edges and self-loops are merged (to test the raw MIP)."""
-    r = _Reduced()
-    for u, nd in enumerate(problem.nodes):
-        if exact_reductions and len(nd.costs) == 1:
-            r.fixed[u] = 0
-            r.const += nd.costs[0]
-        else:
-            r.cost[u], r.adj[u] = np.asarray(nd.costs, float), {}
-    for e in problem.edges:
-        m, u, w = np.asarray(e.costs, float), e.src, e.dst
-        if u == w and u not in r.fixed:  # a self-loop pays its diagonal
-            r.cost[u] = r.cost[u] + np.diagonal(m)
-        elif u in r.fixed and w in r.fixed:
-            r.const += m[0, 0]
-        elif u in r.fixed:
-            r.cost[w] = r.cost[w] + m[0, :]
-        elif w in r.fixed:
-            r.cost[u] = r.cost[u] + m[:, 0]
-        else:
-            r.add_edge(u, w, m, exact_reductions)
-    if problem.memory_budget is not None:
-        rows: dict[tuple[int, ...], tuple[list[tuple[int, np.ndarray]], float]] = {}
-        for live in {frozenset(s) for s in problem.live_sets}:
-            rhs, terms = float(problem.memory_budget), []
-            for u in sorted(live):
-                if problem.nodes[u].memory is None:
-                    continue
-                mem = np.asarray(problem.nodes[u].memory, float)
-                if not exact_reductions:
-                    terms.append((u, mem))
-                    continue
-                # Each node's least memory is spent whatever it picks: move it to the right side,
-                # so nodes whose memory does not depend on their choice leave the row.
-                rhs -= mem.min()
-                if u in r.cost and np.ptp(mem) > 0:
-                    terms.append((u, mem - mem.min()))
-            if exact_reductions:
-                rhs = max(rhs, 0.0)  # >= 0 up to round-off: feasibility was checked before
-                if sum(d.max() for _, d in terms) <= rhs:
-                    continue  # no choice can break this row
-            key = tuple(u for u, _ in terms)
-            if key and (key not in rows or rhs < rows[key][1]):
-                rows[key] = (terms, rhs)
-        r.rows = list(rows.values())
-    if exact_reductions:
-        _eliminate(r, {u for terms, _ in r.rows for u, _ in terms})
-    return r
-
-
-def _eliminate(r: _Reduced, pinned: set[int]) -> None:
-    queue = [u for u in r.cost if u not in pinned and len(r.adj[u]) <= 2]
-    while queue:
-        u = queue.pop()
-        if u not in r.cost or u in pinned or len(r.adj[u]) > 2:
-            continue
-        c = r.cost.pop(u)
-        nbrs = list(r.adj.pop(u).items())
-        for w, _ in nbrs:
-            del r.adj[w][u]
-        if not nbrs:
-            r.const += float(c.min())
-        elif len(nbrs) == 1:  # leaf: its neighbour pays the leaf's best answer to each choice
-            (w, m), = nbrs
-            r.cost[w] = r.cost[w] + (c[:, None] + m).min(axis=0)
-        else:  # chain link: a new edge a-b pays min over u's strategies
-            (a, ma), (b, mb) = nbrs
-            r.add_edge(a, b, (ma.T[:, :, None] + c[None, :, None] + mb[None, :, :]).min(axis=1),
-                       True)
-        r.trail.append((u, c, nbrs))
-        queue.extend(w for w, _ in nbrs)
-
-
-def _complete(r: _Reduced, n: int, core: dict[int, int]) -> list[int]:
-    """Full choices from the MIP's: eliminated nodes answer their neighbours, last first."""
-    ch = {**r.fixed, **core}
-    for u, c, nbrs in reversed(r.trail):
-        ch[u] = int(np.argmin(c + sum((m[:, ch[w]] for w, m in nbrs), np.zeros_like(c))))
-    return [ch[u] for u in range(n)]
-
-
-def _local_search(r: _Reduced, start: dict[int, int], sweeps: int = 8) -> dict[int, int] | None:
-    """Greedy single-node moves from ``start`` that keep every memory row satisfied: the
-    fallback plan when the solver stops without one. None when ``start`` breaks a row."""
-    ch = dict(start)
-    load = [sum(d[ch[u]] for u, d in terms) for terms, _ in r.rows]
-    if any(ld > rhs * (1 + 1e-9) for ld, (_, rhs) in zip(load, r.rows, strict=True)):
-        return None
-    rows_of: dict[int, list[tuple[int, np.ndarray]]] = {u: [] for u in r.cost}
-    for k, (terms, _) in enumerate(r.rows):
-        for u, d in terms:
-            rows_of[u].append((k, d))
-    for _ in range(sweeps):
-        moved = False
-        for u, c in r.cost.items():
-            v = c + sum((m[:, ch[w]] for w, m in r.adj[u].items()), np.zeros_like(c))
-            for i in map(int, np.argsort(v, kind="stable")):
-                if v[i] >= v[ch[u]] - 1e-12 * abs(v[ch[u]]):
-                    break
-                if all(load[k] - d[ch[u]] + d[i] <= r.rows[k][1] for k, d in rows_of[u]):
-                    for k, d in rows_of[u]:
-                        load[k] += d[i] - d[ch[u]]
-                    ch[u], moved = i, True
-                    break
-        if not moved:
-            break
-    return ch
-
-
-# ---------------------------------------------------------------- MIP -----------------------
-
-def _solver_name(solver: str) -> str:
-    if solver not in SOLVERS:
-        raise InvalidOptionError(f"unknown ILP solver {solver!r}; valid: {choices_text(SOLVERS)}")
-    if solver != "auto" and not _available(solver):
-        raise InvalidOptionError(f"ILP solver {solver!r} is not installed (highs needs highspy, "
-                                 "cbc PuLP's bundled binary); valid: auto")
-    return solver
-
-
-def _available(solver: str) -> bool:
-    if solver == "highs":
-        return bool(pulp.HiGHS().available())
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return bool(pulp.PULP_CBC_CMD().available())
-
-
-def _groups(m: np.ndarray) -> tuple[np.ndarray, list[int]]:
-    """Group of each row (rows equal bit for bit) and each group's first row; a dict of row
-    bytes is ~50x faster than ``np.unique(axis=0)`` on these small matrices."""
-    ids: dict[bytes, int] = {}
-    of, reps = [], []
-    for i, row in enumerate(m + 0.0):  # + 0.0 turns -0.0 into 0.0
-        of.append(ids.setdefault(row.tobytes(), len(ids)))
-        if of[-1] == len(reps):
-            reps.append(i)
-    return np.array(of), reps
-
-
-def _build(r: _Reduced, start: dict[int, int] | None
-           ) -> tuple[pulp.LpProblem, dict[int, list[pulp.LpVariable]], float]:
-    """One-hot binaries per node; per edge, continuous pair variables whose row and column
-    sums equal the two one-hots (exact: a one-hot row/column forces the pair to be one-hot)."""
-    scale = max([float(np.abs(c).max()) for c in r.cost.values()]
-                + [float(np.abs(m).max()) for a in r.adj.values() for m in a.values()])
-    scale = scale or 1.0  # objective scaled to O(1) entries: solver tolerances are absolute
-    prob = pulp.LpProblem("autopar_intra_op", pulp.LpMinimize)
-    # PuLP 3.3 deprecates free-standing LpVariable for prob.add_variable (PuLP 4.0's only way).
-    var = getattr(prob, "add_variable", pulp.LpVariable)
-    s = {u: [var(f"s_{u}_{i}", cat=pulp.LpBinary) for i in range(len(c))]
-         for u, c in r.cost.items()}
-    obj = [(x, c[i] / scale) for u, c in r.cost.items() for i, x in enumerate(s[u]) if c[i]]
-    for u, xs in s.items():
-        prob += pulp.LpAffineExpression([(x, 1) for x in xs]) == 1
-        for i, x in enumerate(xs):
-            x.setInitialValue(float(start is not None and start[u] == i))
-    for u, nbrs in r.adj.items():
-        for w, m in nbrs.items():
-            if w < u:
-                continue
-            # Strategies whose rows (columns) of the matrix are equal cost the same against
-            # every choice of the other end: one pair variable serves the whole group. Exact:
-            # a group's one-hot sum is 0 or 1, so the pair variables are still forced one-hot.
-            # Resharding matrices depend only on the tensor's spec, so groups are large.
-            row_of, rep_rows = _groups(m)
-            col_of, rep_cols = _groups(m[rep_rows].T)
-            g = m[np.ix_(rep_rows, rep_cols)]
-            e = [[var(f"e_{u}_{w}_{a}_{b}", lowBound=0) for b in range(g.shape[1])]
-                 for a in range(g.shape[0])]
-            for a, row in enumerate(e):
-                for b, x in enumerate(row):
-                    x.setInitialValue(float(start is not None and row_of[start[u]] == a
-                                            and col_of[start[w]] == b))
-            obj += [(e[a][b], g[a, b] / scale) for a, b in zip(*np.nonzero(g), strict=True)]
-            for a, row in enumerate(e):
-                members = [(s[u][i], -1) for i in np.flatnonzero(row_of == a)]
-                prob += pulp.LpAffineExpression([(x, 1) for x in row] + members) == 0
-            # The last column group is implied by the rows and the other columns: leave it out.
-            for b in range(g.shape[1] - 1):
-                members = [(s[w][j], -1) for j in np.flatnonzero(col_of == b)]
-                prob += pulp.LpAffineExpression([(row[b], 1) for row in e] + members) == 0
-    for terms, rhs in r.rows:
-        rs = max(float(d.max()) for _, d in terms) or 1.0  # memory rows scaled to O(1) too
-        prob += pulp.LpAffineExpression(
-            [(s[u][i], d[i] / rs) for u, d in terms for i in range(len(d)) if d[i]]) <= rhs / rs
-    prob.setObjective(pulp.LpAffineExpression(obj))
-    return prob, s, scale
-
-
-class _HiGHS(pulp.HiGHS):  # type: ignore[misc]
-    """PuLP's highspy interface plus a warm start from the variables' initial values (PuLP 3.3
-    has none for it)."""
-
-    def callSolver(self, lp: pulp.LpProblem) -> None:
-        values = [v.varValue for v in lp.variables()]  # in column order: see buildSolverModel
-        if WARM_START and values and None not in values:
-            import highspy
-
-            start = highspy.HighsSolution()
-            start.col_value = values
-            start.value_valid = True
-            lp.solverModel.setSolution(start)
-        lp.solverModel.run()
-
-
-def _run(prob: pulp.LpProblem, name: str, limit: float) -> tuple[str, float | None]:
-    """Solve; returns ("optimal" | "feasible" | "none", the solver's lower bound or None)."""
-    if name == "highs":
-        try:
-            prob.solve(_HiGHS(msg=False, timeLimit=limit, gapRel=MIP_REL_GAP))
-        except (pulp.PulpSolverError, IndexError):  # no solution vector to read back
-            return "none", None
-        h = prob.solverModel
-        info, optimal = h.getInfo(), h.getModelStatus() == h.getModelStatus().kOptimal
-        has = info.primal_solution_status == 2  # kSolutionStatusFeasible
-        bound = info.mip_dual_bound if math.isfinite(info.mip_dual_bound) else None
-        return ("optimal" if optimal and has else "feasible" if has else "none"), bound
-    fd, log = tempfile.mkstemp(suffix=".log", prefix="autopar-cbc-")
-    os.close(fd)
-    try:
-        with warnings.catch_warnings():  # PuLP 3.3: "PULP_CBC_CMD is deprecated" (bundled CBC)
-            warnings.simplefilter("ignore", DeprecationWarning)
-            cbc = pulp.PULP_CBC_CMD(msg=False, timeLimit=limit, gapRel=MIP_REL_GAP, logPath=log,
-                                    warmStart=WARM_START)
-        prob.solve(cbc)
-        with open(log) as f:
-            text = f.read()
-    except pulp.PulpSolverError:
-        return "none", None
-    finally:
-        os.unlink(log)
-    # CBC's summary says "Lower bound: x" on time limit, nothing when optimal.
-    found = re.search(r"^Lower bound:\s*(\S+)", text, re.M)
-    bound = float(found.group(1)) if found else None
-    status = {pulp.LpSolutionOptimal: "optimal",
-              pulp.LpSolutionIntegerFeasible: "feasible"}.get(prob.sol_status, "none")
-    return status, bound
-
-
 def solve(problem: IntraOpProblem, *, solver: str = "auto", time_limit_s: float = 30.0,
           presolve: bool = True) -> IntraOpSolution:
     """Cheapest choices within the memory budget.
@@ -537,7 +260,7 @@ def solve(problem: IntraOpProblem, *, solver: str = "auto", time_limit_s: float 
     ``presolve=False`` keeps every node in the MIP (for tests and measurements).
     """
     t0 = time.perf_counter()
-    name = _solver_name(solver)
+    name = solver_name(solver)
     if not time_limit_s > 0:
         raise InvalidOptionError(f"time_limit_s must be positive, got {time_limit_s}")
     _check(problem)
@@ -547,37 +270,37 @@ def solve(problem: IntraOpProblem, *, solver: str = "auto", time_limit_s: float 
     if all(len(nd.costs) == 1 for nd in problem.nodes):
         return IntraOpSolution([0] * n, evaluate(problem, [0] * n), "trivial", True, 0.0,
                                "trivial", 0, 0, time.perf_counter() - t0, 0.0)
-    r = _presolve(problem, presolve)
+    r = reduce_problem(problem, presolve)
     if not r.cost:  # presolve decided every node exactly
-        choices = _complete(r, n, {})
+        choices = complete_choices(r, n, {})
         return IntraOpSolution(choices, evaluate(problem, choices), "optimal", True, 0.0,
                                "presolve", 0, 0, time.perf_counter() - t0, 0.0)
-    if name == "auto":  # neither was consistently faster at any size measured: prefer HiGHS,
-        name = "highs" if _available("highs") else "cbc"  # which keeps to its time limit
+    if name == "auto":
+        name = resolve_auto()
     # Greedy plans from the cheapest and from the least-memory choices (the latter always fits:
     # the budget was checked): the solver's warm start, and the answer if it finds no better.
     cheap = {u: int(np.argmin(c)) for u, c in r.cost.items()}
     lean = {**cheap, **{u: int(np.argmin(d)) for terms, _ in r.rows for u, d in terms}}
-    greedy = [g for g in (_local_search(r, cheap), _local_search(r, lean) if r.rows else None)
+    greedy = [g for g in (local_search(r, cheap), local_search(r, lean) if r.rows else None)
               if g is not None]
-    plans = [_complete(r, n, g) for g in greedy]
+    plans = [complete_choices(r, n, g) for g in greedy]
     best = min(range(len(plans)), key=lambda i: evaluate(problem, plans[i]))
-    prob, s, scale = _build(r, greedy[best] if WARM_START else None)
+    model = build_mip(r, greedy[best] if WARM_START else None)
     t1 = time.perf_counter()
-    status, bound = _run(prob, name, max(time_limit_s - (t1 - t0), 0.05))
+    result = run_mip(model, name, max(time_limit_s - (t1 - t0), 0.05))
     t2 = time.perf_counter()
-    if status != "none":
-        core = {u: int(np.argmax([x.varValue or 0.0 for x in xs])) for u, xs in s.items()}
-        plans.append(_complete(r, n, core))
+    if result.status != "none":
+        plans.append(complete_choices(r, n, result.core))
     plans = [p for p in plans if budget is None or peak_memory(problem, p) <= budget * (1 + 1e-9)]
     if not plans:  # unreachable while the least-memory plan fits; kept as a guard
         raise AutoparError(f"the ILP solver found no plan within time_limit_s={time_limit_s:g}; "
                            "raise the time limit")
     choices = min(plans, key=lambda p: evaluate(problem, p))
-    objective, gap = evaluate(problem, choices), (0.0 if status == "optimal" else None)
-    if bound is not None and objective:  # the bound in original units: constant + scaled MIP's
-        gap = max(0.0, objective - (r.const + scale * bound)) / abs(objective)
+    optimal = result.status == "optimal"
+    objective, gap = evaluate(problem, choices), (0.0 if optimal else None)
+    if result.bound is not None and objective:  # in original units: constant + scaled MIP's
+        gap = max(0.0, objective - (r.const + model.scale * result.bound)) / abs(objective)
     return IntraOpSolution(
-        choices, objective, "optimal" if status == "optimal" else "time_limit",
-        status == "optimal", gap, name, prob.numVariables(), prob.numConstraints(), t1 - t0,
-        t2 - t1, len(r.cost), sum(len(a) for a in r.adj.values()) // 2)
+        choices, objective, "optimal" if optimal else "time_limit", optimal, gap, name,
+        model.num_columns, model.num_rows, t1 - t0, t2 - t1, len(r.cost),
+        sum(len(a) for a in r.adj.values()) // 2)

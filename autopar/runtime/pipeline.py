@@ -1,0 +1,315 @@
+"""Run a pipelined train step: stage executables, the schedule's driver, transfers.
+
+Each piece (virtual stage) of the loss forward gets jitted tasks on its stage's devices:
+F (forward; returns the activations and the ``jax.vjp`` function, whose leaves are the
+residuals the backward needs), B (backward to the piece's inputs, adding the parameters'
+gradients into an accumulator) and, for zero-bubble schedules, B and W split (input gradients
+first, weight gradients later). The driver walks the schedule's global order; values cross
+stages with ``jax.device_put`` to the receiving stage's sharding, straight from the producing
+stage to every consumer (a long skip connection is not relayed through the stages between).
+The step's other equations run as jitted segments on their home stages before and after the
+pipeline.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from autopar.pipeline_program import Piece, PipelineProgram, Segment, input_consumers
+from autopar.program import run_eqns
+from autopar.schedules import Schedule, TaskKind
+
+
+@dataclass(frozen=True)
+class StageDevices:
+    """One stage's devices as a logical mesh (row-major ``device_ids``)."""
+
+    device_ids: tuple[int, ...]
+    mesh_shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+
+
+@dataclass
+class TaskRecord:
+    """When a task ran (seconds since the step started); filled when timing is on."""
+
+    kind: str
+    microbatch: int
+    stage: int
+    chunk: int
+    start_s: float
+    end_s: float
+
+
+@dataclass
+class _PieceTasks:
+    piece: Piece
+    stage: int
+    diff: list[int]  # inputs differentiated: parameters, then float activations
+    params: list[int]  # the parameters among them
+    nondiff: list[int]
+    float_outputs: list[int]
+    other_outputs: list[int]
+    forward: Any = None
+    backward: Any = None
+    backward_input: Any = None
+    backward_weight: Any = None
+
+
+@dataclass
+class _StepState:
+    """Values of one step: the step's own, per-microbatch activations and cotangents."""
+
+    env: dict[int, Any]
+    placed: dict[tuple[int, int], Any] = field(default_factory=dict)
+    acts: dict[tuple[int, int], Any] = field(default_factory=dict)
+    cots: dict[tuple[int, int], Any] = field(default_factory=dict)
+    vjps: dict[tuple[int, int], Any] = field(default_factory=dict)
+    saved_cots: dict[tuple[int, int], list[Any]] = field(default_factory=dict)
+    accum: dict[int, list[Any] | None] = field(default_factory=dict)
+    loss_parts: dict[int, list[Any]] = field(default_factory=dict)
+
+
+class PipelineRunner:
+    """Executes a ``PipelineProgram`` cut into ``pieces`` with a schedule."""
+
+    def __init__(
+        self,
+        pp: PipelineProgram,
+        pieces: Sequence[Piece],
+        stage_of_piece: Sequence[int],
+        stages: Sequence[StageDevices],
+        segments: Sequence[Segment],
+        home: dict[int, int],
+        schedule: Schedule,
+        devices: Sequence[Any],
+    ):
+        self.pp, self.pieces, self.schedule = pp, list(pieces), schedule
+        self.stage_of_piece = list(stage_of_piece)
+        self.segments, self.home = list(segments), dict(home)
+        self.m = schedule.num_microbatches
+        self.micro = pp.batch_size // self.m
+        by_id = {d.id: d for d in devices}
+        self.meshes = [
+            Mesh(np.array([by_id[i] for i in s.device_ids]).reshape(s.mesh_shape), s.axis_names)
+            for s in stages
+        ]
+        self.consumers = input_consumers(self.pieces)
+        self.tasks = [self._piece_tasks(p) for p in self.pieces]
+        self.segment_fns = [jax.jit(self._segment_fn(s)) for s in self.segments]
+        self.records: list[TaskRecord] = []
+        self._accumulate = jax.jit(lambda acc, g: [a + b for a, b in zip(acc, g, strict=True)])
+
+    # -- placement -----------------------------------------------------------------------------
+
+    def sharding(self, stage: int, aval: Any, batched: bool) -> NamedSharding:
+        """Batched values are split along their first dimension over the stage's devices when
+        it divides; everything else is replicated on the stage."""
+        mesh = self.meshes[stage]
+        shape = getattr(aval, "shape", ())
+        if batched and shape and shape[0] % mesh.size == 0 and mesh.size > 1:
+            return NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
+        return NamedSharding(mesh, PartitionSpec())
+
+    def _put(self, value: Any, stage: int, batched: bool) -> Any:
+        return jax.device_put(value, self.sharding(stage, value, batched))
+
+    # -- executables ---------------------------------------------------------------------------
+
+    def _piece_tasks(self, piece: Piece) -> _PieceTasks:
+        fwd = self.pp.forward
+        inputs = set(fwd.in_ids)
+        params = [v for v in piece.inputs if v in self.pp.diff_inputs]
+        acts = [v for v in piece.inputs if v not in inputs and _is_float(fwd.avals[v])]
+        diff = params + acts
+        nondiff = [v for v in piece.inputs if v not in set(diff)]
+        float_out = [v for v in piece.outputs if _is_float(fwd.avals[v])]
+        other_out = [v for v in piece.outputs if v not in set(float_out)]
+        t = _PieceTasks(piece, self.stage_of_piece[piece.index], diff, params, nondiff,
+                        float_out, other_out)
+        n_params = len(params)
+
+        def run(diff_vals: list[Any], nondiff_vals: list[Any]) -> tuple[list[Any], list[Any]]:
+            env = dict(zip(diff, diff_vals, strict=True))
+            env.update(zip(nondiff, nondiff_vals, strict=True))
+            run_eqns(fwd, piece.eqns, env)
+            return [env[v] for v in float_out], [env[v] for v in other_out]
+
+        def forward(diff_vals, nondiff_vals):
+            outs, vjp_fn, others = jax.vjp(lambda d: run(d, nondiff_vals), diff_vals, has_aux=True)
+            return outs, others, vjp_fn
+
+        def backward(vjp_fn, cots, acc):
+            (grads,) = vjp_fn(cots)
+            return grads[n_params:], [a + g for a, g in zip(acc, grads[:n_params], strict=True)]
+
+        def backward_input(vjp_fn, cots):
+            (grads,) = vjp_fn(cots)
+            return grads[n_params:]
+
+        def backward_weight(vjp_fn, cots, acc):
+            (grads,) = vjp_fn(cots)
+            return [a + g for a, g in zip(acc, grads[:n_params], strict=True)]
+
+        t.forward = jax.jit(forward)
+        t.backward = jax.jit(backward, donate_argnums=(2,))
+        t.backward_input = jax.jit(backward_input)
+        t.backward_weight = jax.jit(backward_weight, donate_argnums=(2,))
+        return t
+
+    def _segment_fn(self, segment: Segment):
+        outer = self.pp.outer
+
+        def run(*values: Any) -> list[Any]:
+            env = dict(zip(segment.inputs, values, strict=True))
+            run_eqns(outer, segment.eqns, env)
+            return [env[v] for v in segment.outputs]
+
+        return run
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def __call__(self, flat_args: Sequence[Any], record: bool = False) -> list[Any]:
+        outer = self.pp.outer
+        st = _StepState(env=dict(zip(outer.in_ids, flat_args, strict=True)))
+        self.records = []
+        start = time.perf_counter()
+        for k, seg in enumerate(self.segments):
+            if seg.phase == "before":
+                self._run_segment(st, k, seg)
+        self._split_batch(st)
+        for task in self.schedule.global_order():
+            t0 = time.perf_counter() - start
+            outs = self._run_task(st, task)
+            if record:
+                jax.block_until_ready(outs)
+                self.records.append(TaskRecord(task.kind.value, task.microbatch, task.stage,
+                                               task.chunk, t0, time.perf_counter() - start))
+        self._finish_pipeline(st)
+        for k, seg in enumerate(self.segments):
+            if seg.phase == "after":
+                self._run_segment(st, k, seg)
+        return [st.env[v] if v in st.env else outer.values[v] for v in outer.out_ids]
+
+    def _fetch(self, st: _StepState, vid: int, stage: int) -> Any:
+        key = (vid, stage)
+        if key not in st.placed:
+            st.placed[key] = self._put(st.env[vid], stage, batched=False)
+        return st.placed[key]
+
+    def _run_segment(self, st: _StepState, k: int, seg: Segment) -> None:
+        values = [self._fetch(st, v, seg.stage) for v in seg.inputs]
+        st.env.update(zip(seg.outputs, self.segment_fns[k](*values), strict=True))
+
+    def _split_batch(self, st: _StepState) -> None:
+        """Each microbatch of every split loss input, on the stages that read it."""
+        mb = self.micro
+        for fid in self.pp.split_inputs:
+            full = st.env[self.pp.operand_of[fid]]
+            for i in range(self.m):
+                st.acts[(fid, i)] = full[i * mb : (i + 1) * mb]
+
+    def _input(self, st: _StepState, vid: int, microbatch: int, stage: int) -> Any:
+        if vid in self.pp.operand_of and vid not in self.pp.split_inputs:
+            return self._fetch(st, self.pp.operand_of[vid], stage)
+        return self._put(st.acts[(vid, microbatch)], stage, batched=True)
+
+    def _run_task(self, st: _StepState, task: Any) -> Any:
+        piece = task.piece(self.schedule.num_stages)
+        t, i = self.tasks[piece], task.microbatch
+        if task.kind == TaskKind.F:
+            diff = [self._input(st, v, i, t.stage) for v in t.diff]
+            nondiff = [self._input(st, v, i, t.stage) for v in t.nondiff]
+            outs, others, vjp_fn = t.forward(diff, nondiff)
+            for v, x in zip(t.float_outputs + t.other_outputs, outs + others, strict=True):
+                st.acts[(v, i)] = x
+            st.vjps[(piece, i)] = vjp_fn
+            return outs
+        vjp_fn = st.vjps[(piece, i)]
+        if task.kind == TaskKind.W:  # the output cotangents its B task used
+            cots = st.saved_cots.pop((piece, i))
+            st.accum[piece] = t.backward_weight(vjp_fn, cots, self._acc(st, t))
+            del st.vjps[(piece, i)]
+            return st.accum[piece]
+        cots = [self._cotangent(st, v, i, t.stage) for v in t.float_outputs]
+        if self.schedule.splits_backward:
+            act_grads = t.backward_input(vjp_fn, cots)
+            st.saved_cots[(piece, i)] = cots
+        else:
+            act_grads, st.accum[piece] = t.backward(vjp_fn, cots, self._acc(st, t))
+            del st.vjps[(piece, i)]
+        for v, g in zip(t.diff[len(t.params) :], act_grads, strict=True):
+            self._add_cotangent(st, v, i, g)
+        return act_grads
+
+    def _acc(self, st: _StepState, t: _PieceTasks) -> list[Any]:
+        acc = st.accum.get(t.piece.index)
+        if acc is None:
+            acc = [
+                self._put(jnp.zeros(self.pp.forward.avals[v].shape,
+                                    self.pp.forward.avals[v].dtype), t.stage, batched=False)
+                for v in t.params
+            ]
+        return acc
+
+    def _producer_stage(self, vid: int) -> int:
+        for p in self.pieces:
+            if vid in p.outputs:
+                return self.stage_of_piece[p.index]
+        return self.stage_of_piece[-1]
+
+    def _add_cotangent(self, st: _StepState, vid: int, i: int, g: Any) -> None:
+        stage = self._producer_stage(vid)
+        g = self._put(g, stage, batched=True)
+        key = (vid, i)
+        st.cots[key] = g if key not in st.cots else st.cots[key] + g
+
+    def _cotangent(self, st: _StepState, vid: int, i: int, stage: int) -> Any:
+        aval = self.pp.forward.avals[vid]
+        total = st.cots.pop((vid, i), None)
+        outputs = self.pp.loss_outputs
+        if vid == outputs[0]:  # the loss: the step's loss is the mean over microbatches
+            seed = jnp.full(aval.shape, 1.0 / self.m, aval.dtype)
+            total = seed if total is None else total + seed
+        if total is None:
+            total = jnp.zeros(aval.shape, aval.dtype)
+        return self._put(total, stage, batched=True)
+
+    def _finish_pipeline(self, st: _StepState) -> None:
+        """The loss function's results as the step sees them: means over microbatches, and each
+        gradient summed over the pieces that read its parameter, at its home stage."""
+        vg = self.pp.vg
+        for k, fid in enumerate(self.pp.loss_outputs):
+            out_id = vg.outputs[k]
+            stage = self.home.get(out_id, self.stage_of_piece[-1])
+            parts = [self._put(st.acts[(fid, i)], stage, batched=False) for i in range(self.m)]
+            st.env[out_id] = _mean(parts)
+        for fid, gid in self.pp.grad_outputs().items():
+            stage = self.home[gid]
+            total = None
+            for p in self.consumers.get(fid, []):
+                t = self.tasks[p]
+                g = st.accum[p][t.params.index(fid)]
+                g = self._put(g, stage, batched=False)
+                total = g if total is None else total + g
+            if total is None:
+                aval = self.pp.forward.avals[fid]
+                total = self._put(jnp.zeros(aval.shape, aval.dtype), stage, batched=False)
+            st.env[gid] = total
+
+
+def _is_float(aval: Any) -> bool:
+    return jnp.issubdtype(aval.dtype, jnp.inexact)
+
+
+@jax.jit
+def _mean(parts: list[Any]) -> Any:
+    return sum(parts[1:], parts[0]) / len(parts)

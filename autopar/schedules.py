@@ -1,0 +1,435 @@
+"""Pipeline schedules as pure data, their event simulation, and a text swimlane.
+
+A schedule says, for every physical pipeline stage (device group), which tasks it runs and in
+which order: forwards (F), backwards (B) and, for the zero-bubble schedule, the weight-gradient
+half of the backward (W). The compiler reads schedules for stage memory (microbatches in flight)
+and the estimated idle fraction; the runtime driver walks the task lists. Both sides share this
+module, so it imports nothing from ``compiler/`` or ``runtime/`` and no JAX.
+
+With ``v`` chunks per stage (interleaved 1F1B) the model is cut into ``p * v`` pieces and chunk
+``c`` of stage ``s`` runs piece ``c * p + s`` (Megatron-LM's interleaved mapping).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from autopar.errors import InvalidOptionError, PlanError, choices_text
+
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+
+
+class TaskKind(StrEnum):
+    """What a task computes."""
+
+    F = "F"  # forward
+    B = "B"  # backward; in zb-h1 only the input-gradient part
+    W = "W"  # weight-gradient part of the backward (zb-h1 only)
+
+
+@dataclass(frozen=True, order=True)
+class Task:
+    """One unit of pipeline work: ``kind`` of ``microbatch`` on chunk ``chunk`` of ``stage``."""
+
+    kind: TaskKind
+    microbatch: int
+    stage: int
+    chunk: int = 0
+
+    def piece(self, num_stages: int) -> int:
+        """The model piece (virtual stage) this task runs."""
+        return self.chunk * num_stages + self.stage
+
+    @property
+    def label(self) -> str:
+        """Short label for drawings: ``F3``, ``B0``, ``W2``; ``F3.1`` when the chunk is not 0."""
+        text = f"{self.kind.value}{self.microbatch}"
+        return f"{text}.{self.chunk}" if self.chunk else text
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per-stage ordered task lists: ``m`` microbatches through ``p`` stages of ``v`` chunks."""
+
+    name: str
+    num_stages: int
+    num_microbatches: int
+    num_chunks: int
+    tasks: tuple[tuple[Task, ...], ...]
+
+    @property
+    def num_pieces(self) -> int:
+        """How many pieces the model is cut into (``p * v``)."""
+        return self.num_stages * self.num_chunks
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether backwards are split into B (input gradient) and W (weight gradient)."""
+        return self.name == "zb-h1"
+
+    def task_at(self, kind: TaskKind, microbatch: int, piece: int) -> Task:
+        """The task of ``kind`` on ``microbatch`` that runs model piece ``piece``."""
+        chunk, stage = divmod(piece, self.num_stages)
+        return Task(kind, microbatch, stage, chunk)
+
+    def dependencies(self, task: Task) -> tuple[Task, ...]:
+        """Tasks that must finish before ``task`` may start (on any stage)."""
+        piece = task.piece(self.num_stages)
+        i = task.microbatch
+        if task.kind is TaskKind.F:
+            return (self.task_at(TaskKind.F, i, piece - 1),) if piece > 0 else ()
+        if task.kind is TaskKind.B:
+            own_forward = self.task_at(TaskKind.F, i, piece)
+            if piece == self.num_pieces - 1:
+                return (own_forward,)
+            return (self.task_at(TaskKind.B, i, piece + 1), own_forward)
+        return (self.task_at(TaskKind.B, i, piece),)
+
+    def expected_tasks(self) -> set[Task]:
+        """Every task the schedule must contain exactly once."""
+        kinds = (TaskKind.F, TaskKind.B) + ((TaskKind.W,) if self.splits_backward else ())
+        return {
+            self.task_at(kind, i, piece)
+            for kind in kinds
+            for i in range(self.num_microbatches)
+            for piece in range(self.num_pieces)
+        }
+
+    def validate(self) -> None:
+        """Raise PlanError unless each task runs once, in a dependency-respecting runnable order."""
+        if len(self.tasks) != self.num_stages:
+            raise PlanError(
+                f"schedule {self.name!r} has {len(self.tasks)} task lists for "
+                f"{self.num_stages} stages"
+            )
+        seen: set[Task] = set()
+        for stage, stage_tasks in enumerate(self.tasks):
+            for task in stage_tasks:
+                if task.stage != stage:
+                    raise PlanError(f"task {task} is listed on stage {stage}")
+                if task in seen:
+                    raise PlanError(f"task {task} appears twice in schedule {self.name!r}")
+                seen.add(task)
+        expected = self.expected_tasks()
+        if seen != expected:
+            missing, extra = sorted(expected - seen), sorted(seen - expected)
+            raise PlanError(
+                f"schedule {self.name!r} misses {len(missing)} tasks (first {missing[:1]}) and "
+                f"has {len(extra)} unexpected (first {extra[:1]})"
+            )
+        for stage_tasks in self.tasks:
+            position = {task: k for k, task in enumerate(stage_tasks)}
+            for k, task in enumerate(stage_tasks):
+                for dep in self.dependencies(task):
+                    if dep.stage == task.stage and position[dep] > k:
+                        raise PlanError(f"on stage {task.stage}, {task} comes before {dep}")
+        self.global_order()  # raises on deadlock
+
+    def global_order(self) -> tuple[Task, ...]:
+        """One order of all tasks that respects every dependency and every stage's list order.
+
+        Raises PlanError when none exists (the stages would wait on each other forever).
+        """
+        next_index = [0] * self.num_stages
+        done: set[Task] = set()
+        order: list[Task] = []
+        progress = True
+        while progress:
+            progress = False
+            for stage, stage_tasks in enumerate(self.tasks):
+                # Run as far as this stage can go before looking at the next stage.
+                while next_index[stage] < len(stage_tasks):
+                    task = stage_tasks[next_index[stage]]
+                    if not all(dep in done for dep in self.dependencies(task)):
+                        break
+                    done.add(task)
+                    order.append(task)
+                    next_index[stage] += 1
+                    progress = True
+        if len(order) != sum(len(t) for t in self.tasks):
+            blocked = [
+                str(t[next_index[s]]) for s, t in enumerate(self.tasks) if next_index[s] < len(t)
+            ]
+            raise PlanError(
+                f"schedule {self.name!r} deadlocks: stages wait on {', '.join(blocked)}"
+            )
+        return tuple(order)
+
+    def in_flight(self, stage: int, until: TaskKind = TaskKind.B) -> int:
+        """Peak number of (microbatch, piece) pairs on ``stage`` whose F ran and ``until`` not yet.
+
+        With the default ``until=B`` this is the activation count that sizes stage memory (as in
+        the 1F1B and zero-bubble papers); ``until=W`` counts zb-h1 microbatches until their
+        weight gradient, which still reads the stored layer inputs.
+        """
+        if not 0 <= stage < self.num_stages:
+            raise InvalidOptionError(
+                f"stage {stage} is out of range: valid stages are 0..{self.num_stages - 1}"
+            )
+        open_pairs: set[tuple[int, int]] = set()
+        peak = 0
+        for task in self.tasks[stage]:
+            pair = (task.microbatch, task.chunk)
+            if task.kind is TaskKind.F:
+                open_pairs.add(pair)
+                peak = max(peak, len(open_pairs))
+            elif task.kind is until:
+                open_pairs.discard(pair)
+        return peak
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe form; tasks are ``[kind, microbatch, chunk]`` in each stage's list."""
+        return {
+            "name": self.name,
+            "num_stages": self.num_stages,
+            "num_microbatches": self.num_microbatches,
+            "num_chunks": self.num_chunks,
+            "tasks": [[[t.kind.value, t.microbatch, t.chunk] for t in ts] for ts in self.tasks],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Schedule:
+        """Inverse of :meth:`to_dict`; validates the result (PlanError when malformed)."""
+        try:
+            tasks = tuple(
+                tuple(
+                    Task(TaskKind(kind), int(microbatch), stage, int(chunk))
+                    for kind, microbatch, chunk in stage_tasks
+                )
+                for stage, stage_tasks in enumerate(data["tasks"])
+            )
+            schedule = cls(
+                name=str(data["name"]),
+                num_stages=int(data["num_stages"]),
+                num_microbatches=int(data["num_microbatches"]),
+                num_chunks=int(data["num_chunks"]),
+                tasks=tasks,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanError(f"malformed schedule dict: {exc!r}") from None
+        schedule.validate()
+        return schedule
+
+
+def _check_options(name: str, num_stages: int, num_microbatches: int, num_chunks: int) -> None:
+    if name not in SCHEDULE_NAMES:
+        raise InvalidOptionError(
+            f"unknown pipeline schedule {name!r}: choose one of {choices_text(SCHEDULE_NAMES)}"
+        )
+    if num_stages < 1:
+        raise InvalidOptionError(f"num_stages must be >= 1, got {num_stages}")
+    if num_microbatches < 1:
+        raise InvalidOptionError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    if name == "interleaved-1f1b":
+        if num_chunks < 2:
+            raise InvalidOptionError(
+                f"interleaved-1f1b needs num_chunks >= 2, got {num_chunks} "
+                f"(use 1f1b for one chunk per stage)"
+            )
+        if num_microbatches % num_stages:
+            raise InvalidOptionError(
+                f"interleaved-1f1b needs num_microbatches (m={num_microbatches}) divisible by "
+                f"num_stages (p={num_stages})"
+            )
+    elif num_chunks != 1:
+        raise InvalidOptionError(
+            f"schedule {name!r} runs one chunk per stage, got num_chunks={num_chunks}: "
+            f"valid is 1 (only interleaved-1f1b takes num_chunks >= 2)"
+        )
+
+
+def _gpipe(p: int, m: int, stage: int) -> list[Task]:
+    # All forwards, then all backwards: every microbatch's activations are held at once.
+    return [Task(TaskKind.F, i, stage) for i in range(m)] + [
+        Task(TaskKind.B, i, stage) for i in range(m)
+    ]
+
+
+def _one_f_one_b(p: int, m: int, stage: int) -> list[Task]:
+    # PipeDream-flush: enough warm-up forwards to fill the pipe below this stage, then one
+    # forward and one backward in turn, then drain the remaining backwards.
+    warmup = min(p - stage - 1, m)
+    tasks = [Task(TaskKind.F, i, stage) for i in range(warmup)]
+    for j in range(m - warmup):
+        tasks += [Task(TaskKind.F, warmup + j, stage), Task(TaskKind.B, j, stage)]
+    tasks += [Task(TaskKind.B, j, stage) for j in range(m - warmup, m)]
+    return tasks
+
+
+def _zb_h1(p: int, m: int, stage: int) -> list[Task]:
+    # 1F1B's F/B order, with W split off and held back by `stage` backwards: stage s keeps
+    # p - s - 1 warm-up forwards + 1 + s delayed weight gradients = p microbatches until W, the
+    # same peak as 1F1B's stage 0, and its delayed Ws fill the cool-down where 1F1B idles.
+    warmup = min(p - stage - 1, m)
+    w_delay = stage
+    tasks = [Task(TaskKind.F, i, stage) for i in range(warmup)]
+    next_forward, next_w = warmup, 0
+    for j in range(m):
+        if next_forward < m:
+            tasks.append(Task(TaskKind.F, next_forward, stage))
+            next_forward += 1
+        tasks.append(Task(TaskKind.B, j, stage))
+        if j + 1 - next_w > w_delay:
+            tasks.append(Task(TaskKind.W, next_w, stage))
+            next_w += 1
+    tasks += [Task(TaskKind.W, i, stage) for i in range(next_w, m)]
+    return tasks
+
+
+def _interleaved(p: int, m: int, v: int, stage: int) -> list[Task]:
+    # Megatron-LM's interleaved 1F1B. Microbatches go through the chunks in groups of p: the k-th
+    # forward of this stage is chunk (k // p) % v of microbatch (k // (p*v)) * p + k % p;
+    # backwards walk the chunks in reverse. Warm-up covers the deeper stages' first round.
+    total = m * v
+
+    def forward(k: int) -> Task:
+        group, within = divmod(k, p * v)
+        return Task(TaskKind.F, group * p + within % p, stage, within // p)
+
+    def backward(k: int) -> Task:
+        group, within = divmod(k, p * v)
+        return Task(TaskKind.B, group * p + within % p, stage, v - 1 - within // p)
+
+    warmup = min(2 * (p - stage - 1) + (v - 1) * p, total)
+    tasks = [forward(k) for k in range(warmup)]
+    for k in range(total - warmup):
+        tasks += [forward(warmup + k), backward(k)]
+    tasks += [backward(k) for k in range(total - warmup, total)]
+    return tasks
+
+
+def make_schedule(
+    name: str, num_stages: int, num_microbatches: int, num_chunks: int = 1
+) -> Schedule:
+    """Build and validate the named schedule (one of ``SCHEDULE_NAMES``).
+
+    Raises InvalidOptionError for an unknown name, ``num_stages < 1``, ``num_microbatches < 1``,
+    or a chunk count the schedule does not take (interleaved: ``>= 2`` and ``m % p == 0``;
+    others: 1).
+    """
+    _check_options(name, num_stages, num_microbatches, num_chunks)
+    p, m, v = num_stages, num_microbatches, num_chunks
+    if name == "gpipe":
+        lists = [_gpipe(p, m, s) for s in range(p)]
+    elif name == "1f1b":
+        lists = [_one_f_one_b(p, m, s) for s in range(p)]
+    elif name == "zb-h1":
+        lists = [_zb_h1(p, m, s) for s in range(p)]
+    else:
+        lists = [_interleaved(p, m, v, s) for s in range(p)]
+    schedule = Schedule(name, p, m, v, tuple(tuple(ts) for ts in lists))
+    schedule.validate()
+    return schedule
+
+
+def default_cost(schedule: Schedule) -> Callable[[Task], float]:
+    """Unit costs: F = B (= W in zb-h1) = 1 per stage's work, i.e. 1/v per interleaved chunk."""
+    per_task = 1.0 / schedule.num_chunks
+    return lambda task: per_task
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Start and end time of every task of a simulated schedule."""
+
+    schedule: Schedule
+    spans: Mapping[Task, tuple[float, float]]
+    _busy: tuple[float, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        busy = [0.0] * self.schedule.num_stages
+        for task, (start, end) in self.spans.items():
+            busy[task.stage] += end - start
+        object.__setattr__(self, "_busy", tuple(busy))
+
+    @property
+    def makespan(self) -> float:
+        """Time from the first task's start (0) to the last task's end."""
+        return max((end for _, end in self.spans.values()), default=0.0)
+
+    def busy(self, stage: int) -> float:
+        """Total time ``stage`` spends running tasks."""
+        return self._busy[stage]
+
+    @property
+    def idle_fraction(self) -> float:
+        """Share of all stages' time spent idle: ``1 - total busy / (p * makespan)``."""
+        span = self.makespan
+        if span <= 0:
+            return 0.0
+        return 1.0 - sum(self._busy) / (self.schedule.num_stages * span)
+
+    @property
+    def theoretical_idle_fraction(self) -> float:
+        """The papers' idle fraction for this schedule under its default unit costs.
+
+        GPipe and 1F1B: (p-1)/(m+p-1). Interleaved: the bubble shrinks to (p-1)/v of a stage's
+        F+B, giving (p-1)/(v*m+p-1). ZB-H1 (F=B=W): bubble (p-1)(T_F+T_B-T_W) = p-1 against 3m
+        of work, giving (p-1)/(3m+p-1).
+        """
+        p, m, v = (
+            self.schedule.num_stages,
+            self.schedule.num_microbatches,
+            self.schedule.num_chunks,
+        )
+        if self.schedule.name == "interleaved-1f1b":
+            return (p - 1) / (v * m + p - 1)
+        if self.schedule.name == "zb-h1":
+            return (p - 1) / (3 * m + p - 1)
+        return (p - 1) / (m + p - 1)
+
+
+def simulate(schedule: Schedule, cost: Callable[[Task], float] | None = None) -> Timeline:
+    """Run the schedule on an idealised machine: each stage runs its list in order, and a task
+    starts as soon as its stage is free and all its dependencies (on any stage) have finished.
+    Transfers are free. ``cost(task)`` gives durations (default: :func:`default_cost`).
+    """
+    cost = cost or default_cost(schedule)
+    spans: dict[Task, tuple[float, float]] = {}
+    stage_free = [0.0] * schedule.num_stages
+    # Start times are a max-plus function of predecessors, so any dependency-respecting order of
+    # evaluation gives the same timeline.
+    for task in schedule.global_order():
+        duration = float(cost(task))
+        if duration < 0:
+            raise InvalidOptionError(f"task cost must be >= 0, got {duration} for {task}")
+        ready = max((spans[dep][1] for dep in schedule.dependencies(task)), default=0.0)
+        start = max(ready, stage_free[task.stage])
+        spans[task] = (start, start + duration)
+        stage_free[task.stage] = start + duration
+    return Timeline(schedule, spans)
+
+
+def render_text(timeline: Timeline, width: int | None = None) -> str:
+    """Swimlane as text: one row per stage, one column per time slot, ``.`` where idle.
+
+    The slot length is the shortest task duration; a task longer than one slot shows its label
+    and then ``-`` in the following slots. Rows longer than ``width`` characters (default 120)
+    wrap into blocks, each headed by its time range.
+    """
+    schedule = timeline.schedule
+    durations = [end - start for start, end in timeline.spans.values() if end > start]
+    if not durations:
+        return "\n".join(f"stage {s} |" for s in range(schedule.num_stages))
+    slot = min(durations)
+    num_slots = max(1, round(timeline.makespan / slot))
+    cell = max(len(task.label) for task in timeline.spans) + 1
+    grid = [["." for _ in range(num_slots)] for _ in range(schedule.num_stages)]
+    for task, (start, end) in timeline.spans.items():
+        first, last = round(start / slot), max(round(end / slot), round(start / slot) + 1)
+        for k in range(first, min(last, num_slots)):
+            grid[task.stage][k] = task.label if k == first else "-"
+    prefix_len = len(f"stage {schedule.num_stages - 1} | ")
+    per_block = max(1, ((width or 120) - prefix_len) // cell)
+    blocks = []
+    for lo in range(0, num_slots, per_block):
+        hi = min(lo + per_block, num_slots)
+        lines = [f"t = {lo * slot:g} .. {hi * slot:g}"] if num_slots > per_block else []
+        for stage, row in enumerate(grid):
+            cells = "".join(label.ljust(cell) for label in row[lo:hi]).rstrip()
+            lines.append(f"stage {stage}".ljust(prefix_len - 3) + " | " + cells)
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
