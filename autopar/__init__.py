@@ -10,7 +10,8 @@ from autopar.errors import (
     PlanError,
     TraceError,
 )
-from autopar.methods import DataParallel, ShardParallel
+from autopar.loss_markers import grad, mark_pipeline_boundary, value_and_grad
+from autopar.methods import DataParallel, ManualStages, PipeshardParallel, ShardParallel
 
 __version__ = "0.1.0"
 
@@ -19,8 +20,10 @@ __all__ = [
     "BatchSizeError",
     "DataParallel",
     "InvalidOptionError",
+    "ManualStages",
     "MeshError",
     "ParallelizedStep",
+    "PipeshardParallel",
     "Plan",
     "PlanError",
     "ShardParallel",
@@ -28,5 +31,8 @@ __all__ = [
     "StagePlan",
     "TraceError",
     "__version__",
+    "grad",
+    "mark_pipeline_boundary",
     "parallelize",
+    "value_and_grad",
 ]

@@ -20,7 +20,7 @@ from autopar.compiler.plan import Plan
 from autopar.compiler.planner import plan_step
 from autopar.compiler.trace import TracedStep, trace_step
 from autopar.errors import InvalidOptionError
-from autopar.methods import METHOD_TYPES, DataParallel, Method
+from autopar.methods import METHOD_TYPES, DataParallel, Method, PipeshardParallel
 from autopar.runtime.shard import ShardedProgram
 
 
@@ -39,7 +39,7 @@ class CompiledStep:
 
     traced: TracedStep
     plan: Plan
-    executable: ShardedProgram
+    executable: Any  # ShardedProgram, or a PipelineRunner for pipelined steps
     compile_time_s: float
 
 
@@ -92,15 +92,34 @@ class ParallelizedStep:
         found = self._cache.get(key)
         if found is None:
             start = time.perf_counter()
-            traced = trace_step(self.fn, args)
-            plan = plan_step(
-                traced, self.method, local_cluster(self.devices), batch_argnums=self.batch_argnums
-            )
-            executable = ShardedProgram(traced.program, plan, self.devices)
+            if isinstance(self.method, PipeshardParallel):
+                traced, plan, executable = self._pipeline(args)
+            else:
+                traced = trace_step(self.fn, args)
+                plan = plan_step(
+                    traced, self.method, local_cluster(self.devices),
+                    batch_argnums=self.batch_argnums,
+                )
+                executable = ShardedProgram(traced.program, plan, self.devices)
             found = CompiledStep(traced, plan, executable, time.perf_counter() - start)
             plan.options["compile_time_s"] = found.compile_time_s
             self._cache[key] = found
         return found
+
+    def _pipeline(self, args: Sequence[Any]) -> tuple[TracedStep, Plan, Any]:
+        # imported here: the pipeline stack loads only when a pipelined step is planned
+        from autopar.compiler.pipeshard import plan_pipeshard
+        from autopar.compiler.trace import build_graph
+        from autopar.pipeline_program import build_pipeline_program
+        from autopar.runtime.pipeline import PipelineRunner
+
+        method = self.method
+        pp = build_pipeline_program(self.fn, args, self.batch_argnums, method.num_microbatches)
+        plan = plan_pipeshard(pp, method, local_cluster(self.devices))
+        plan.batch_argnums = self.batch_argnums
+        devices = self.devices if self.devices is not None else jax.devices()
+        runner = PipelineRunner.from_plan(pp, plan, devices)
+        return TracedStep(pp.outer, build_graph(pp.outer)), plan, runner
 
     def __call__(self, *args: Any) -> Any:
         compiled = self._compiled(args)
@@ -115,6 +134,11 @@ class ParallelizedStep:
     def get_hlo_text(self, *args: Any) -> str:
         """The compiled, optimized HLO text of the sharded program for these arguments."""
         compiled = self._compiled(args)
+        if not isinstance(compiled.executable, ShardedProgram):
+            raise InvalidOptionError(
+                "get_hlo_text covers one sharded program; a pipelined step compiles one "
+                "program per stage task (see get_plan for its stages)"
+            )
         return compiled.executable.hlo_text(jax.tree_util.tree_leaves(tuple(args)))
 
     def get_traced(self, *args: Any) -> TracedStep:

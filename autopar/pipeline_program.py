@@ -335,3 +335,51 @@ def _group(pp: PipelineProgram, eqn_home: dict[int, int], after: set[int]) -> li
 
 def _nbytes(aval: Any) -> float:
     return float(np.prod(aval.shape, dtype=np.float64)) * np.dtype(aval.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class PieceRoles:
+    """What each input and output of a piece is to its forward and backward tasks.
+
+    ``params``: differentiated loss inputs (their gradients are accumulated); ``acts``: float
+    values from earlier pieces (their gradients flow back); ``fixed``: loss inputs that are
+    neither differentiated nor cut into microbatches; ``micro``: the rest (microbatch slices,
+    and non-float values from earlier pieces). Outputs: ``float_outputs`` carry cotangents back,
+    ``other_outputs`` do not."""
+
+    params: tuple[int, ...]
+    acts: tuple[int, ...]
+    fixed: tuple[int, ...]
+    micro: tuple[int, ...]
+    float_outputs: tuple[int, ...]
+    other_outputs: tuple[int, ...]
+
+    @property
+    def diff(self) -> tuple[int, ...]:
+        return self.params + self.acts
+
+    @property
+    def nondiff(self) -> tuple[int, ...]:
+        return self.fixed + self.micro
+
+
+def piece_roles(pp: PipelineProgram, piece: Piece) -> PieceRoles:
+    """Classify ``piece``'s inputs and outputs (the same way for planning and running)."""
+    fwd = pp.forward
+    loss_inputs = set(fwd.in_ids)
+    diff_inputs = set(pp.diff_inputs)
+    params = tuple(v for v in piece.inputs if v in diff_inputs)
+    acts = tuple(v for v in piece.inputs if v not in loss_inputs and _is_float(fwd.avals[v]))
+    fixed = tuple(
+        v for v in piece.inputs
+        if v in loss_inputs and v not in diff_inputs and v not in pp.split_inputs
+    )
+    taken = set(params) | set(acts) | set(fixed)
+    micro = tuple(v for v in piece.inputs if v not in taken)
+    float_out = tuple(v for v in piece.outputs if _is_float(fwd.avals[v]))
+    other_out = tuple(v for v in piece.outputs if v not in set(float_out))
+    return PieceRoles(params, acts, fixed, micro, float_out, other_out)
+
+
+def _is_float(aval: Any) -> bool:
+    return bool(np.issubdtype(np.dtype(aval.dtype), np.inexact))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import jax
@@ -59,6 +59,13 @@ class ZooModel:
     size: str
     config: Any
     family: ModelFamily = field(repr=False, compare=False)
+    # how train_step differentiates the loss: jax.value_and_grad, or a drop-in with the same
+    # signature (a pipeline parallelizer's, which marks where the loss function is)
+    value_and_grad_fn: Callable = field(default=jax.value_and_grad, repr=False, compare=False)
+
+    def with_value_and_grad(self, value_and_grad_fn: Callable) -> ZooModel:
+        """This model with ``train_step`` differentiating through ``value_and_grad_fn``."""
+        return replace(self, value_and_grad_fn=value_and_grad_fn)
 
     # -- optimizer --------------------------------------------------------------------------
     @property
@@ -112,9 +119,9 @@ class ZooModel:
             def objective(p):
                 return self.family.loss_with_extra(p, extra, batch, self.config)
 
-            (loss, new_extra), grads = jax.value_and_grad(objective, has_aux=True)(params)
+            (loss, new_extra), grads = self.value_and_grad_fn(objective, has_aux=True)(params)
         else:
-            loss, grads = jax.value_and_grad(self.loss_fn)(params, batch)
+            loss, grads = self.value_and_grad_fn(self.loss_fn)(params, batch)
             new_extra = extra
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)

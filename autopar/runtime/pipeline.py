@@ -23,9 +23,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from autopar.pipeline_program import Piece, PipelineProgram, Segment, input_consumers
+from autopar.pipeline_program import (
+    Piece,
+    PipelineProgram,
+    Segment,
+    cut_pieces,
+    input_consumers,
+    piece_roles,
+    plan_segments,
+)
 from autopar.program import run_eqns
-from autopar.schedules import Schedule, TaskKind
+from autopar.runtime.shard import partition_spec
+from autopar.schedules import Schedule, TaskKind, make_schedule
 
 
 @dataclass(frozen=True)
@@ -91,48 +100,68 @@ class PipelineRunner:
         home: dict[int, int],
         schedule: Schedule,
         devices: Sequence[Any],
+        specs: Sequence[dict[int, Any]] | None = None,
     ):
         self.pp, self.pieces, self.schedule = pp, list(pieces), schedule
         self.stage_of_piece = list(stage_of_piece)
         self.segments, self.home = list(segments), dict(home)
         self.m = schedule.num_microbatches
         self.micro = pp.batch_size // self.m
-        by_id = {d.id: d for d in devices}
+        by_id = dict(enumerate(devices))  # plan device ids index the given devices
         self.meshes = [
             Mesh(np.array([by_id[i] for i in s.device_ids]).reshape(s.mesh_shape), s.axis_names)
             for s in stages
         ]
+        # per stage: forward value id -> ShardingSpec the stage's plan gives it
+        self.specs = [dict(d) for d in specs] if specs is not None else [{} for _ in stages]
         self.consumers = input_consumers(self.pieces)
         self.tasks = [self._piece_tasks(p) for p in self.pieces]
         self.segment_fns = [jax.jit(self._segment_fn(s)) for s in self.segments]
         self.records: list[TaskRecord] = []
         self._accumulate = jax.jit(lambda acc, g: [a + b for a, b in zip(acc, g, strict=True)])
 
+    @classmethod
+    def from_plan(cls, pp: PipelineProgram, plan: Any, devices: Sequence[Any]) -> PipelineRunner:
+        """The runner for a pipeshard ``Plan`` of ``pp`` on ``devices`` (indexed by the plan's
+        device ids)."""
+        layout = plan.options["pipeline"]
+        pieces = cut_pieces(pp.forward, layout["piece_positions"])
+        owner = list(layout["stage_of_piece"])
+        segments, home = plan_segments(pp, pieces, owner)
+        stages = [StageDevices(tuple(st.device_ids), tuple(st.logical_mesh_shape),
+                               tuple(st.axis_names)) for st in plan.stages]
+        schedule = make_schedule(layout["schedule"], len(stages), plan.num_microbatches,
+                                 int(layout["num_chunks"]))
+        specs = [st.tensor_shardings for st in plan.stages]
+        return cls(pp, pieces, owner, stages, segments, home, schedule, devices, specs)
+
     # -- placement -----------------------------------------------------------------------------
 
-    def sharding(self, stage: int, aval: Any, batched: bool) -> NamedSharding:
-        """Batched values are split along their first dimension over the stage's devices when
-        it divides; everything else is replicated on the stage."""
+    def sharding(
+        self, stage: int, aval: Any, vid: int | None = None, batched: bool = False
+    ) -> NamedSharding:
+        """The stage plan's spec for forward value ``vid`` when it has one; otherwise batched
+        values are split along their first dimension over the stage's devices when it divides,
+        and everything else is replicated on the stage."""
         mesh = self.meshes[stage]
+        spec = self.specs[stage].get(vid) if vid is not None else None
+        if spec is not None:
+            return NamedSharding(mesh, partition_spec(spec))
         shape = getattr(aval, "shape", ())
         if batched and shape and shape[0] % mesh.size == 0 and mesh.size > 1:
             return NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
         return NamedSharding(mesh, PartitionSpec())
 
-    def _put(self, value: Any, stage: int, batched: bool) -> Any:
-        return jax.device_put(value, self.sharding(stage, value, batched))
+    def _put(self, value: Any, stage: int, vid: int | None = None, batched: bool = False) -> Any:
+        return jax.device_put(value, self.sharding(stage, value, vid, batched))
 
     # -- executables ---------------------------------------------------------------------------
 
     def _piece_tasks(self, piece: Piece) -> _PieceTasks:
         fwd = self.pp.forward
-        inputs = set(fwd.in_ids)
-        params = [v for v in piece.inputs if v in self.pp.diff_inputs]
-        acts = [v for v in piece.inputs if v not in inputs and _is_float(fwd.avals[v])]
-        diff = params + acts
-        nondiff = [v for v in piece.inputs if v not in set(diff)]
-        float_out = [v for v in piece.outputs if _is_float(fwd.avals[v])]
-        other_out = [v for v in piece.outputs if v not in set(float_out)]
+        roles = piece_roles(self.pp, piece)
+        diff, params, nondiff = list(roles.diff), list(roles.params), list(roles.nondiff)
+        float_out, other_out = list(roles.float_outputs), list(roles.other_outputs)
         t = _PieceTasks(piece, self.stage_of_piece[piece.index], diff, params, nondiff,
                         float_out, other_out)
         n_params = len(params)
@@ -199,10 +228,11 @@ class PipelineRunner:
                 self._run_segment(st, k, seg)
         return [st.env[v] if v in st.env else outer.values[v] for v in outer.out_ids]
 
-    def _fetch(self, st: _StepState, vid: int, stage: int) -> Any:
-        key = (vid, stage)
+    def _fetch(self, st: _StepState, vid: int, stage: int, fid: int | None = None) -> Any:
+        """Step value ``vid`` on ``stage`` (as loss input ``fid`` when given)."""
+        key = (vid, stage, fid)
         if key not in st.placed:
-            st.placed[key] = self._put(st.env[vid], stage, batched=False)
+            st.placed[key] = self._put(st.env[vid], stage, fid)
         return st.placed[key]
 
     def _run_segment(self, st: _StepState, k: int, seg: Segment) -> None:
@@ -219,8 +249,8 @@ class PipelineRunner:
 
     def _input(self, st: _StepState, vid: int, microbatch: int, stage: int) -> Any:
         if vid in self.pp.operand_of and vid not in self.pp.split_inputs:
-            return self._fetch(st, self.pp.operand_of[vid], stage)
-        return self._put(st.acts[(vid, microbatch)], stage, batched=True)
+            return self._fetch(st, self.pp.operand_of[vid], stage, vid)
+        return self._put(st.acts[(vid, microbatch)], stage, vid, batched=True)
 
     def _run_task(self, st: _StepState, task: Any) -> Any:
         piece = task.piece(self.schedule.num_stages)
@@ -255,7 +285,7 @@ class PipelineRunner:
         if acc is None:
             acc = [
                 self._put(jnp.zeros(self.pp.forward.avals[v].shape,
-                                    self.pp.forward.avals[v].dtype), t.stage, batched=False)
+                                    self.pp.forward.avals[v].dtype), t.stage, v)
                 for v in t.params
             ]
         return acc
@@ -290,7 +320,7 @@ class PipelineRunner:
         for k, fid in enumerate(self.pp.loss_outputs):
             out_id = vg.outputs[k]
             stage = self.home.get(out_id, self.stage_of_piece[-1])
-            parts = [self._put(st.acts[(fid, i)], stage, batched=False) for i in range(self.m)]
+            parts = [self._put(st.acts[(fid, i)], stage) for i in range(self.m)]
             st.env[out_id] = _mean(parts)
         for fid, gid in self.pp.grad_outputs().items():
             stage = self.home[gid]
@@ -298,16 +328,12 @@ class PipelineRunner:
             for p in self.consumers.get(fid, []):
                 t = self.tasks[p]
                 g = st.accum[p][t.params.index(fid)]
-                g = self._put(g, stage, batched=False)
+                g = self._put(g, stage)
                 total = g if total is None else total + g
             if total is None:
                 aval = self.pp.forward.avals[fid]
-                total = self._put(jnp.zeros(aval.shape, aval.dtype), stage, batched=False)
+                total = self._put(jnp.zeros(aval.shape, aval.dtype), stage)
             st.env[gid] = total
-
-
-def _is_float(aval: Any) -> bool:
-    return jnp.issubdtype(aval.dtype, jnp.inexact)
 
 
 @jax.jit

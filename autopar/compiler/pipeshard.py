@@ -1,0 +1,243 @@
+"""PipeshardParallel planning: layers, the stage DP over per-layer ILP costs, stage plans.
+
+The loss forward is cut into layers (the user's marks or Alpa's clustering). Every layer is
+costed by the intra-operator ILP on every submesh shape and logical mesh shape (structurally
+identical layers once: ``LayerCostCache``); a stage's cost is the sum of its layers' (Alpa
+solves each candidate stage whole; summing layers keeps a 48-layer, 64-device search to a few
+dozen small ILPs). The stage DP picks layer ranges and submeshes; each chosen stage's pieces
+are then solved whole on their logical mesh, and that plan's input shardings are what the
+runtime places.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from autopar.compiler.graph import OpGraph
+from autopar.compiler.intra_op import IntraOpOptions
+from autopar.compiler.layers import cluster_layers
+from autopar.compiler.mesh import ClusterSpec, LogicalMesh
+from autopar.compiler.plan import Plan, StagePlan
+from autopar.compiler.stage_costs import LayerCostCache
+from autopar.compiler.stages import (
+    StageCandidate,
+    StageCostTable,
+    StageDPOptions,
+    StagePartition,
+    SubmeshShape,
+    manual_stages,
+    place_submeshes,
+    solve_stages,
+    submesh_shapes,
+    uniform_stages,
+)
+from autopar.compiler.trace import build_graph
+from autopar.errors import InvalidOptionError, PlanError
+from autopar.methods import ManualStages, PipeshardParallel
+from autopar.pipeline_program import Piece, PipelineProgram, cut_pieces
+from autopar.schedules import TaskKind, make_schedule, simulate
+
+DEFAULT_MAX_LAYERS = 16
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """How the runtime cuts the step: forward equation positions of the pieces, each piece's
+    stage, and the schedule. Stored in ``Plan.options["pipeline"]``."""
+
+    schedule: str
+    num_chunks: int
+    layer_positions: tuple[int, ...]
+    piece_positions: tuple[int, ...]
+    stage_of_piece: tuple[int, ...]
+
+    def to_dict(self) -> dict:
+        return {
+            "schedule": self.schedule,
+            "num_chunks": self.num_chunks,
+            "layer_positions": list(self.layer_positions),
+            "piece_positions": list(self.piece_positions),
+            "stage_of_piece": list(self.stage_of_piece),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> PipelineLayout:
+        return cls(d["schedule"], int(d["num_chunks"]), tuple(d["layer_positions"]),
+                   tuple(d["piece_positions"]), tuple(d["stage_of_piece"]))
+
+
+def layer_positions(pp: PipelineProgram, graph: OpGraph, method: PipeshardParallel,
+                    num_devices: int) -> list[int]:
+    """Cut positions (forward equation indices) between layers."""
+    marked = sorted(set(p for p in pp.boundary_positions() if 0 < p < len(graph.nodes)))
+    if method.layers == "marked" or (method.layers == "auto" and marked):
+        if not marked:
+            raise PlanError("layers='marked' but the loss function has no "
+                            "autopar.mark_pipeline_boundary() calls")
+        return marked
+    heavy = sum(1 for n in graph.nodes if n.flops > 0)
+    count = method.layers if isinstance(method.layers, int) else min(
+        DEFAULT_MAX_LAYERS, max(2, num_devices), heavy)
+    return list(cluster_layers(graph, count).positions)
+
+
+def _span(positions: Sequence[int], n: int, start: int, end: int) -> tuple[int, int]:
+    cuts = [0, *positions, n]
+    return cuts[start], cuts[end]
+
+
+def range_piece(pp: PipelineProgram, positions: Sequence[int], start: int, end: int) -> Piece:
+    """Layers ``[start, end)`` as one piece."""
+    n = len(pp.forward.eqns)
+    a, b = _span(positions, n, start, end)
+    pieces = cut_pieces(pp.forward, [p for p in (a, b) if 0 < p < n])
+    return next(p for p in pieces if p.eqns and p.eqns[0] == a)
+
+
+def logical_shapes(num_devices: int) -> list[tuple[int, ...]]:
+    """Logical meshes tried on a submesh: one axis, and 2-D splits with a side of 2."""
+    shapes: list[tuple[int, ...]] = [(num_devices,)]
+    if num_devices >= 4:
+        shapes += [(2, num_devices // 2), (num_devices // 2, 2)]
+    return list(dict.fromkeys(shapes))
+
+
+def _submesh_mesh(cluster: ClusterSpec, submesh: SubmeshShape, shape: tuple[int, ...],
+                  device_ids: Sequence[int] | None = None) -> LogicalMesh:
+    ids = device_ids if device_ids is not None else range(submesh.num_devices)
+    return LogicalMesh.from_cluster(cluster, shape, device_ids=tuple(ids))
+
+
+def plan_pipeshard(pp: PipelineProgram, method: PipeshardParallel, cluster: ClusterSpec,
+                   cluster_name: str | None = None) -> Plan:
+    """Plan ``pp`` (built with ``method.num_microbatches``) on ``cluster``."""
+    m = method.num_microbatches
+    graph = build_graph(pp.forward)
+    positions = layer_positions(pp, graph, method, cluster.num_devices)
+    num_layers = len(positions) + 1
+    options = IntraOpOptions(solver=method.solver, time_limit_s=method.time_limit_s,
+                             batch_argnums=(1,))
+    cache = LayerCostCache(options)
+    layers = cut_pieces(pp.forward, positions)
+    hosts, per_host = cluster.num_hosts, cluster.devices_per_host
+    submeshes = submesh_shapes(hosts, per_host)
+
+    def candidates(start: int, end: int, submesh: SubmeshShape) -> list[StageCandidate]:
+        found = []
+        for shape in logical_shapes(submesh.num_devices):
+            mesh = _submesh_mesh(cluster, submesh, shape)
+            costs = [cache.cost(pp, layers[k], mesh) for k in range(start, end)]
+            found.append(StageCandidate(
+                time=sum(c.time_s for c in costs),
+                fixed_memory=sum(c.fixed_bytes for c in costs),
+                activation_memory_per_microbatch=sum(c.activation_bytes for c in costs),
+                logical_mesh_shape=shape,
+                key="x".join(map(str, shape)),
+            ))
+        return found
+
+    budget = method.memory_budget_bytes or cluster.device.memory_bytes
+    schedule_for_dp = "1f1b" if method.schedule == "interleaved-1f1b" else method.schedule
+    dp_options = StageDPOptions(num_microbatches=m, schedule=schedule_for_dp,
+                                memory_budget_bytes=budget, num_stages=method.num_stages)
+    table = StageCostTable(num_layers, submeshes, candidates)
+    partition, chunks = _partition(method, table, num_layers, hosts, per_host, dp_options)
+    placed = place_submeshes(list(partition.submeshes), hosts, per_host)
+    layout, piece_ranges = _layout(method, partition, positions, chunks)
+    pieces = [range_piece(pp, positions, a, b) for a, b in piece_ranges]
+    stages = []
+    for s, assignment in enumerate(partition.stages):
+        shape = assignment.candidate.logical_mesh_shape
+        mesh = _submesh_mesh(cluster, assignment.submesh, shape, placed[s])
+        specs = {}
+        for k, piece in enumerate(pieces):
+            if layout.stage_of_piece[k] == s:
+                specs.update(cache.cost(pp, piece, mesh).input_specs)
+        c = assignment.candidate
+        stages.append(StagePlan(
+            index=s,
+            layers=tuple(range(assignment.start, assignment.end)),
+            submesh_shape=(assignment.submesh.num_hosts, assignment.submesh.devices_per_host),
+            logical_mesh_shape=tuple(shape),
+            axis_names=tuple(mesh.axis_names),
+            device_ids=tuple(mesh.device_ids),
+            tensor_shardings=specs,
+            est_time_s=c.time,
+            est_compute_time_s=c.time,
+            peak_memory_bytes=int(c.memory(dp_options.in_flight(len(partition.stages) - s))),
+            memory_breakdown={"fixed": int(c.fixed_memory),
+                              "activations_per_microbatch":
+                                  int(c.activation_memory_per_microbatch)},
+        ))
+    timeline = _timeline(layout, [st.est_time_s for st in stages], m, len(stages))
+    notes = []
+    if not partition.exact:
+        notes.append("stage search thinned its stage-time caps: not proven optimal")
+    if method.schedule == "interleaved-1f1b" and method.stages == "auto":
+        notes.append("interleaved-1f1b uses uniform stages (equal layers on equal submeshes)")
+    return Plan(
+        method="pipeshard",
+        mesh_shape=(len(stages),),
+        cluster=cluster_name or cluster.name,
+        stages=stages,
+        est_step_time_s=timeline.makespan,
+        total_flops=3.0 * graph.total_flops * m,
+        num_microbatches=m,
+        options={
+            "pipeline": layout.to_dict(),
+            "stage_search": partition.to_dict() | {"ilp_solves": cache.ilp_solves},
+            "estimated_idle_fraction": timeline.idle_fraction,
+            "theoretical_idle_fraction": timeline.theoretical_idle_fraction,
+        },
+        notes=notes,
+    )
+
+
+def _partition(method: PipeshardParallel, table: StageCostTable, num_layers: int, hosts: int,
+               per_host: int, options: StageDPOptions) -> tuple[StagePartition, int]:
+    if isinstance(method.stages, ManualStages):
+        shapes = [SubmeshShape(h, d) for h, d in method.stages.submesh_shapes]
+        ranges = [tuple(r) for r in method.stages.layer_ranges]
+        return manual_stages(table, ranges, shapes, hosts, per_host, options), 1
+    if method.schedule == "interleaved-1f1b" or method.stages == "uniform":
+        p = method.num_stages or 2
+        v = method.num_chunks if method.schedule == "interleaved-1f1b" else 1
+        if v < 2 and method.schedule == "interleaved-1f1b":
+            raise InvalidOptionError(f"interleaved-1f1b needs num_chunks >= 2, got {v}")
+        if num_layers % (p * v):
+            raise PlanError(f"{num_layers} layers cannot be cut into {p} stages x {v} chunks "
+                            "of equal layers; choose layers as a multiple of stages x chunks")
+        return uniform_stages(table, p, hosts, per_host, options), v
+    return solve_stages(table, hosts, per_host, options), 1
+
+
+def _layout(method: PipeshardParallel, partition: StagePartition, positions: Sequence[int],
+            chunks: int) -> tuple[PipelineLayout, list[tuple[int, int]]]:
+    p = len(partition.stages)
+    num_layers = len(positions) + 1
+    if chunks == 1:
+        ranges = [(st.start, st.end) for st in partition.stages]
+        owner = list(range(p))
+    else:  # p * v equal pieces; piece k runs on stage k mod p (Megatron's mapping)
+        size = num_layers // (p * chunks)
+        ranges = [(k * size, (k + 1) * size) for k in range(p * chunks)]
+        owner = [k % p for k in range(p * chunks)]
+    cuts = [positions[a - 1] for a, _ in ranges[1:]]
+    layout = PipelineLayout(method.schedule, chunks, tuple(positions), tuple(cuts), tuple(owner))
+    return layout, ranges
+
+
+def _timeline(layout: PipelineLayout, stage_times: Sequence[float], m: int, p: int):
+    """The schedule simulated with each piece's forward a third of its stage's time."""
+    schedule = make_schedule(layout.schedule, p, m, layout.num_chunks)
+    per_piece = [stage_times[s] / layout.num_chunks for s in layout.stage_of_piece]
+    split = schedule.splits_backward
+
+    def cost(task) -> float:
+        t = per_piece[task.piece(p)]
+        if task.kind == TaskKind.F:
+            return t / 3
+        return t / 3 if split else 2 * t / 3
+
+    return simulate(schedule, cost)

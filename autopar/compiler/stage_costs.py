@@ -1,0 +1,163 @@
+"""What a pipeline stage costs: its forward, backward and update as one graph, solved by the
+intra-operator ILP on a logical mesh.
+
+A piece of the loss forward becomes a small train step: the forward, ``jax.vjp`` back to its
+parameters and incoming activations, and a plain gradient step on the parameters (so the ILP
+sees that a replicated parameter's gradient must be reduced). Traced at microbatch shapes, the
+ILP's objective is the stage's time per microbatch; its choice for the piece's inputs is the
+stage's plan. Layers of the same structure are costed once (``LayerCostCache``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+
+from autopar.compiler.graph import OpGraph
+from autopar.compiler.intra_op import IntraOpOptions, solve_intra_op
+from autopar.compiler.mesh import LogicalMesh
+from autopar.compiler.plan import ShardingSpec
+from autopar.compiler.trace import build_graph
+from autopar.pipeline_program import Piece, PipelineProgram, piece_roles
+from autopar.program import flatten_step, run_eqns
+
+
+@dataclass(frozen=True)
+class PieceCost:
+    """One piece on one logical mesh: seconds per microbatch (forward + backward + the
+    gradient's reduction), per-device bytes that stay (parameters, gradients and optimizer
+    state, taken as 4x the parameters) and per in-flight microbatch (the forward's values kept
+    for the backward), and the spec of each piece input (forward value id -> spec)."""
+
+    time_s: float
+    fixed_bytes: float
+    activation_bytes: float
+    input_specs: dict[int, ShardingSpec]
+    ilp_status: str
+
+
+def piece_train_graph(pp: PipelineProgram, piece: Piece) -> tuple[OpGraph, dict[str, int]]:
+    """The piece's train step as an OpGraph, and the forward value id of each graph input path
+    (``state/p/k`` parameters, ``state/c/k`` fixed inputs, ``batch/a/k`` activations,
+    ``batch/d/k`` microbatch data, ``batch/g/k`` cotangents arriving from later stages)."""
+    fwd = pp.forward
+    roles = piece_roles(pp, piece)
+    n_params = len(roles.params)
+
+    def sds(v: int) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(fwd.avals[v].shape, fwd.avals[v].dtype)
+
+    def piece_step(state: dict, batch: dict) -> Any:
+        def run(diff_vals: list[Any]) -> tuple[list[Any], list[Any]]:
+            env = dict(zip(roles.diff, diff_vals, strict=True))
+            env.update(zip(roles.fixed, state["c"], strict=True))
+            env.update(zip(roles.micro, batch["d"], strict=True))
+            run_eqns(fwd, piece.eqns, env)
+            return [env[v] for v in roles.float_outputs], [env[v] for v in roles.other_outputs]
+
+        outs, vjp_fn, others = jax.vjp(run, [*state["p"], *batch["a"]], has_aux=True)
+        (grads,) = vjp_fn(list(batch["g"]))
+        new_params = [p - g for p, g in zip(state["p"], grads[:n_params], strict=True)]
+        return {"p": new_params}, grads[n_params:], outs, others
+
+    state = {"p": [sds(v) for v in roles.params], "c": [sds(v) for v in roles.fixed]}
+    batch = {
+        "a": [sds(v) for v in roles.acts],
+        "d": [sds(v) for v in roles.micro],
+        "g": [sds(v) for v in roles.float_outputs],
+    }
+    program = flatten_step(piece_step, (state, batch))
+    paths = {}
+    for prefix, ids in (("state/p", roles.params), ("state/c", roles.fixed),
+                        ("batch/a", roles.acts), ("batch/d", roles.micro),
+                        ("batch/g", roles.float_outputs)):
+        for k, v in enumerate(ids):
+            paths[f"{prefix}/{k}"] = v
+    return build_graph(program), paths
+
+
+def piece_signature(pp: PipelineProgram, piece: Piece) -> str:
+    """Equal for pieces of the same structure (operations, parameters, shapes, wiring)."""
+    fwd = pp.forward
+    local: dict[int, int] = {}
+
+    def name(v: int) -> str:
+        if v in fwd.values:
+            return f"k{fwd.avals[v]}"
+        local.setdefault(v, len(local))
+        return f"v{local[v]}:{fwd.avals[v]}"
+
+    roles = piece_roles(pp, piece)
+    parts = [",".join(name(v) for v in group) for group in
+             (roles.params, roles.acts, roles.fixed, roles.micro)]
+    for i in piece.eqns:
+        e = fwd.eqns[i]
+        params = sorted((k, repr(p)) for k, p in e.params.items())
+        parts.append(f"{e.name}{params}({','.join(name(v) for v in e.inputs)})->"
+                     f"{','.join(name(v) for v in e.outputs)}")
+    parts.append(",".join(name(v) for v in piece.outputs))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+@dataclass
+class LayerCostCache:
+    """Piece costs by (structure, mesh): a repeated layer is solved once per mesh."""
+
+    options: IntraOpOptions
+    solved: dict[tuple, tuple[PieceCost, Piece]] = field(default_factory=dict)
+    ilp_solves: int = 0
+
+    def cost(self, pp: PipelineProgram, piece: Piece, mesh: LogicalMesh) -> PieceCost:
+        key = (piece_signature(pp, piece), tuple(mesh.shape), tuple(mesh.alpha),
+               tuple(mesh.beta), mesh.peak_flops)
+        if key not in self.solved:
+            self.solved[key] = (_solve_piece(pp, piece, mesh, self.options), piece)
+            self.ilp_solves += 1
+        cost, first = self.solved[key]
+        if first is piece:
+            return cost
+        # the cached specs name the first piece's values: rename them for this one
+        a, b = piece_roles(pp, first), piece_roles(pp, piece)
+        mapping = dict(zip(a.params + a.acts + a.fixed + a.micro,
+                           b.params + b.acts + b.fixed + b.micro, strict=True))
+        specs = {mapping[v]: s for v, s in cost.input_specs.items() if v in mapping}
+        return PieceCost(cost.time_s, cost.fixed_bytes, cost.activation_bytes, specs,
+                         cost.ilp_status)
+
+
+def _solve_piece(pp: PipelineProgram, piece: Piece, mesh: LogicalMesh,
+                 options: IntraOpOptions) -> PieceCost:
+    graph, paths = piece_train_graph(pp, piece)
+    result = solve_intra_op(graph, mesh, options)
+    sizes = {a: mesh.axis_size(a) for a in mesh.axis_names}
+    by_path = {io.path: io.tensor for io in graph.inputs}
+    specs = {fid: result.input_spec[by_path[path]] for path, fid in paths.items()
+             if not path.startswith("batch/g")}
+    roles = piece_roles(pp, piece)
+    param_bytes = sum(
+        graph.tensors[by_path[f"state/p/{k}"]].nbytes / specs[v].num_shards(sizes)
+        for k, v in enumerate(roles.params)
+    )
+    # the forward's own results are kept for the backward; split like the piece's batch
+    fwd = pp.forward
+    kept = sum(_nbytes(fwd.avals[v]) for i in piece.eqns for v in fwd.eqns[i].outputs)
+    batch_split = max(
+        [specs[v].num_shards(sizes) for v in (*roles.acts, *roles.micro) if v in specs] or [1]
+    )
+    return PieceCost(
+        time_s=float(result.solution.objective),
+        fixed_bytes=4.0 * param_bytes,
+        activation_bytes=kept / batch_split,
+        input_specs=specs,
+        ilp_status=result.solution.status,
+    )
+
+
+def _nbytes(aval: Any) -> float:
+    size = 1
+    for d in aval.shape:
+        size *= int(d)
+    return float(size * aval.dtype.itemsize)
