@@ -19,8 +19,8 @@ from autopar.compiler.mesh import ClusterSpec, load_cluster
 from autopar.compiler.plan import Plan
 from autopar.compiler.planner import plan_step
 from autopar.compiler.trace import TracedStep, trace_step
-from autopar.errors import InvalidOptionError
-from autopar.methods import METHOD_TYPES, DataParallel, Method, PipeshardParallel
+from autopar.errors import BatchSizeError, InvalidOptionError, NoLossFunctionError
+from autopar.methods import METHOD_TYPES, Method, PipeshardParallel, ShardParallel
 from autopar.runtime.shard import ShardedProgram
 
 
@@ -80,6 +80,7 @@ class ParallelizedStep:
         self.batch_argnums = tuple(batch_argnums)
         self.devices = None if devices is None else list(devices)
         self._cache: dict[tuple, CompiledStep] = {}
+        self.method_defaulted = False  # parallelize() without method=: the full search
         functools.update_wrapper(self, fn)
 
     def _compiled(self, args: Sequence[Any]) -> CompiledStep:
@@ -114,7 +115,18 @@ class ParallelizedStep:
         from autopar.runtime.pipeline import PipelineRunner
 
         method = self.method
-        pp = build_pipeline_program(self.fn, args, self.batch_argnums, method.num_microbatches)
+        try:
+            pp = build_pipeline_program(self.fn, args, self.batch_argnums, method.num_microbatches)
+        except (NoLossFunctionError, BatchSizeError) as err:
+            if not self.method_defaulted:
+                raise
+            # the default search needs a marked loss and a batch the microbatches divide;
+            # without them one stage (the intra-operator pass alone) is what it can do
+            traced = trace_step(self.fn, args)
+            plan = plan_step(traced, ShardParallel(), local_cluster(self.devices),
+                             batch_argnums=self.batch_argnums)
+            plan.notes.append(f"one stage, no pipeline: {err}")
+            return traced, plan, ShardedProgram(traced.program, plan, self.devices)
         plan = plan_pipeshard(pp, method, local_cluster(self.devices))
         plan.batch_argnums = self.batch_argnums
         devices = self.devices if self.devices is not None else jax.devices()
@@ -159,8 +171,16 @@ def parallelize(
     (``@autopar.parallelize``) or with arguments. ``batch_argnums`` names the positional
     arguments that hold the batch (split by data parallelism); the rest is state.
     ``devices`` restricts the step to these devices (default: all of this process's).
+    Without ``method`` the full automatic search runs (``PipeshardParallel()``: stages,
+    submeshes and intra-operator plans, one stage when that is best); a step that does not
+    differentiate with ``autopar.value_and_grad`` / ``autopar.grad`` gets one stage planned by
+    the intra-operator pass (``ShardParallel()``), with a note in the plan.
     """
-    chosen = method if method is not None else DataParallel()
-    if fn is None:
-        return lambda f: ParallelizedStep(f, chosen, tuple(batch_argnums), devices)
-    return ParallelizedStep(fn, chosen, tuple(batch_argnums), devices)
+    chosen = method if method is not None else PipeshardParallel()
+
+    def wrap(f: Callable) -> ParallelizedStep:
+        step = ParallelizedStep(f, chosen, tuple(batch_argnums), devices)
+        step.method_defaulted = method is None
+        return step
+
+    return wrap if fn is None else wrap(fn)

@@ -37,7 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--size", default="tiny", help="model size (tiny, or the Alpa sizes)")
     c.add_argument("--batch-size", type=int, default=None, help="override the global batch")
     c.add_argument("--layers", type=int, default=None, help="override the number of layers")
-    c.add_argument("--method", default="data", help="parallelization method: data, shard")
+    c.add_argument(
+        "--method", default="pipeshard",
+        help="parallelization method: pipeshard (default: the full search of stages, submeshes "
+             "and intra-operator plans), shard, data",
+    )
     c.add_argument("--mesh", default=None, help="logical mesh shape, e.g. 2x4 or 8")
     c.add_argument(
         "--devices", type=int, default=None,
@@ -53,6 +57,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--memory-budget", type=float, default=None, help="per-device memory budget in GiB"
     )
+    p = c.add_argument_group("pipeline (--method pipeshard)")
+    p.add_argument("--microbatches", type=int, default=4, help="microbatches per step")
+    p.add_argument("--schedule", default="1f1b",
+                   help="gpipe, 1f1b, interleaved-1f1b, zb-h1")
+    p.add_argument("--stages", default="auto", help="auto (the stage DP) or uniform")
+    p.add_argument("--num-stages", type=int, default=None, help="fix the number of stages")
+    p.add_argument("--pipeline-layers", default="auto",
+                   help="layers to cluster the loss forward into: auto, marked, or a number")
+    p.add_argument("--swimlane", default=None, help="write the schedule's swimlane as PNG")
     return parser
 
 
@@ -87,9 +100,12 @@ def run_compile(args: argparse.Namespace) -> int:
     shard_options = {"solver": args.solver, "time_limit_s": args.time_limit}
     if args.memory_budget is not None:
         shard_options["memory_budget_bytes"] = args.memory_budget * 2**30
-    method = method_from_name(
-        args.method, mesh_shape, **(shard_options if args.method == "shard" else {})
-    )
+    if args.method == "pipeshard":
+        method = _pipeshard_method(args)
+    else:
+        method = method_from_name(
+            args.method, mesh_shape, **(shard_options if args.method == "shard" else {})
+        )
     if args.cluster is not None:
         cluster = load_cluster(args.cluster)
         if args.hosts is not None:
@@ -100,6 +116,8 @@ def run_compile(args: argparse.Namespace) -> int:
 
         cluster = local_cluster()
     start = time.perf_counter()
+    if args.method == "pipeshard":
+        return _compile_pipeshard(args, model, method, cluster, start)
     traced = trace_step(model.train_step, model.abstract_inputs())
     dumped: list[str] = []
 
@@ -138,6 +156,61 @@ def run_compile(args: argparse.Namespace) -> int:
                 f"--dump-ilp needs an ILP; method '{args.method}' solves none (use --method shard)"
             )
         _write(args.dump_ilp, dumped[-1], "--dump-ilp")
+    if args.json_path:
+        _write(args.json_path, json.dumps(report.to_dict(), indent=2), "--json")
+    return 0
+
+
+def _pipeshard_method(args: argparse.Namespace):
+    from autopar.methods import PipeshardParallel
+
+    layers: int | str = args.pipeline_layers
+    if isinstance(layers, str) and layers.isdigit():
+        layers = int(layers)
+    options = {"solver": args.solver, "time_limit_s": args.time_limit}
+    if args.memory_budget is not None:
+        options["memory_budget_bytes"] = args.memory_budget * 2**30
+    return PipeshardParallel(
+        num_microbatches=args.microbatches, layers=layers, stages=args.stages,
+        schedule=args.schedule, num_stages=args.num_stages, **options,
+    )
+
+
+def _compile_pipeshard(args: argparse.Namespace, model, method, cluster, start: float) -> int:
+    """Plan the zoo model as a pipeline: it differentiates with autopar.value_and_grad."""
+    import autopar
+    from autopar.compiler.pipeshard import plan_pipeshard
+    from autopar.compiler.trace import trace_step
+    from autopar.pipeline_program import build_pipeline_program
+    from autopar.report import CompileReport, plan_timeline
+
+    if args.mesh:
+        raise InvalidOptionError("--mesh applies to --method shard/data; pipeshard chooses a "
+                                 "logical mesh per stage")
+    marked = model.with_value_and_grad(autopar.value_and_grad)
+    inputs = marked.abstract_inputs()
+    pp = build_pipeline_program(marked.train_step, inputs, (1,), method.num_microbatches)
+    plan = plan_pipeshard(pp, method, cluster)
+    compile_time = time.perf_counter() - start
+    graph = trace_step(model.train_step, inputs).graph
+    report = CompileReport.build(
+        model=f"{args.model} {args.size}", plan=plan, graph=graph,
+        num_params=model.num_params(), compile_time_s=compile_time,
+    )
+    print(report.to_text())
+    if args.swimlane:
+        from autopar.swimlane import save_swimlane_png
+
+        title = f"{args.model} {args.size}: {plan.options['pipeline']['schedule']}"
+        try:
+            save_swimlane_png(plan_timeline(plan), args.swimlane, title=title)
+        except OSError as exc:
+            raise InvalidOptionError(f"cannot write --swimlane file '{args.swimlane}': "
+                                     f"{exc.strerror}") from exc
+        print(f"wrote {args.swimlane}")
+    if args.dump_ilp:
+        raise InvalidOptionError("--dump-ilp needs --method shard (pipeshard solves one ILP "
+                                 "per layer and mesh)")
     if args.json_path:
         _write(args.json_path, json.dumps(report.to_dict(), indent=2), "--json")
     return 0

@@ -32,6 +32,10 @@ class PlanError(AutoparError, ValueError):
     """A plan is malformed, of an unknown format version, or does not match the step."""
 
 
+class NoLossFunctionError(PlanError):
+    """Pipelining needs the loss function marked by autopar.value_and_grad / autopar.grad."""
+
+
 def choices_text(choices) -> str:
     """Format valid choices for an error message: ``a, b, c``."""
     return ", ".join(str(c) for c in choices)

@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from autopar.errors import BatchSizeError, PlanError
+from autopar.errors import BatchSizeError, NoLossFunctionError, PlanError
 from autopar.loss_markers import PIPELINE_BOUNDARY, VALUE_AND_GRAD, LossFunction
 from autopar.program import FlatProgram, TensorKind, flatten_jaxpr, flatten_step
 
@@ -90,7 +90,7 @@ class PipelineProgram:
 def _loss_eqn(program: FlatProgram) -> Any:
     found = [e for e in program.eqns if e.name == VALUE_AND_GRAD]
     if len(found) != 1:
-        raise PlanError(
+        raise NoLossFunctionError(
             "PipeshardParallel needs the train step to compute its gradients with exactly one "
             f"autopar.value_and_grad or autopar.grad call; found {len(found)}"
         )

@@ -8,6 +8,7 @@ from typing import Any
 from autopar.compiler.graph import OpGraph
 from autopar.compiler.mesh import format_mesh_shape
 from autopar.compiler.plan import Plan
+from autopar.schedules import Timeline, render_text, stage_timeline
 
 
 @dataclass
@@ -87,6 +88,7 @@ class CompileReport:
                 }
                 for s in plan.stages
             ],
+            "pipeline": _pipeline_dict(plan),
             "shardings": plan.shardings(),
             "collectives": {
                 "predicted": self.predicted_collectives(),
@@ -122,6 +124,21 @@ class CompileReport:
                 f"{_seconds(s.est_compute_time_s):>10} "
                 f"{_seconds(s.est_communication_time_s):>10} {_bytes(s.peak_memory_bytes):>10}"
             )
+        timeline = plan_timeline(plan)
+        if timeline is not None:
+            layout = plan.options["pipeline"]
+            lines += [
+                "",
+                f"pipeline: {layout['schedule']}, {plan.num_microbatches} microbatches, "
+                f"{len(plan.stages)} stages"
+                + (f" x {layout['num_chunks']} chunks" if layout["num_chunks"] > 1 else ""),
+                f"  idle fraction: estimated {timeline.idle_fraction:.3f}, theoretical "
+                f"(p-1)/(m+p-1) = {_theoretical(len(plan.stages), plan.num_microbatches):.3f}"
+                + (f", measured {plan.options['measured_idle_fraction']:.3f}"
+                   if "measured_idle_fraction" in plan.options else ""),
+                "  swimlane (estimated; one column per forward slot):",
+            ]
+            lines += ["    " + row for row in render_text(timeline).splitlines()]
         lines += ["", "collectives (predicted by the plan | counted in compiled HLO)"]
         predicted = self.predicted_collectives()
         emitted = {k: v for k, v in (self.hlo_collectives or {}).items() if v["count"]}
@@ -136,7 +153,9 @@ class CompileReport:
                 ratio = f"{p['bytes'] / h['bytes']:.2f}" if h["bytes"] else "-"
                 row += f" | hlo {h['count']:>4} x, {_bytes(h['bytes']):>10} | bytes ratio {ratio}"
             lines.append(row)
-        if self.hlo_collectives is None:
+        if self.hlo_collectives is None and plan.method == "pipeshard":
+            lines.append("  (HLO not counted: a pipelined step compiles one program per task)")
+        elif self.hlo_collectives is None:
             lines.append("  (HLO not compiled: planned for a described cluster)")
         elif any(emitted.get(k, {"count": 0})["count"] < predicted[k]["count"] for k in predicted):
             lines.append(
@@ -155,6 +174,31 @@ class CompileReport:
         for note in list(self.notes) + list(plan.notes):
             lines.append(f"note: {note}")
         return "\n".join(lines)
+
+
+def plan_timeline(plan: Plan) -> Timeline | None:
+    """The estimated schedule of a pipelined plan (None for other plans)."""
+    layout = plan.options.get("pipeline")
+    if not layout:
+        return None
+    return stage_timeline(layout["schedule"], [s.est_time_s for s in plan.stages],
+                          plan.num_microbatches, int(layout["num_chunks"]))
+
+
+def _pipeline_dict(plan: Plan) -> dict[str, Any] | None:
+    timeline = plan_timeline(plan)
+    if timeline is None:
+        return None
+    return plan.options["pipeline"] | {
+        "num_microbatches": plan.num_microbatches,
+        "estimated_idle_fraction": timeline.idle_fraction,
+        "theoretical_idle_fraction": _theoretical(len(plan.stages), plan.num_microbatches),
+        "measured_idle_fraction": plan.options.get("measured_idle_fraction"),
+    }
+
+
+def _theoretical(p: int, m: int) -> float:
+    return (p - 1) / (m + p - 1)
 
 
 def _solver_lines(stats: dict[str, Any]) -> list[str]:

@@ -12,7 +12,7 @@ With ``v`` chunks per stage (interleaved 1F1B) the model is cut into ``p * v`` p
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -401,6 +401,28 @@ def simulate(schedule: Schedule, cost: Callable[[Task], float] | None = None) ->
         spans[task] = (start, start + duration)
         stage_free[task.stage] = start + duration
     return Timeline(schedule, spans)
+
+
+def stage_timeline(
+    name: str,
+    stage_times: Sequence[float],
+    num_microbatches: int,
+    num_chunks: int = 1,
+) -> Timeline:
+    """The schedule simulated for stages whose forward + backward of one microbatch takes
+    ``stage_times[s]``: a piece's forward is a third of its share, its backward two thirds
+    (input and weight gradients a third each when the schedule splits them)."""
+    p = len(stage_times)
+    schedule = make_schedule(name, p, num_microbatches, num_chunks)
+    per_piece = [t / num_chunks for t in stage_times]
+
+    def cost(task: Task) -> float:
+        t = per_piece[task.stage]
+        if task.kind == TaskKind.F or schedule.splits_backward:
+            return t / 3
+        return 2 * t / 3
+
+    return simulate(schedule, cost)
 
 
 def render_text(timeline: Timeline, width: int | None = None) -> str:

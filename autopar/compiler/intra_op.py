@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from autopar.compiler.collectives import CollectiveEstimate
 from autopar.compiler.graph import OpGraph
@@ -94,15 +95,22 @@ class ProblemParts:
 
 
 def build_problem(
-    graph: OpGraph, mesh: LogicalMesh, options: IntraOpOptions
+    graph: OpGraph,
+    mesh: LogicalMesh,
+    options: IntraOpOptions,
+    reshard_cache: dict[tuple, Any] | None = None,
 ) -> tuple[IntraOpProblem, ProblemParts]:
-    """Variables, costs and edges of the sharding ILP for ``graph`` on ``mesh``."""
+    """Variables, costs and edges of the sharding ILP for ``graph`` on ``mesh``.
+
+    ``reshard_cache``: resharding costs to reuse, shared by builds on this same mesh."""
     table = DecisionVariables(graph, mesh)
     table.add_inputs(options.batch_argnums, options.pinned_inputs)
     table.add_nodes()
     if options.tie_rounds > 0:
         tie_identical_variables(table, options.batch_argnums, options.tie_rounds)
-    parts = ProblemParts(table, ReshardingEdges(table), state_ties(graph, table.tensor_home))
+    parts = ProblemParts(
+        table, ReshardingEdges(table, reshard_cache), state_ties(graph, table.tensor_home)
+    )
     edges = parts.edges.edges(parts.ties)  # before the nodes: adds in-variable uses to costs
     budget = options.memory_budget_bytes
     memory = memory_vectors(table) if budget is not None else [None] * len(table.variables)
@@ -171,10 +179,16 @@ def read_solution(
     return node_strategy, input_spec, operand_specs, tensor_spec, collectives
 
 
-def solve_intra_op(graph: OpGraph, mesh: LogicalMesh, options: IntraOpOptions) -> IntraOpResult:
-    """Build and solve the sharding ILP of ``graph`` on ``mesh``."""
+def solve_intra_op(
+    graph: OpGraph,
+    mesh: LogicalMesh,
+    options: IntraOpOptions,
+    reshard_cache: dict[tuple, Any] | None = None,
+) -> IntraOpResult:
+    """Build and solve the sharding ILP of ``graph`` on ``mesh`` (``reshard_cache``: see
+    ``build_problem``)."""
     start = time.perf_counter()
-    problem, parts = build_problem(graph, mesh, options)
+    problem, parts = build_problem(graph, mesh, options, reshard_cache)
     build_time = time.perf_counter() - start
     solution = solve(problem, solver=options.solver, time_limit_s=options.time_limit_s)
     node_strategy, input_spec, operand_specs, tensor_spec, collectives = read_solution(

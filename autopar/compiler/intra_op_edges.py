@@ -63,9 +63,12 @@ class ReshardingEdges:
 
     ``cost`` is also how the read-back of a solution prices the reshards it keeps."""
 
-    def __init__(self, table: DecisionVariables):
+    def __init__(
+        self, table: DecisionVariables, cost_cache: dict[tuple, ReshardCost] | None = None
+    ):
         self.table = table
-        self._cost_cache: dict[tuple, ReshardCost] = {}
+        # may be shared by builds on the same mesh (costs depend on specs, type and mesh only)
+        self._cost_cache: dict[tuple, ReshardCost] = {} if cost_cache is None else cost_cache
         self._matrix_cache: dict[tuple, np.ndarray] = {}
 
     def cost(self, src: ShardingSpec, dst: ShardingSpec, info: TensorInfo) -> ReshardCost:
@@ -92,11 +95,16 @@ class ReshardingEdges:
         found = self._matrix_cache.get(full_key)
         if found is None:
             needs = needs()
-            src_specs = [s.output_specs[out] for s in src_list]
-            found = np.zeros((len(src_specs), len(needs)))
-            for j, need in enumerate(needs):
-                if need is not None:
-                    found[:, j] = [self.cost(spec, need, info).time_s for spec in src_specs]
+            # many strategies share a spec: price each distinct (producer, consumer) pair once
+            src_index: dict[ShardingSpec, int] = {}
+            rows = [src_index.setdefault(s.output_specs[out], len(src_index)) for s in src_list]
+            need_index: dict[ShardingSpec, int] = {}
+            cols = [-1 if n is None else need_index.setdefault(n, len(need_index)) for n in needs]
+            small = np.zeros((len(src_index), len(need_index) + 1))  # last column: no need
+            for a, spec in enumerate(src_index):
+                for b, need in enumerate(need_index):
+                    small[a, b] = self.cost(spec, need, info).time_s
+            found = small[np.ix_(rows, cols)]
             self._matrix_cache[full_key] = found
         return found
 

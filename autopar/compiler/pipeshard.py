@@ -36,7 +36,7 @@ from autopar.compiler.trace import build_graph
 from autopar.errors import InvalidOptionError, PlanError
 from autopar.methods import ManualStages, PipeshardParallel
 from autopar.pipeline_program import Piece, PipelineProgram, cut_pieces
-from autopar.schedules import TaskKind, make_schedule, simulate
+from autopar.schedules import stage_timeline
 
 DEFAULT_MAX_LAYERS = 16
 
@@ -77,8 +77,10 @@ def layer_positions(pp: PipelineProgram, graph: OpGraph, method: PipeshardParall
                             "autopar.mark_pipeline_boundary() calls")
         return marked
     heavy = sum(1 for n in graph.nodes if n.flops > 0)
+    # by default about one layer per two devices: enough cuts for the stage DP to balance on,
+    # few enough distinct layers that costing them stays quick
     count = method.layers if isinstance(method.layers, int) else min(
-        DEFAULT_MAX_LAYERS, max(2, num_devices), heavy)
+        DEFAULT_MAX_LAYERS, max(2, num_devices // 2), heavy)
     return list(cluster_layers(graph, count).positions)
 
 
@@ -96,11 +98,12 @@ def range_piece(pp: PipelineProgram, positions: Sequence[int], start: int, end: 
 
 
 def logical_shapes(num_devices: int) -> list[tuple[int, ...]]:
-    """Logical meshes tried on a submesh: one axis, and 2-D splits with a side of 2."""
+    """Logical meshes tried on a submesh: one axis, and a 2-D one whose first axis has 2
+    devices (with 1-D meshes, enough for data x operator parallelism on 2 and 4 devices)."""
     shapes: list[tuple[int, ...]] = [(num_devices,)]
     if num_devices >= 4:
-        shapes += [(2, num_devices // 2), (num_devices // 2, 2)]
-    return list(dict.fromkeys(shapes))
+        shapes.append((2, num_devices // 2))
+    return shapes
 
 
 def _submesh_mesh(cluster: ClusterSpec, submesh: SubmeshShape, shape: tuple[int, ...],
@@ -109,19 +112,11 @@ def _submesh_mesh(cluster: ClusterSpec, submesh: SubmeshShape, shape: tuple[int,
     return LogicalMesh.from_cluster(cluster, shape, device_ids=tuple(ids))
 
 
-def plan_pipeshard(pp: PipelineProgram, method: PipeshardParallel, cluster: ClusterSpec,
-                   cluster_name: str | None = None) -> Plan:
-    """Plan ``pp`` (built with ``method.num_microbatches``) on ``cluster``."""
-    m = method.num_microbatches
-    graph = build_graph(pp.forward)
-    positions = layer_positions(pp, graph, method, cluster.num_devices)
-    num_layers = len(positions) + 1
-    options = IntraOpOptions(solver=method.solver, time_limit_s=method.time_limit_s,
-                             batch_argnums=(1,))
-    cache = LayerCostCache(options)
+def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: PipeshardParallel,
+                     cluster: ClusterSpec, cache: LayerCostCache) -> StageCostTable:
+    """Candidates for every layer range and submesh: per logical mesh shape, the sum of the
+    layers' ILP costs (filled lazily: the DP reads every entry, baselines only a few)."""
     layers = cut_pieces(pp.forward, positions)
-    hosts, per_host = cluster.num_hosts, cluster.devices_per_host
-    submeshes = submesh_shapes(hosts, per_host)
 
     def candidates(start: int, end: int, submesh: SubmeshShape) -> list[StageCandidate]:
         found = []
@@ -137,11 +132,55 @@ def plan_pipeshard(pp: PipelineProgram, method: PipeshardParallel, cluster: Clus
             ))
         return found
 
+    submeshes = submesh_shapes(cluster.num_hosts, cluster.devices_per_host)
+    return StageCostTable(len(positions) + 1, submeshes, candidates)
+
+
+def _dp_options(method: PipeshardParallel, cluster: ClusterSpec) -> StageDPOptions:
     budget = method.memory_budget_bytes or cluster.device.memory_bytes
-    schedule_for_dp = "1f1b" if method.schedule == "interleaved-1f1b" else method.schedule
-    dp_options = StageDPOptions(num_microbatches=m, schedule=schedule_for_dp,
-                                memory_budget_bytes=budget, num_stages=method.num_stages)
-    table = StageCostTable(num_layers, submeshes, candidates)
+    schedule = "1f1b" if method.schedule == "interleaved-1f1b" else method.schedule
+    return StageDPOptions(num_microbatches=method.num_microbatches, schedule=schedule,
+                          memory_budget_bytes=budget, num_stages=method.num_stages)
+
+
+def _intra_options(method: PipeshardParallel) -> IntraOpOptions:
+    return IntraOpOptions(solver=method.solver, time_limit_s=method.time_limit_s,
+                          batch_argnums=(1,))
+
+
+def stage_baselines(pp: PipelineProgram, method: PipeshardParallel,
+                    cluster: ClusterSpec) -> dict[str, StagePartition]:
+    """The DP's stages beside the two usual hand splits with as many stages: equal layers on
+    equal submeshes, and equal numbers of operators on equal submeshes."""
+    graph = build_graph(pp.forward)
+    cache = LayerCostCache(_intra_options(method))
+    options = _dp_options(method, cluster)
+    hosts, per_host = cluster.num_hosts, cluster.devices_per_host
+    positions = layer_positions(pp, graph, method, cluster.num_devices)
+    table = stage_cost_table(pp, positions, method, cluster, cache)
+    best = solve_stages(table, hosts, per_host, options)
+    p = len(best.stages)
+    found = {"dp": best}
+    if p > 1:
+        found["equal-layer"] = uniform_stages(table, p, hosts, per_host, options)
+        n = len(pp.forward.eqns)
+        by_count = [round(k * n / p) for k in range(1, p)]
+        ops_table = stage_cost_table(pp, by_count, method, cluster, cache)
+        found["equal-operator"] = uniform_stages(ops_table, p, hosts, per_host, options)
+    return found
+
+
+def plan_pipeshard(pp: PipelineProgram, method: PipeshardParallel, cluster: ClusterSpec,
+                   cluster_name: str | None = None) -> Plan:
+    """Plan ``pp`` (built with ``method.num_microbatches``) on ``cluster``."""
+    m = method.num_microbatches
+    graph = build_graph(pp.forward)
+    positions = layer_positions(pp, graph, method, cluster.num_devices)
+    num_layers = len(positions) + 1
+    cache = LayerCostCache(_intra_options(method))
+    hosts, per_host = cluster.num_hosts, cluster.devices_per_host
+    table = stage_cost_table(pp, positions, method, cluster, cache)
+    dp_options = _dp_options(method, cluster)
     partition, chunks = _partition(method, table, num_layers, hosts, per_host, dp_options)
     placed = place_submeshes(list(partition.submeshes), hosts, per_host)
     layout, piece_ranges = _layout(method, partition, positions, chunks)
@@ -150,11 +189,14 @@ def plan_pipeshard(pp: PipelineProgram, method: PipeshardParallel, cluster: Clus
     for s, assignment in enumerate(partition.stages):
         shape = assignment.candidate.logical_mesh_shape
         mesh = _submesh_mesh(cluster, assignment.submesh, shape, placed[s])
-        specs = {}
+        specs, compute = {}, 0.0
         for k, piece in enumerate(pieces):
             if layout.stage_of_piece[k] == s:
-                specs.update(cache.cost(pp, piece, mesh).input_specs)
+                cost = cache.cost(pp, piece, mesh)
+                specs.update(cost.input_specs)
+                compute += cost.compute_s
         c = assignment.candidate
+        compute = min(compute, c.time)
         stages.append(StagePlan(
             index=s,
             layers=tuple(range(assignment.start, assignment.end)),
@@ -162,15 +204,17 @@ def plan_pipeshard(pp: PipelineProgram, method: PipeshardParallel, cluster: Clus
             logical_mesh_shape=tuple(shape),
             axis_names=tuple(mesh.axis_names),
             device_ids=tuple(mesh.device_ids),
+            input_shardings=_input_paths(pp, specs),
             tensor_shardings=specs,
             est_time_s=c.time,
-            est_compute_time_s=c.time,
+            est_compute_time_s=compute,
+            est_communication_time_s=c.time - compute,
             peak_memory_bytes=int(c.memory(dp_options.in_flight(len(partition.stages) - s))),
             memory_breakdown={"fixed": int(c.fixed_memory),
                               "activations_per_microbatch":
                                   int(c.activation_memory_per_microbatch)},
         ))
-    timeline = _timeline(layout, [st.est_time_s for st in stages], m, len(stages))
+    timeline = stage_timeline(method.schedule, [st.est_time_s for st in stages], m, chunks)
     notes = []
     if not partition.exact:
         notes.append("stage search thinned its stage-time caps: not proven optimal")
@@ -192,6 +236,18 @@ def plan_pipeshard(pp: PipelineProgram, method: PipeshardParallel, cluster: Clus
         },
         notes=notes,
     )
+
+
+def _input_paths(pp: PipelineProgram, specs: dict) -> dict:
+    """The specs of loss inputs that are step inputs (parameters, batch leaves), by path."""
+    outer = pp.outer
+    path_of = dict(zip(outer.in_ids, outer.in_paths, strict=True))
+    found = {}
+    for fid, spec in specs.items():
+        path = path_of.get(pp.operand_of.get(fid, -1))
+        if path is not None:
+            found[path] = spec
+    return found
 
 
 def _partition(method: PipeshardParallel, table: StageCostTable, num_layers: int, hosts: int,
@@ -226,18 +282,3 @@ def _layout(method: PipeshardParallel, partition: StagePartition, positions: Seq
     cuts = [positions[a - 1] for a, _ in ranges[1:]]
     layout = PipelineLayout(method.schedule, chunks, tuple(positions), tuple(cuts), tuple(owner))
     return layout, ranges
-
-
-def _timeline(layout: PipelineLayout, stage_times: Sequence[float], m: int, p: int):
-    """The schedule simulated with each piece's forward a third of its stage's time."""
-    schedule = make_schedule(layout.schedule, p, m, layout.num_chunks)
-    per_piece = [stage_times[s] / layout.num_chunks for s in layout.stage_of_piece]
-    split = schedule.splits_backward
-
-    def cost(task) -> float:
-        t = per_piece[task.piece(p)]
-        if task.kind == TaskKind.F:
-            return t / 3
-        return t / 3 if split else 2 * t / 3
-
-    return simulate(schedule, cost)

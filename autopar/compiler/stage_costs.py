@@ -11,7 +11,7 @@ stage's plan. Layers of the same structure are costed once (``LayerCostCache``).
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import jax
@@ -33,6 +33,7 @@ class PieceCost:
     for the backward), and the spec of each piece input (forward value id -> spec)."""
 
     time_s: float
+    compute_s: float
     fixed_bytes: float
     activation_bytes: float
     input_specs: dict[int, ShardingSpec]
@@ -109,12 +110,23 @@ class LayerCostCache:
     options: IntraOpOptions
     solved: dict[tuple, tuple[PieceCost, Piece]] = field(default_factory=dict)
     ilp_solves: int = 0
+    # resharding costs per mesh, shared by every piece solved on it
+    reshard_costs: dict[tuple, dict] = field(default_factory=dict)
+    # each structure's train graph, traced once for all meshes
+    graphs: dict[str, tuple[OpGraph, dict[str, int]]] = field(default_factory=dict)
 
     def cost(self, pp: PipelineProgram, piece: Piece, mesh: LogicalMesh) -> PieceCost:
-        key = (piece_signature(pp, piece), tuple(mesh.shape), tuple(mesh.alpha),
-               tuple(mesh.beta), mesh.peak_flops)
+        mesh_key = (tuple(mesh.shape), tuple(mesh.alpha), tuple(mesh.beta), mesh.peak_flops,
+                    mesh.compute_efficiency)
+        signature = piece_signature(pp, piece)
+        key = (signature, *mesh_key)
         if key not in self.solved:
-            self.solved[key] = (_solve_piece(pp, piece, mesh, self.options), piece)
+            if signature not in self.graphs:
+                self.graphs[signature] = piece_train_graph(pp, piece)
+            graph, paths = self.graphs[signature]
+            shared = self.reshard_costs.setdefault(mesh_key, {})
+            cost = _solve_piece(pp, piece, graph, paths, mesh, self.options, shared)
+            self.solved[key] = (cost, piece)
             self.ilp_solves += 1
         cost, first = self.solved[key]
         if first is piece:
@@ -124,14 +136,12 @@ class LayerCostCache:
         mapping = dict(zip(a.params + a.acts + a.fixed + a.micro,
                            b.params + b.acts + b.fixed + b.micro, strict=True))
         specs = {mapping[v]: s for v, s in cost.input_specs.items() if v in mapping}
-        return PieceCost(cost.time_s, cost.fixed_bytes, cost.activation_bytes, specs,
-                         cost.ilp_status)
+        return replace(cost, input_specs=specs)
 
 
-def _solve_piece(pp: PipelineProgram, piece: Piece, mesh: LogicalMesh,
-                 options: IntraOpOptions) -> PieceCost:
-    graph, paths = piece_train_graph(pp, piece)
-    result = solve_intra_op(graph, mesh, options)
+def _solve_piece(pp: PipelineProgram, piece: Piece, graph: OpGraph, paths: dict[str, int],
+                 mesh: LogicalMesh, options: IntraOpOptions, reshard_cache: dict) -> PieceCost:
+    result = solve_intra_op(graph, mesh, options, reshard_cache)
     sizes = {a: mesh.axis_size(a) for a in mesh.axis_names}
     by_path = {io.path: io.tensor for io in graph.inputs}
     specs = {fid: result.input_spec[by_path[path]] for path, fid in paths.items()
@@ -149,6 +159,7 @@ def _solve_piece(pp: PipelineProgram, piece: Piece, mesh: LogicalMesh,
     )
     return PieceCost(
         time_s=float(result.solution.objective),
+        compute_s=sum(st.compute_time_s for st in result.node_strategy.values()),
         fixed_bytes=4.0 * param_bytes,
         activation_bytes=kept / batch_split,
         input_specs=specs,
