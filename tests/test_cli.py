@@ -32,7 +32,7 @@ def test_report_prints_for_every_zoo_model(name, capsys):
 def test_json_report_has_the_documented_keys(tmp_path, capsys):
     path = tmp_path / "plan.json"
     assert main(["compile", "--model", "gpt", "--devices", "8", "--mesh", "2x4",
-                 "--json", str(path)]) == 0
+                 "--method", "data", "--json", str(path)]) == 0
     capsys.readouterr()
     data = json.loads(path.read_text())
     for key in ("method", "mesh_shape", "compile_time_s", "est_step_time_s", "stages",
@@ -59,7 +59,7 @@ def test_shard_method_reports_the_ilp(tmp_path, capsys):
 
 def test_plans_for_a_described_cluster(capsys):
     assert main(["compile", "--model", "gpt", "--size", "350M", "--cluster",
-                 "aws-p3.16xlarge", "--mesh", "8"]) == 0
+                 "aws-p3.16xlarge", "--mesh", "8", "--method", "data"]) == 0
     out = capsys.readouterr().out
     assert "aws-p3.16xlarge" in out and "HLO not compiled" in out
 
@@ -70,11 +70,16 @@ def test_plans_for_a_described_cluster(capsys):
         (["compile", "--model", "gtp"],
          "unknown model 'gtp'; valid models: mlp, gpt, moe, wresnet"),
         (["compile", "--size", "huge"], "unknown size 'huge'"),
-        (["compile", "--method", "magic"], "unknown method 'magic'; valid methods: data, shard"),
+        (["compile", "--method", "magic"],
+         "unknown method 'magic'; valid methods: data, shard, pipeshard"),
         (["compile", "--cluster", "nope"], "unknown cluster 'nope'; valid clusters:"),
-        (["compile", "--devices", "8", "--mesh", "3x3"], "covers 9 devices"),
+        (["compile", "--devices", "8", "--mesh", "3x3", "--method", "data"], "covers 9 devices"),
+        (["compile", "--devices", "8", "--mesh", "2x4"], "--mesh applies to --method shard/data"),
         (["compile", "--mesh", "axb"], "invalid mesh shape 'axb'"),
-        (["compile", "--batch-size", "12", "--devices", "8"], "not divisible by the data-parallel"),
+        (["compile", "--batch-size", "12", "--devices", "8", "--method", "data"],
+         "not divisible by the data-parallel"),
+        (["compile", "--batch-size", "6", "--devices", "8"],
+         "num_microbatches=4 must divide the batch size 6"),
         (["compile", "--bogus"], "unrecognized arguments: --bogus"),
     ],
 )
@@ -93,7 +98,7 @@ def test_console_script_sets_devices_before_jax_starts(tmp_path):
     path = tmp_path / "r.json"
     proc = subprocess.run(
         [sys.executable, "-m", "autopar.cli", "compile", "--model", "mlp", "--devices", "4",
-         "--mesh", "2x2", "--json", str(path)],
+         "--mesh", "2x2", "--method", "data", "--json", str(path)],
         capture_output=True, text=True, env=env, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
