@@ -139,6 +139,23 @@ class ParallelizedStep:
         out = compiled.executable(flat)
         return jax.tree_util.tree_unflatten(compiled.traced.program.out_tree, out)
 
+    def timed_call(self, *args: Any) -> tuple[Any, list[Any]]:
+        """Run one step of a pipelined step with every task waited for and timed; returns the
+        outputs and the task records (stage, kind, microbatch, start, end), and stores the
+        measured idle fraction in the plan (``options["measured_idle_fraction"]``)."""
+        compiled = self._compiled(args)
+        runner = compiled.executable
+        if not hasattr(runner, "records"):
+            raise InvalidOptionError("timed_call times pipeline tasks; this step is not "
+                                     f"pipelined (method {compiled.plan.method})")
+        from autopar.runtime.pipeline import measured_idle_fraction
+
+        out = runner(jax.tree_util.tree_leaves(tuple(args)), record=True)
+        records = list(runner.records)
+        compiled.plan.options["measured_idle_fraction"] = measured_idle_fraction(
+            records, len(compiled.plan.stages))
+        return jax.tree_util.tree_unflatten(compiled.traced.program.out_tree, out), records
+
     def get_plan(self, *args: Any) -> Plan:
         """The plan for these arguments (arrays or ``jax.ShapeDtypeStruct``)."""
         return self._compiled(args).plan

@@ -142,3 +142,20 @@ def test_zoo_model_plans_as_a_pipeline():
     pp = build_pipeline_program(model.train_step, model.abstract_inputs(), (1,), 4)
     assert len(pp.split_inputs) == len(model.abstract_batch())
     assert pp.batch_size == model.config.batch_size
+
+
+def test_timed_call_records_every_task_and_measures_the_idle_fraction():
+    step, state, batch = uneven_mlp(widths=(16, 16, 16), batch=16)
+    par = autopar.parallelize(step, method=autopar.PipeshardParallel(
+        num_microbatches=4, stages="uniform", num_stages=2, layers=2, schedule="gpipe"))
+    (_, loss), records = par.timed_call(state, batch)
+    assert float(loss) == pytest.approx(float(jax.jit(step)(state, batch)[1]), rel=1e-5)
+    # 2 stages x 4 microbatches x (F, B), each with its start before its end
+    assert sorted((r.stage, r.kind, r.microbatch) for r in records) == sorted(
+        (s, k, i) for s in range(2) for k in "FB" for i in range(4))
+    assert all(r.end_s >= r.start_s for r in records)
+    # GPipe's forwards of one microbatch run stage 0 before stage 1
+    f = {(r.stage, r.microbatch): r for r in records if r.kind == "F"}
+    assert all(f[(0, i)].end_s <= f[(1, i)].start_s for i in range(4))
+    measured = par.get_plan(state, batch).options["measured_idle_fraction"]
+    assert 0.0 <= measured < 1.0
