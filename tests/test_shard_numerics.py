@@ -3,7 +3,8 @@
 Each case plans with the ILP, runs 3 Adam steps on the plan's devices and compares loss and
 every updated state leaf with plain ``jax.jit`` on one device (fp32). It also checks that the
 communication the plan predicts is what XLA emitted, per collective kind, where XLA's choice is
-stable: all-reduce bytes within 10%.
+stable: all-reduce bytes within 10% everywhere, all-gather bytes within 10% except the cases
+named below.
 """
 
 import functools
@@ -69,3 +70,10 @@ def test_shard_parallel_equals_serial(name, mesh):
     )
     if predicted or hlo.bytes("all-reduce"):
         assert hlo.bytes("all-reduce") == pytest.approx(predicted, rel=0.1)
+    # all-gather bytes agree too, except where XLA gathers differently from the plan: on 2x2
+    # meshes it re-gathers some resharded tensors ("involuntary full rematerialization" in its
+    # log), and MoE's token exchange is lowered to its own all-gather/all-to-all mix
+    if mesh != (2, 2) and name != "moe":
+        gathered = sum(c.nbytes for c in plan.stages[0].collectives
+                       if c.kind.value == "all-gather")
+        assert hlo.bytes("all-gather") == pytest.approx(gathered, rel=0.1)

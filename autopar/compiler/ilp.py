@@ -18,7 +18,14 @@ from typing import Any
 
 import numpy as np
 
-from autopar.compiler.ilp_mip import SOLVERS, build_mip, resolve_auto, run_mip, solver_name
+from autopar.compiler.ilp_mip import (
+    MIP_REL_GAP,
+    SOLVERS,
+    build_mip,
+    resolve_auto,
+    run_mip,
+    solver_name,
+)
 from autopar.compiler.ilp_presolve import complete_choices, local_search
 from autopar.compiler.ilp_presolve import presolve as reduce_problem
 from autopar.errors import AutoparError, InvalidOptionError, PlanError
@@ -250,7 +257,7 @@ def brute_force(problem: IntraOpProblem) -> tuple[list[int], float]:
 
 
 def solve(problem: IntraOpProblem, *, solver: str = "auto", time_limit_s: float = 30.0,
-          presolve: bool = True) -> IntraOpSolution:
+          presolve: bool = True, relative_gap: float = MIP_REL_GAP) -> IntraOpSolution:
     """Cheapest choices within the memory budget.
 
     The solver gets what is left of ``time_limit_s`` after presolve and model building (at least
@@ -258,6 +265,8 @@ def solve(problem: IntraOpProblem, *, solver: str = "auto", time_limit_s: float 
     limit, the better of the solver's incumbent and the greedy start plan comes back with status
     "time_limit". Raises ``InfeasibleMemoryError`` when no plan fits the budget.
     ``presolve=False`` keeps every node in the MIP (for tests and measurements).
+    ``relative_gap``: the solver stops once its incumbent is within this fraction of its bound
+    (default 1e-9: optimal up to solver tolerances; a looser gap "optimal" means within it).
     """
     t0 = time.perf_counter()
     name = solver_name(solver)
@@ -287,7 +296,7 @@ def solve(problem: IntraOpProblem, *, solver: str = "auto", time_limit_s: float 
     best = min(range(len(plans)), key=lambda i: evaluate(problem, plans[i]))
     model = build_mip(r, greedy[best] if WARM_START else None)
     t1 = time.perf_counter()
-    result = run_mip(model, name, max(time_limit_s - (t1 - t0), 0.05))
+    result = run_mip(model, name, max(time_limit_s - (t1 - t0), 0.05), relative_gap)
     t2 = time.perf_counter()
     if result.status != "none":
         plans.append(complete_choices(r, n, result.core))

@@ -177,21 +177,27 @@ def build_mip(r: ReducedProblem, start: dict[int, int] | None) -> MipModel:
         np.asarray(start_values, float) if start is not None else None)
 
 
-def run_mip(model: MipModel, name: str, time_limit_s: float) -> MipResult:
-    """Solve ``model`` with ``name`` ("highs" or "cbc") within ``time_limit_s``."""
-    values, status, bound = (_run_highs if name == "highs" else _run_cbc)(model, time_limit_s)
+def run_mip(
+    model: MipModel, name: str, time_limit_s: float, relative_gap: float = MIP_REL_GAP
+) -> MipResult:
+    """Solve ``model`` with ``name`` ("highs" or "cbc") within ``time_limit_s``, stopping at
+    ``relative_gap`` between the incumbent and the bound."""
+    run = _run_highs if name == "highs" else _run_cbc
+    values, status, bound = run(model, time_limit_s, relative_gap)
     core = {} if values is None else {
         u: int(np.argmax(values[cols])) for u, cols in model.node_columns.items()}
     return MipResult(status if values is not None else "none", bound, core)
 
 
-def _run_highs(model: MipModel, limit: float) -> tuple[np.ndarray | None, str, float | None]:
+def _run_highs(
+    model: MipModel, limit: float, gap: float
+) -> tuple[np.ndarray | None, str, float | None]:
     import highspy
 
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", float(limit))
-    h.setOptionValue("mip_rel_gap", MIP_REL_GAP)
+    h.setOptionValue("mip_rel_gap", gap)
     lp = highspy.HighsLp()
     lp.num_col_, lp.num_row_ = model.num_columns, model.num_rows
     lp.col_cost_ = model.cost
@@ -221,7 +227,9 @@ def _run_highs(model: MipModel, limit: float) -> tuple[np.ndarray | None, str, f
     return values, ("optimal" if optimal else "feasible"), bound
 
 
-def _run_cbc(model: MipModel, limit: float) -> tuple[np.ndarray | None, str, float | None]:
+def _run_cbc(
+    model: MipModel, limit: float, gap: float
+) -> tuple[np.ndarray | None, str, float | None]:
     prob = pulp.LpProblem("autopar_intra_op", pulp.LpMinimize)
     # PuLP 3.3 deprecates free-standing LpVariable for prob.add_variable (PuLP 4.0's only way).
     var = getattr(prob, "add_variable", pulp.LpVariable)
@@ -247,7 +255,7 @@ def _run_cbc(model: MipModel, limit: float) -> tuple[np.ndarray | None, str, flo
     try:
         with warnings.catch_warnings():  # PuLP 3.3: "PULP_CBC_CMD is deprecated" (bundled CBC)
             warnings.simplefilter("ignore", DeprecationWarning)
-            cbc = pulp.PULP_CBC_CMD(msg=False, timeLimit=limit, gapRel=MIP_REL_GAP, logPath=log,
+            cbc = pulp.PULP_CBC_CMD(msg=False, timeLimit=limit, gapRel=gap, logPath=log,
                                     warmStart=model.start is not None)
         prob.solve(cbc)
         with open(log) as f:

@@ -56,6 +56,8 @@ class IntraOpOptions:
     memory_budget_bytes: float | None = None
     solver: str = "auto"
     time_limit_s: float = 30.0
+    # the MIP stops within this relative gap (1e-9: optimal up to solver tolerances)
+    relative_gap: float = 1e-9
     max_live_sets: int = 200
     batch_argnums: tuple[int, ...] = (1,)
     # input leaf path -> the spec it must take (the ILP chooses everything else)
@@ -190,7 +192,8 @@ def solve_intra_op(
     start = time.perf_counter()
     problem, parts = build_problem(graph, mesh, options, reshard_cache)
     build_time = time.perf_counter() - start
-    solution = solve(problem, solver=options.solver, time_limit_s=options.time_limit_s)
+    solution = solve(problem, solver=options.solver, time_limit_s=options.time_limit_s,
+                     relative_gap=options.relative_gap)
     node_strategy, input_spec, operand_specs, tensor_spec, collectives = read_solution(
         parts, solution.choices
     )

@@ -97,12 +97,15 @@ def range_piece(pp: PipelineProgram, positions: Sequence[int], start: int, end: 
     return next(p for p in pieces if p.eqns and p.eqns[0] == a)
 
 
-def logical_shapes(num_devices: int) -> list[tuple[int, ...]]:
-    """Logical meshes tried on a submesh: one axis, and a 2-D one whose first axis has 2
-    devices (with 1-D meshes, enough for data x operator parallelism on 2 and 4 devices)."""
-    shapes: list[tuple[int, ...]] = [(num_devices,)]
-    if num_devices >= 4:
-        shapes.append((2, num_devices // 2))
+def logical_shapes(submesh: SubmeshShape) -> list[tuple[int, ...]]:
+    """Logical meshes tried on a submesh: one axis over all its devices, and a 2-D one: hosts x
+    devices per host across hosts (the slow links on one axis), 2 x n/2 inside a host."""
+    n = submesh.num_devices
+    shapes: list[tuple[int, ...]] = [(n,)]
+    if submesh.num_hosts > 1:
+        shapes.append((submesh.num_hosts, submesh.devices_per_host))
+    elif n >= 4:
+        shapes.append((2, n // 2))
     return shapes
 
 
@@ -120,7 +123,7 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
 
     def candidates(start: int, end: int, submesh: SubmeshShape) -> list[StageCandidate]:
         found = []
-        for shape in logical_shapes(submesh.num_devices):
+        for shape in logical_shapes(submesh):
             mesh = _submesh_mesh(cluster, submesh, shape)
             costs = [cache.cost(pp, layers[k], mesh) for k in range(start, end)]
             found.append(StageCandidate(
@@ -143,9 +146,19 @@ def _dp_options(method: PipeshardParallel, cluster: ClusterSpec) -> StageDPOptio
                           memory_budget_bytes=budget, num_stages=method.num_stages)
 
 
+# Stage costs feed a DP whose inputs are estimates anyway: 0.1% of a layer's time is far below
+# the cost model's own error, and proving the last 0.1% is most of HiGHS's time on big layers.
+STAGE_COST_RELATIVE_GAP = 1e-3
+# The stage search solves one ILP per distinct layer and mesh; on multi-host 2-D meshes HiGHS
+# can take 10+ s to prove what its first seconds found. Each gets at most this long (the best
+# plan so far is used when it runs out), the chosen stages' own solves included.
+STAGE_COST_TIME_LIMIT_S = 2.0
+
+
 def _intra_options(method: PipeshardParallel) -> IntraOpOptions:
-    return IntraOpOptions(solver=method.solver, time_limit_s=method.time_limit_s,
-                          batch_argnums=(1,))
+    return IntraOpOptions(solver=method.solver,
+                          time_limit_s=min(method.time_limit_s, STAGE_COST_TIME_LIMIT_S),
+                          batch_argnums=(1,), relative_gap=STAGE_COST_RELATIVE_GAP)
 
 
 def stage_baselines(pp: PipelineProgram, method: PipeshardParallel,

@@ -86,10 +86,12 @@ def piece_signature(pp: PipelineProgram, piece: Piece) -> str:
     local: dict[int, int] = {}
 
     def name(v: int) -> str:
+        aval = fwd.avals[v]
+        kind = f"{tuple(aval.shape)}{aval.dtype}"
         if v in fwd.values:
-            return f"k{fwd.avals[v]}"
+            return f"k{kind}"
         local.setdefault(v, len(local))
-        return f"v{local[v]}:{fwd.avals[v]}"
+        return f"v{local[v]}:{kind}"
 
     roles = piece_roles(pp, piece)
     parts = [",".join(name(v) for v in group) for group in
@@ -112,13 +114,18 @@ class LayerCostCache:
     ilp_solves: int = 0
     # resharding costs per mesh, shared by every piece solved on it
     reshard_costs: dict[tuple, dict] = field(default_factory=dict)
+    # each piece's structure hash, by its first and last equation
+    signatures: dict[tuple[int, int], str] = field(default_factory=dict)
     # each structure's train graph, traced once for all meshes
     graphs: dict[str, tuple[OpGraph, dict[str, int]]] = field(default_factory=dict)
 
     def cost(self, pp: PipelineProgram, piece: Piece, mesh: LogicalMesh) -> PieceCost:
         mesh_key = (tuple(mesh.shape), tuple(mesh.alpha), tuple(mesh.beta), mesh.peak_flops,
                     mesh.compute_efficiency)
-        signature = piece_signature(pp, piece)
+        span = (piece.eqns[0], piece.eqns[-1]) if piece.eqns else (piece.index, -1)
+        if span not in self.signatures:
+            self.signatures[span] = piece_signature(pp, piece)
+        signature = self.signatures[span]
         key = (signature, *mesh_key)
         if key not in self.solved:
             if signature not in self.graphs:
