@@ -169,6 +169,20 @@ class _Numberer:
             self.values[vid] = value
         return vid
 
+    def program(
+        self,
+        in_ids: list[int],
+        out_ids: list[int],
+        in_paths: list[str],
+        out_paths: list[str],
+        in_tree: Any,
+        out_tree: Any,
+        arg_leaf_ranges: list[tuple[int, int]],
+    ) -> FlatProgram:
+        """The program walked so far, with these inputs and outputs."""
+        return FlatProgram(self.eqns, self.avals, self.kinds, self.values, in_ids, out_ids,
+                           in_paths, out_paths, in_tree, out_tree, arg_leaf_ranges)
+
     def walk(self, jaxpr: Any, consts: Sequence[Any], operand_ids: Sequence[int]) -> list[int]:
         const_ids = [
             self.new_id(var.aval, TensorKind.CONST, const)
@@ -306,19 +320,7 @@ def flatten_step(fn: Callable, args: Sequence[Any], keep_markers: bool = False) 
             jax.tree_util.tree_unflatten(out_tree, list(range(len(out_ids))))
         )[0]
     ]
-    return FlatProgram(
-        eqns=numberer.eqns,
-        avals=numberer.avals,
-        kinds=numberer.kinds,
-        values=numberer.values,
-        in_ids=in_ids,
-        out_ids=out_ids,
-        in_paths=in_paths,
-        out_paths=out_paths,
-        in_tree=in_tree,
-        out_tree=out_tree,
-        arg_leaf_ranges=ranges,
-    )
+    return numberer.program(in_ids, out_ids, in_paths, out_paths, in_tree, out_tree, ranges)
 
 
 def flatten_jaxpr(jaxpr: Any, in_paths: Sequence[str], keep_markers: bool = True) -> FlatProgram:
@@ -329,16 +331,7 @@ def flatten_jaxpr(jaxpr: Any, in_paths: Sequence[str], keep_markers: bool = True
     arg_ids = [numberer.new_id(v.aval, TensorKind.INPUT) for v in jaxpr.invars]
     out_ids = numberer.walk_ids(jaxpr, const_ids, arg_ids)
     in_ids = const_ids + arg_ids
-    return FlatProgram(
-        eqns=numberer.eqns,
-        avals=numberer.avals,
-        kinds=numberer.kinds,
-        values=numberer.values,
-        in_ids=in_ids,
-        out_ids=out_ids,
-        in_paths=list(in_paths),
-        out_paths=[f"out/{i}" for i in range(len(out_ids))],
-        in_tree=None,
-        out_tree=None,
-        arg_leaf_ranges=[(0, len(in_ids))],
+    out_paths = [f"out/{i}" for i in range(len(out_ids))]
+    return numberer.program(
+        in_ids, out_ids, list(in_paths), out_paths, None, None, [(0, len(in_ids))]
     )

@@ -12,6 +12,7 @@ import functools
 import jax
 import numpy as np
 import pytest
+from serial_reference import serial_run as serial_losses_and_state
 
 import autopar
 from autopar.models import get_model
@@ -30,14 +31,8 @@ def zoo(name):
 
 @functools.cache
 def serial_run(name):
-    model = zoo(name)
-    state = model.init_state(jax.random.key(0))
-    step = jax.jit(model.train_step)
-    losses = []
-    for i in range(STEPS):
-        state, loss = step(state, model.make_batch(jax.random.key(10 + i)))
-        losses.append(float(loss))
-    return losses, [np.asarray(x) for x in jax.tree_util.tree_leaves(state)]
+    """Losses and final state of the plain single-device jit step (computed once per model)."""
+    return serial_losses_and_state(zoo(name), STEPS)
 
 
 @pytest.mark.parametrize("schedule, stages", CASES, ids=[f"{s}-{p}st" for s, p in CASES])

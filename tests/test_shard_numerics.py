@@ -12,6 +12,7 @@ import functools
 import jax
 import numpy as np
 import pytest
+from serial_reference import serial_run as serial_losses_and_state
 
 import autopar
 from autopar.hlo import count_collectives
@@ -30,14 +31,7 @@ PARAM_ATOL_IN_LR = {"mlp": 2e-3, "gpt": 2e-3, "moe": 2e-3, "wresnet": 2e-2}
 @functools.cache
 def serial_run(name):
     """Losses and final state of the plain single-device jit step (computed once per model)."""
-    model = get_model(name, "tiny")
-    state = model.init_state(jax.random.key(0))
-    serial = jax.jit(model.train_step)
-    losses = []
-    for i in range(STEPS):
-        state, loss = serial(state, model.make_batch(jax.random.key(10 + i)))
-        losses.append(float(loss))
-    return losses, [np.asarray(x) for x in jax.tree_util.tree_leaves(state)]
+    return serial_losses_and_state(get_model(name, "tiny"), STEPS)
 
 
 @pytest.mark.parametrize("mesh", MESHES, ids=lambda m: f"{m[0]}x{m[1]}")
