@@ -30,6 +30,12 @@ from autopar.pipeline_program import build_pipeline_program  # noqa: E402
 OUT_DIR = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 
 
+# GPT-39B keeps ~20 GiB of activations per block and microbatch without rematerialisation,
+# which autopar does not do yet (issue 8): on 16 GB V100s no stage would fit. The benchmark
+# times the search with the memory rule switched off by a budget no stage reaches.
+NO_MEMORY_LIMIT = 1e18
+
+
 def measure(layers: int, microbatches: int, cluster_name: str, pipeline_layers: int) -> dict:
     model = get_model("gpt", "39B", num_layers=layers).with_value_and_grad(
         autopar.value_and_grad)
@@ -37,7 +43,8 @@ def measure(layers: int, microbatches: int, cluster_name: str, pipeline_layers: 
     t0 = time.perf_counter()
     pp = build_pipeline_program(model.train_step, model.abstract_inputs(), (1,), microbatches)
     t1 = time.perf_counter()
-    method = autopar.PipeshardParallel(num_microbatches=microbatches, layers=pipeline_layers)
+    method = autopar.PipeshardParallel(num_microbatches=microbatches, layers=pipeline_layers,
+                                       memory_budget_bytes=NO_MEMORY_LIMIT)
     plan = plan_pipeshard(pp, method, cluster)
     t2 = time.perf_counter()
     step_s = plan.est_step_time_s
@@ -105,7 +112,11 @@ def main() -> None:
                      f"{s['submesh'][0]}x{s['submesh'][1]} | "
                      f"{'x'.join(map(str, s['logical_mesh']))} | {s['est_time_s']:.3f} |")
     lines += ["", "Estimated TFLOPS are the cost model's (6 x parameters x tokens per step / "
-              "estimated step time / devices), not measurements."]
+              "estimated step time / devices), not measurements.", "",
+              "Memory is not enforced in this run: without rematerialisation (issue 8) GPT-39B "
+              "keeps about 20 GiB of activations per block and microbatch, so no stage fits a "
+              "16 GB V100 and the planner says so (\"no stage assignment ... fits\", with the "
+              "least memory needed). The timing is of the same search either way."]
     (OUT_DIR / "pipeline.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {OUT_DIR / 'pipeline.md'}")
 
