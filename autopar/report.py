@@ -104,7 +104,7 @@ class CompileReport:
             f"autopar compile report: {self.model}",
             f"  method            {plan.method}",
             f"  cluster           {plan.cluster}",
-            f"  mesh              {format_mesh_shape(plan.mesh_shape)}",
+            f"  mesh              {_mesh_text(plan)}",
             f"  graph             {self.graph_nodes} ops, {self.graph_edges} edges",
             f"  parameters        {_count(self.num_params)}",
             f"  flops per step    {_count(self.flops_per_step)}",
@@ -195,6 +195,13 @@ def _pipeline_dict(plan: Plan) -> dict[str, Any] | None:
         "theoretical_idle_fraction": _theoretical(len(plan.stages), plan.num_microbatches),
         "measured_idle_fraction": plan.options.get("measured_idle_fraction"),
     }
+
+
+def _mesh_text(plan: Plan) -> str:
+    if plan.method == "pipeshard":
+        devices = sum(len(s.device_ids) for s in plan.stages)
+        return f"{len(plan.stages)} stage(s) on {devices} devices"
+    return format_mesh_shape(plan.mesh_shape)
 
 
 def _theoretical(p: int, m: int) -> float:
