@@ -227,6 +227,19 @@ def _run_highs(
     return values, ("optimal" if optimal else "feasible"), bound
 
 
+def lp_rounding(model: MipModel, time_limit_s: float) -> tuple[float, dict[int, int]]:
+    """The LP relaxation's optimum (a lower bound on the scaled MIP objective) and each free
+    node's largest-weight strategy in it (HiGHS). ``(-inf, {})`` when the LP is not solved."""
+    relaxed = MipModel(model.cost, np.zeros_like(model.integer), model.row_start,
+                       model.row_index, model.row_value, model.row_lower, model.row_upper,
+                       model.node_columns, model.scale, None)
+    values, status, _ = _run_highs(relaxed, time_limit_s, MIP_REL_GAP)
+    if values is None or status != "optimal":
+        return -math.inf, {}
+    rounded = {u: int(np.argmax(values[cols])) for u, cols in model.node_columns.items()}
+    return float(model.cost @ values), rounded
+
+
 def _run_cbc(
     model: MipModel, limit: float, gap: float
 ) -> tuple[np.ndarray | None, str, float | None]:

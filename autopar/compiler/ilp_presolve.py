@@ -29,8 +29,6 @@ class ReducedProblem:
     trail: list[tuple[int, np.ndarray, list[tuple[int, np.ndarray]]]] = field(default_factory=list)
     rows: list[tuple[list[tuple[int, np.ndarray]], float]] = field(default_factory=list)
     const: float = 0.0
-    # nodes whose dominated strategies were dropped: the original index of each kept one
-    kept: dict[int, np.ndarray] = field(default_factory=dict)
 
     def add_edge(self, u: int, w: int, m: np.ndarray, fold: bool) -> None:
         """Add ``m`` to edge (u, w); with ``fold``, an edge whose matrix is a_i + b_j (all-zero
@@ -50,8 +48,8 @@ class ReducedProblem:
 
 def presolve(problem: IntraOpProblem, exact_reductions: bool) -> ReducedProblem:
     """Fold single-strategy nodes into neighbours, sum parallel edges, drop separable edges,
-    reduce memory rows, drop dominated strategies, then eliminate free degree-0/1/2 nodes by
-    min-plus products (exact variable elimination; it turns chains and trees into nothing). Without
+    reduce memory rows, then eliminate free degree-0/1/2 nodes by min-plus products (exact
+    variable elimination; it turns chains and trees into nothing). Without
     ``exact_reductions`` only parallel edges and self-loops are merged (to test the raw MIP)."""
     r = ReducedProblem()
     for u, nd in enumerate(problem.nodes):
@@ -97,52 +95,8 @@ def presolve(problem: IntraOpProblem, exact_reductions: bool) -> ReducedProblem:
                 rows[key] = (terms, rhs)
         r.rows = list(rows.values())
     if exact_reductions:
-        # dominance first: everything after it (and the trail) lives in the reduced indices
-        drop_dominated_strategies(r)
         eliminate_small_degree(r, {u for terms, _ in r.rows for u, _ in terms})
     return r
-
-
-def drop_dominated_strategies(r: ReducedProblem) -> None:
-    """Remove strategies that another strategy of the same node matches or beats in cost,
-    against every neighbour's every choice, and in memory (exact: some optimum keeps none of
-    them). On 2-D meshes many strategies split over the slow axis where another split is never
-    worse; dropping them shrinks every edge's pair variables."""
-    queue = list(r.cost)
-    while queue:
-        u = queue.pop()
-        if u not in r.cost or len(r.cost[u]) < 2:
-            continue
-        keep = _undominated(r, u)
-        if len(keep) == len(r.cost[u]):
-            continue
-        r.cost[u] = r.cost[u][keep]
-        for w, m in list(r.adj[u].items()):
-            r.adj[u][w] = m[keep]
-            r.adj[w][u] = r.adj[u][w].T
-            queue.append(w)
-        r.rows = [([(v, d[keep] if v == u else d) for v, d in terms], rhs)
-                  for terms, rhs in r.rows]
-        r.kept[u] = r.kept[u][keep] if u in r.kept else keep
-
-
-def _undominated(r: ReducedProblem, u: int) -> np.ndarray:
-    blocks = [r.cost[u][:, None], *r.adj[u].values()]
-    blocks += [d[:, None] for terms, _ in r.rows for v, d in terms if v == u]
-    table = np.hstack(blocks)
-    k = len(table)
-    tol = 1e-12 * max(1.0, float(np.abs(table).max()))
-    dominated = np.zeros(k, bool)
-    for j in range(k):  # row by row: k x k x width would not fit for wide nodes
-        if dominated[j]:
-            continue
-        no_worse = (table[j][None, :] <= table + tol).all(axis=1)  # j no worse than each i
-        no_better = (table[j][None, :] >= table - tol).all(axis=1)  # j equal to i
-        # i goes when j is no worse; of equal rows the first stays
-        beaten = no_worse & (~no_better | (np.arange(k) > j))
-        beaten[j] = False
-        dominated |= beaten
-    return np.flatnonzero(~dominated)
 
 
 def eliminate_small_degree(r: ReducedProblem, pinned: set[int]) -> None:
@@ -173,7 +127,7 @@ def complete_choices(r: ReducedProblem, n: int, core: dict[int, int]) -> list[in
     ch = {**r.fixed, **core}
     for u, c, nbrs in reversed(r.trail):
         ch[u] = int(np.argmin(c + sum((m[:, ch[w]] for w, m in nbrs), np.zeros_like(c))))
-    return [int(r.kept[u][ch[u]]) if u in r.kept else ch[u] for u in range(n)]
+    return [ch[u] for u in range(n)]
 
 
 def local_search(

@@ -152,7 +152,7 @@ STAGE_COST_RELATIVE_GAP = 1e-3
 # The stage search solves one ILP per distinct layer and mesh; on multi-host 2-D meshes HiGHS
 # can take 10+ s to prove what its first seconds found. Each gets at most this long (the best
 # plan so far is used when it runs out), the chosen stages' own solves included.
-STAGE_COST_TIME_LIMIT_S = 2.0
+STAGE_COST_TIME_LIMIT_S = 1.0
 
 
 def _intra_options(method: PipeshardParallel) -> IntraOpOptions:

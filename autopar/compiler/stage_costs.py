@@ -21,7 +21,7 @@ from autopar.compiler.intra_op import IntraOpOptions, solve_intra_op
 from autopar.compiler.mesh import LogicalMesh
 from autopar.compiler.plan import ShardingSpec
 from autopar.compiler.trace import build_graph
-from autopar.pipeline_program import Piece, PipelineProgram, piece_roles
+from autopar.pipeline_program import Piece, PieceRoles, PipelineProgram, piece_roles
 from autopar.program import flatten_step, run_eqns
 
 
@@ -116,13 +116,21 @@ class LayerCostCache:
     reshard_costs: dict[tuple, dict] = field(default_factory=dict)
     # each piece's structure hash, by its first and last equation
     signatures: dict[tuple[int, int], str] = field(default_factory=dict)
+    # each piece's input and output roles, by its first and last equation
+    roles: dict[tuple[int, int], PieceRoles] = field(default_factory=dict)
     # each structure's train graph, traced once for all meshes
     graphs: dict[str, tuple[OpGraph, dict[str, int]]] = field(default_factory=dict)
+
+    def _roles(self, pp: PipelineProgram, piece: Piece) -> PieceRoles:
+        span = _span(piece)
+        if span not in self.roles:
+            self.roles[span] = piece_roles(pp, piece)
+        return self.roles[span]
 
     def cost(self, pp: PipelineProgram, piece: Piece, mesh: LogicalMesh) -> PieceCost:
         mesh_key = (tuple(mesh.shape), tuple(mesh.alpha), tuple(mesh.beta), mesh.peak_flops,
                     mesh.compute_efficiency)
-        span = (piece.eqns[0], piece.eqns[-1]) if piece.eqns else (piece.index, -1)
+        span = _span(piece)
         if span not in self.signatures:
             self.signatures[span] = piece_signature(pp, piece)
         signature = self.signatures[span]
@@ -139,11 +147,15 @@ class LayerCostCache:
         if first is piece:
             return cost
         # the cached specs name the first piece's values: rename them for this one
-        a, b = piece_roles(pp, first), piece_roles(pp, piece)
+        a, b = self._roles(pp, first), self._roles(pp, piece)
         mapping = dict(zip(a.params + a.acts + a.fixed + a.micro,
                            b.params + b.acts + b.fixed + b.micro, strict=True))
         specs = {mapping[v]: s for v, s in cost.input_specs.items() if v in mapping}
         return replace(cost, input_specs=specs)
+
+
+def _span(piece: Piece) -> tuple[int, int]:
+    return (piece.eqns[0], piece.eqns[-1]) if piece.eqns else (piece.index, -1)
 
 
 def _solve_piece(pp: PipelineProgram, piece: Piece, graph: OpGraph, paths: dict[str, int],
