@@ -7,6 +7,7 @@ plans it for the local devices and compiles it; later calls with the same signat
 from __future__ import annotations
 
 import functools
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -19,7 +20,13 @@ from autopar.compiler.mesh import ClusterSpec, load_cluster
 from autopar.compiler.plan import Plan
 from autopar.compiler.planner import plan_step
 from autopar.compiler.trace import TracedStep, trace_step
-from autopar.errors import BatchSizeError, InvalidOptionError, NoLossFunctionError
+from autopar.errors import (
+    BatchSizeError,
+    InvalidOptionError,
+    MeshError,
+    NoLossFunctionError,
+    PlanError,
+)
 from autopar.methods import METHOD_TYPES, Method, PipeshardParallel, ShardParallel
 from autopar.runtime.shard import ShardedProgram
 
@@ -63,6 +70,7 @@ class ParallelizedStep:
         method: Method,
         batch_argnums: tuple[int, ...],
         devices: Sequence[Any] | None = None,
+        plan: Plan | None = None,
     ):
         if not callable(fn):
             raise InvalidOptionError(f"parallelize needs a function, got {type(fn).__name__}")
@@ -80,6 +88,7 @@ class ParallelizedStep:
         self.batch_argnums = tuple(batch_argnums)
         self.devices = None if devices is None else list(devices)
         self._cache: dict[tuple, CompiledStep] = {}
+        self.saved_plan = plan  # run this plan instead of planning (checked against each trace)
         self.method_defaulted = False  # parallelize() without method=: the full search
         functools.update_wrapper(self, fn)
 
@@ -93,7 +102,9 @@ class ParallelizedStep:
         found = self._cache.get(key)
         if found is None:
             start = time.perf_counter()
-            if isinstance(self.method, PipeshardParallel):
+            if self.saved_plan is not None:
+                traced, plan, executable = self._from_saved_plan(args)
+            elif isinstance(self.method, PipeshardParallel):
                 traced, plan, executable = self._pipeline(args)
             else:
                 traced = trace_step(self.fn, args)
@@ -103,9 +114,29 @@ class ParallelizedStep:
                 )
                 executable = ShardedProgram(traced.program, plan, self.devices)
             found = CompiledStep(traced, plan, executable, time.perf_counter() - start)
-            plan.options["compile_time_s"] = found.compile_time_s
+            if self.saved_plan is None:  # a saved plan stays as it was loaded
+                plan.options["compile_time_s"] = found.compile_time_s
             self._cache[key] = found
         return found
+
+    def _from_saved_plan(self, args: Sequence[Any]) -> tuple[TracedStep, Plan, Any]:
+        plan = self.saved_plan
+        devices = self.devices if self.devices is not None else jax.devices()
+        used = max((d for st in plan.stages for d in st.device_ids), default=-1) + 1
+        if used > len(devices):
+            raise MeshError(f"the plan uses {used} devices but this step has {len(devices)}")
+        if plan.method == "pipeshard":
+            from autopar.compiler.trace import build_graph
+            from autopar.pipeline_program import build_pipeline_program
+            from autopar.runtime.pipeline import PipelineRunner
+
+            pp = build_pipeline_program(self.fn, args, self.batch_argnums, plan.num_microbatches)
+            traced = TracedStep(pp.outer, build_graph(pp.outer))
+            _check_signature(plan, traced)
+            return traced, plan, PipelineRunner.from_plan(pp, plan, devices)
+        traced = trace_step(self.fn, args)
+        _check_signature(plan, traced)
+        return traced, plan, ShardedProgram(traced.program, plan, self.devices)
 
     def _pipeline(self, args: Sequence[Any]) -> tuple[TracedStep, Plan, Any]:
         # imported here: the pipeline stack loads only when a pipelined step is planned
@@ -175,12 +206,29 @@ class ParallelizedStep:
         return self._compiled(args).traced
 
 
+def _check_signature(plan: Plan, traced: TracedStep) -> None:
+    """A saved plan names tensors of one trace: the step's inputs must be the plan's."""
+    graph = traced.graph
+    have = [(io.path, graph.tensors[io.tensor].shape, graph.tensors[io.tensor].dtype)
+            for io in graph.inputs]
+    want = [(s.path, tuple(s.shape), s.dtype) for s in plan.signature]
+    if have == want:
+        return
+    if len(have) != len(want):
+        raise PlanError(f"the plan does not match this step: it was made for {len(want)} input "
+                        f"leaves, the step has {len(have)}")
+    (hp, hs, hd), (wp, ws, wd) = next((h, w) for h, w in zip(have, want, strict=True) if h != w)
+    raise PlanError(f"the plan does not match this step: input {hp!r} is {hd}{list(hs)} here "
+                    f"but the plan has {wp!r} as {wd}{list(ws)}")
+
+
 def parallelize(
     fn: Callable | None = None,
     *,
     method: Method | None = None,
     batch_argnums: Sequence[int] = (1,),
     devices: Sequence[Any] | None = None,
+    plan: Plan | str | os.PathLike | None = None,
 ) -> Any:
     """Parallelize a train step over the local devices.
 
@@ -192,11 +240,21 @@ def parallelize(
     submeshes and intra-operator plans, one stage when that is best); a step that does not
     differentiate with ``autopar.value_and_grad`` / ``autopar.grad`` gets one stage planned by
     the intra-operator pass (``ShardParallel()``), with a note in the plan.
+    ``plan``: a saved ``Plan`` (or the path of one, from ``Plan.save``) to run without planning;
+    each new input signature is checked against it (a one-line ``PlanError`` when it does not
+    match).
     """
+    saved = Plan.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
+    if saved is not None and not isinstance(saved, Plan):
+        raise InvalidOptionError(f"plan= takes an autopar.Plan or a path to a saved plan, got "
+                                 f"{type(saved).__name__}")
+    if saved is not None and method is not None and method.name != saved.method:
+        raise InvalidOptionError(f"method={type(method).__name__}() but the plan was made by "
+                                 f"method '{saved.method}'; pass one of them")
     chosen = method if method is not None else PipeshardParallel()
 
     def wrap(f: Callable) -> ParallelizedStep:
-        step = ParallelizedStep(f, chosen, tuple(batch_argnums), devices)
+        step = ParallelizedStep(f, chosen, tuple(batch_argnums), devices, saved)
         step.method_defaulted = method is None
         return step
 

@@ -18,7 +18,7 @@ from autopar.compiler.graph import OpGraph
 from autopar.compiler.intra_op import IntraOpOptions
 from autopar.compiler.layers import cluster_layers
 from autopar.compiler.mesh import ClusterSpec, LogicalMesh
-from autopar.compiler.plan import Plan, StagePlan
+from autopar.compiler.plan import InputSignature, Plan, StagePlan
 from autopar.compiler.stage_costs import LayerCostCache
 from autopar.compiler.stages import (
     StageCandidate,
@@ -241,6 +241,11 @@ def plan_pipeshard(pp: PipelineProgram, method: PipeshardParallel, cluster: Clus
         est_step_time_s=timeline.makespan,
         total_flops=3.0 * graph.total_flops * m,
         num_microbatches=m,
+        signature=[
+            InputSignature(path, tuple(int(d) for d in pp.outer.avals[v].shape),
+                           str(pp.outer.avals[v].dtype))
+            for v, path in zip(pp.outer.in_ids, pp.outer.in_paths, strict=True)
+        ],
         options={
             "pipeline": layout.to_dict(),
             "stage_search": partition.to_dict() | {"ilp_solves": cache.ilp_solves},
