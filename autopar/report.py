@@ -8,7 +8,7 @@ from typing import Any
 from autopar.compiler.graph import OpGraph
 from autopar.compiler.mesh import format_mesh_shape
 from autopar.compiler.plan import Plan
-from autopar.schedules import Timeline, render_text, stage_timeline
+from autopar.schedule_timeline import Timeline, render_text, stage_timeline
 
 
 @dataclass

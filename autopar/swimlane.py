@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from autopar.schedules import TaskKind, Timeline
+from autopar.schedule_timeline import Timeline
+from autopar.schedules import TaskKind
 
 # Colour per task kind; chunks of interleaved schedules are told apart by shade.
 _KIND_COLOURS = {TaskKind.F: "#4C72B0", TaskKind.B: "#DD8452", TaskKind.W: "#55A868"}

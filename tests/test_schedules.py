@@ -8,14 +8,13 @@ import json
 import pytest
 
 from autopar.errors import InvalidOptionError, PlanError
+from autopar.schedule_timeline import render_text, simulate
 from autopar.schedules import (
     SCHEDULE_NAMES,
     Schedule,
     Task,
     TaskKind,
     make_schedule,
-    render_text,
-    simulate,
 )
 from autopar.swimlane import save_swimlane_png
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from autopar.compiler.batch_split import propagate_batch_split
 from autopar.compiler.estimate import compute_time_s, dominant_float_dtype, summarize_collectives
 from autopar.compiler.mesh import LogicalMesh, format_mesh_shape
-from autopar.compiler.plan import Plan, ShardingSpec, StagePlan
-from autopar.compiler.plan_common import signature_of, submesh_shape
+from autopar.compiler.plan import Plan, ShardingSpec
+from autopar.compiler.plan_common import whole_mesh_plan
 from autopar.compiler.trace import TracedStep
 from autopar.errors import BatchSizeError
 
@@ -75,29 +75,18 @@ def plan_data_parallel(
         "batch": batch_bytes,
         "activations": activation_bytes,
     }
-    stage = StagePlan(
-        index=0,
-        layers=(0,),
-        submesh_shape=submesh_shape(mesh, devices_per_host),
-        logical_mesh_shape=tuple(mesh.shape),
+    return whole_mesh_plan(
+        "data",
+        mesh,
+        graph,
+        cluster_name=cluster_name,
+        devices_per_host=devices_per_host,
+        batch_argnums=tuple(batch_argnums),
+        compute_s=compute_s,
+        comm_s=comm_s,
+        memory=memory,
         axis_names=all_axes,
-        device_ids=tuple(mesh.device_ids),
         input_shardings=input_specs,
         output_shardings=output_specs,
         collectives=collectives,
-        est_time_s=compute_s + comm_s,
-        est_compute_time_s=compute_s,
-        est_communication_time_s=comm_s,
-        peak_memory_bytes=sum(memory.values()),
-        memory_breakdown=memory,
-    )
-    return Plan(
-        method="data",
-        mesh_shape=tuple(mesh.shape),
-        cluster=cluster_name,
-        stages=[stage],
-        est_step_time_s=stage.est_time_s,
-        total_flops=graph.total_flops,
-        signature=signature_of(graph),
-        batch_argnums=tuple(batch_argnums),
     )

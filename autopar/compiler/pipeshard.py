@@ -36,7 +36,7 @@ from autopar.compiler.trace import build_graph
 from autopar.errors import InvalidOptionError, PlanError
 from autopar.methods import ManualStages, PipeshardParallel
 from autopar.pipeline_program import Piece, PipelineProgram, cut_pieces
-from autopar.schedules import stage_timeline
+from autopar.schedule_timeline import stage_timeline
 
 DEFAULT_MAX_LAYERS = 16
 

@@ -8,8 +8,8 @@ from typing import Any
 from autopar.compiler.estimate import summarize_collectives
 from autopar.compiler.intra_op import IntraOpOptions, IntraOpResult, solve_intra_op
 from autopar.compiler.mesh import LogicalMesh
-from autopar.compiler.plan import Plan, ShardingSpec, StagePlan
-from autopar.compiler.plan_common import signature_of, submesh_shape
+from autopar.compiler.plan import Plan, ShardingSpec
+from autopar.compiler.plan_common import whole_mesh_plan
 from autopar.compiler.trace import TracedStep
 
 
@@ -75,24 +75,6 @@ def plan_shard_parallel(
         "variables_before_merging": graph.num_nodes + len(graph.inputs),
         "decision_variables": len(result.variables),
     }
-    stage = StagePlan(
-        index=0,
-        layers=(0,),
-        submesh_shape=submesh_shape(mesh, devices_per_host),
-        logical_mesh_shape=tuple(mesh.shape),
-        axis_names=tuple(mesh.axis_names),
-        device_ids=tuple(mesh.device_ids),
-        input_shardings=input_specs,
-        output_shardings=output_specs,
-        tensor_shardings=tensor_specs,
-        operand_shardings=dict(result.operand_specs),
-        collectives=collectives,
-        est_time_s=compute_s + comm_s,
-        est_compute_time_s=compute_s,
-        est_communication_time_s=comm_s,
-        peak_memory_bytes=sum(memory.values()),
-        memory_breakdown=memory,
-    )
     notes = []
     used = {a for spec in result.tensor_spec.values() for axes in spec.dims for a in axes}
     for axis, size in zip(mesh.axis_names, mesh.shape, strict=True):
@@ -103,15 +85,21 @@ def plan_shard_parallel(
             )
     if not solution.proven_optimal and solution.status != "trivial":
         notes.append(f"ILP stopped at its time limit ({solution.status}): not proven optimal")
-    return Plan(
-        method="shard",
-        mesh_shape=tuple(mesh.shape),
-        cluster=cluster_name,
-        stages=[stage],
-        est_step_time_s=stage.est_time_s,
-        total_flops=graph.total_flops,
-        signature=signature_of(graph),
+    return whole_mesh_plan(
+        "shard",
+        mesh,
+        graph,
+        cluster_name=cluster_name,
+        devices_per_host=devices_per_host,
         batch_argnums=tuple(batch_argnums),
+        compute_s=compute_s,
+        comm_s=comm_s,
+        memory=memory,
         solver=solver_stats,
         notes=notes,
+        input_shardings=input_specs,
+        output_shardings=output_specs,
+        tensor_shardings=tensor_specs,
+        operand_shardings=dict(result.operand_specs),
+        collectives=collectives,
     )
