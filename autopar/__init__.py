@@ -12,6 +12,7 @@ from autopar.errors import (
 )
 from autopar.loss_markers import grad, mark_pipeline_boundary, value_and_grad
 from autopar.methods import DataParallel, ManualStages, PipeshardParallel, ShardParallel
+from autopar.plan_cache import PlanCacheWarning
 
 __version__ = "0.1.0"
 
@@ -25,6 +26,7 @@ __all__ = [
     "ParallelizedStep",
     "PipeshardParallel",
     "Plan",
+    "PlanCacheWarning",
     "PlanError",
     "ShardParallel",
     "ShardingSpec",

@@ -1,7 +1,8 @@
 """``autopar.parallelize``: the decorator that traces, plans and runs a train step.
 
-The first call with a new input signature (pytree structure, shapes, dtypes) traces the step,
-plans it for the local devices and compiles it; later calls with the same signature reuse that.
+The first call with a new input signature (pytree structure, shapes, dtypes, static values)
+traces the step, plans it for the local devices (or takes the plan from the on-disk cache) and
+compiles it; later calls with the same signature reuse that.
 """
 
 from __future__ import annotations
@@ -18,17 +19,11 @@ import numpy as np
 
 from autopar.compiler.mesh import ClusterSpec, load_cluster
 from autopar.compiler.plan import Plan
-from autopar.compiler.planner import plan_step
-from autopar.compiler.trace import TracedStep, trace_step
-from autopar.errors import (
-    BatchSizeError,
-    InvalidOptionError,
-    MeshError,
-    NoLossFunctionError,
-    PlanError,
-)
-from autopar.methods import METHOD_TYPES, Method, PipeshardParallel, ShardParallel
+from autopar.compiler.trace import TracedStep
+from autopar.errors import InvalidOptionError, MeshError
+from autopar.methods import METHOD_TYPES, Method, PipeshardParallel
 from autopar.runtime.shard import ShardedProgram
+from autopar.step_planning import bind_static_args, plan_train_step
 
 
 def local_cluster(devices: Sequence[Any] | None = None) -> ClusterSpec:
@@ -48,17 +43,15 @@ class CompiledStep:
     plan: Plan
     executable: Any  # ShardedProgram, or a PipelineRunner for pipelined steps
     compile_time_s: float
+    dynamic_argnums: tuple[int, ...]  # the positional arguments the executable takes
+    donated_leaves: tuple[bool, ...]  # per flat input leaf of those arguments
+    from_cache: bool = False
 
 
-def _signature_key(args: Sequence[Any]) -> tuple:
-    leaves, treedef = jax.tree_util.tree_flatten(tuple(args))
-    parts = []
-    for leaf in leaves:
-        if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
-            parts.append((tuple(np.shape(leaf)), str(leaf.dtype)))
-        else:
-            parts.append(("static", repr(leaf)))
-    return (treedef, tuple(parts))
+def _check_argnums(name: str, argnums: Sequence[int]) -> tuple[int, ...]:
+    if any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in argnums):
+        raise InvalidOptionError(f"{name}={tuple(argnums)!r} must be non-negative argument indices")
+    return tuple(argnums)
 
 
 class ParallelizedStep:
@@ -68,9 +61,12 @@ class ParallelizedStep:
         self,
         fn: Callable,
         method: Method,
-        batch_argnums: tuple[int, ...],
+        batch_argnums: Sequence[int],
         devices: Sequence[Any] | None = None,
         plan: Plan | None = None,
+        static_argnums: Sequence[int] = (),
+        donate_argnums: Sequence[int] = (),
+        cache: Any = None,  # autopar.plan_cache.PlanCache, or None: no on-disk cache
     ):
         if not callable(fn):
             raise InvalidOptionError(f"parallelize needs a function, got {type(fn).__name__}")
@@ -79,95 +75,101 @@ class ParallelizedStep:
                 f"method={method!r} is not a parallelization method; valid methods: "
                 + ", ".join(f"autopar.{t.__name__}()" for t in METHOD_TYPES)
             )
-        if any(not isinstance(i, int) or i < 0 for i in batch_argnums):
-            raise InvalidOptionError(
-                f"batch_argnums={tuple(batch_argnums)!r} must be non-negative argument indices"
-            )
         self.fn = fn
         self.method = method
-        self.batch_argnums = tuple(batch_argnums)
+        self.batch_argnums = _check_argnums("batch_argnums", batch_argnums)
+        self.static_argnums = _check_argnums("static_argnums", static_argnums)
+        self.donate_argnums = _check_argnums("donate_argnums", donate_argnums)
+        for other, why in ((self.donate_argnums, "only arrays can be donated"),
+                           (self.batch_argnums, "a batch must be arrays")):
+            name = "donate_argnums" if other is self.donate_argnums else "batch_argnums"
+            both = set(self.static_argnums) & set(other)
+            if both:
+                raise InvalidOptionError(f"argument(s) {sorted(both)} are in both static_argnums "
+                                         f"and {name}; {why}")
         self.devices = None if devices is None else list(devices)
-        self._cache: dict[tuple, CompiledStep] = {}
+        self.cache = cache
+        self._compiled_steps: dict[tuple, CompiledStep] = {}
         self.saved_plan = plan  # run this plan instead of planning (checked against each trace)
         self.method_defaulted = False  # parallelize() without method=: the full search
         functools.update_wrapper(self, fn)
 
+    def _signature_key(self, args: Sequence[Any]) -> tuple:
+        parts: list[Any] = []
+        for i, arg in enumerate(args):
+            if i in self.static_argnums:
+                try:
+                    hash(arg)
+                except TypeError:
+                    raise InvalidOptionError(
+                        f"static argument {i} has unhashable type {type(arg).__name__}; static "
+                        "arguments must be hashable (as with jax.jit)"
+                    ) from None
+                parts.append(("static", arg))
+                continue
+            leaves, treedef = jax.tree_util.tree_flatten(arg)
+            parts.append((treedef, tuple(
+                (tuple(np.shape(x)), str(x.dtype)) if hasattr(x, "dtype") else ("value", repr(x))
+                for x in leaves
+            )))
+        return tuple(parts)
+
     def _compiled(self, args: Sequence[Any]) -> CompiledStep:
-        if any(i >= len(args) for i in self.batch_argnums):
-            raise InvalidOptionError(
-                f"batch_argnums={self.batch_argnums} names argument {max(self.batch_argnums)} "
-                f"but the step was called with {len(args)} argument(s)"
-            )
-        key = _signature_key(args)
-        found = self._cache.get(key)
-        if found is None:
-            start = time.perf_counter()
-            if self.saved_plan is not None:
-                traced, plan, executable = self._from_saved_plan(args)
-            elif isinstance(self.method, PipeshardParallel):
-                traced, plan, executable = self._pipeline(args)
-            else:
-                traced = trace_step(self.fn, args)
-                plan = plan_step(
-                    traced, self.method, local_cluster(self.devices),
-                    batch_argnums=self.batch_argnums,
+        for name, argnums in (("batch_argnums", self.batch_argnums),
+                              ("static_argnums", self.static_argnums),
+                              ("donate_argnums", self.donate_argnums)):
+            if any(i >= len(args) for i in argnums):
+                raise InvalidOptionError(
+                    f"{name}={argnums} names argument {max(argnums)} but the step was called "
+                    f"with {len(args)} argument(s)"
                 )
-                executable = ShardedProgram(traced.program, plan, self.devices)
-            found = CompiledStep(traced, plan, executable, time.perf_counter() - start)
-            if self.saved_plan is None:  # a saved plan stays as it was loaded
-                plan.options["compile_time_s"] = found.compile_time_s
-            self._cache[key] = found
+        key = self._signature_key(args)
+        found = self._compiled_steps.get(key)
+        if found is None:
+            found = self._compile(args)
+            self._compiled_steps[key] = found
         return found
 
-    def _from_saved_plan(self, args: Sequence[Any]) -> tuple[TracedStep, Plan, Any]:
-        plan = self.saved_plan
+    def _compile(self, args: Sequence[Any]) -> CompiledStep:
+        start = time.perf_counter()
+        bound = bind_static_args(self.fn, args, self.static_argnums, self.batch_argnums)
+        planned = plan_train_step(
+            bound.fn, bound.dynamic_args, self.method, local_cluster(self.devices),
+            batch_argnums=bound.batch_argnums, fall_back_to_shard=self.method_defaulted,
+            saved_plan=self.saved_plan, cache=self.cache,
+        )
+        plan = planned.plan
         devices = self.devices if self.devices is not None else jax.devices()
         used = max((d for st in plan.stages for d in st.device_ids), default=-1) + 1
         if used > len(devices):
             raise MeshError(f"the plan uses {used} devices but this step has {len(devices)}")
-        if plan.method == "pipeshard":
-            from autopar.compiler.trace import build_graph
-            from autopar.pipeline_program import build_pipeline_program
+        dynamic = tuple(i for i in range(len(args)) if i not in self.static_argnums)
+        donated = tuple(
+            owner in self.donate_argnums
+            for owner, arg in enumerate(args) if owner in dynamic
+            for _ in jax.tree_util.tree_leaves(arg)
+        )
+        if planned.pipeline is not None:
             from autopar.runtime.pipeline import PipelineRunner
 
-            pp = build_pipeline_program(self.fn, args, self.batch_argnums, plan.num_microbatches)
-            traced = TracedStep(pp.outer, build_graph(pp.outer))
-            _check_signature(plan, traced)
-            return traced, plan, PipelineRunner.from_plan(pp, plan, devices)
-        traced = trace_step(self.fn, args)
-        _check_signature(plan, traced)
-        return traced, plan, ShardedProgram(traced.program, plan, self.devices)
+            executable: Any = PipelineRunner.from_plan(planned.pipeline, plan, devices)
+        else:
+            executable = ShardedProgram(planned.traced.program, plan, self.devices,
+                                        donated=donated)
+        elapsed = time.perf_counter() - start
+        if self.saved_plan is None and not planned.from_cache:
+            plan.options["compile_time_s"] = elapsed  # a saved plan stays as it was loaded
+        return CompiledStep(planned.traced, plan, executable, elapsed, dynamic, donated,
+                            planned.from_cache)
 
-    def _pipeline(self, args: Sequence[Any]) -> tuple[TracedStep, Plan, Any]:
-        # imported here: the pipeline stack loads only when a pipelined step is planned
-        from autopar.compiler.pipeshard import plan_pipeshard
-        from autopar.compiler.trace import build_graph
-        from autopar.pipeline_program import build_pipeline_program
-        from autopar.runtime.pipeline import PipelineRunner
-
-        method = self.method
-        try:
-            pp = build_pipeline_program(self.fn, args, self.batch_argnums, method.num_microbatches)
-        except (NoLossFunctionError, BatchSizeError) as err:
-            if not self.method_defaulted:
-                raise
-            # the default search needs a marked loss and a batch the microbatches divide;
-            # without them one stage (the intra-operator pass alone) is what it can do
-            traced = trace_step(self.fn, args)
-            plan = plan_step(traced, ShardParallel(), local_cluster(self.devices),
-                             batch_argnums=self.batch_argnums)
-            plan.notes.append(f"one stage, no pipeline: {err}")
-            return traced, plan, ShardedProgram(traced.program, plan, self.devices)
-        plan = plan_pipeshard(pp, method, local_cluster(self.devices))
-        plan.batch_argnums = self.batch_argnums
-        devices = self.devices if self.devices is not None else jax.devices()
-        runner = PipelineRunner.from_plan(pp, plan, devices)
-        return TracedStep(pp.outer, build_graph(pp.outer)), plan, runner
+    def _flat_inputs(self, compiled: CompiledStep, args: Sequence[Any]) -> list[Any]:
+        return jax.tree_util.tree_leaves(tuple(args[i] for i in compiled.dynamic_argnums))
 
     def __call__(self, *args: Any) -> Any:
         compiled = self._compiled(args)
-        flat = jax.tree_util.tree_leaves(tuple(args))
+        flat = self._flat_inputs(compiled, args)
         out = compiled.executable(flat)
+        _release_donated(flat, compiled.donated_leaves, out)
         return jax.tree_util.tree_unflatten(compiled.traced.program.out_tree, out)
 
     def timed_call(self, *args: Any) -> tuple[Any, list[Any]]:
@@ -181,7 +183,9 @@ class ParallelizedStep:
                                      f"pipelined (method {compiled.plan.method})")
         from autopar.runtime.pipeline import measured_idle_fraction
 
-        out = runner(jax.tree_util.tree_leaves(tuple(args)), record=True)
+        flat = self._flat_inputs(compiled, args)
+        out = runner(flat, record=True)
+        _release_donated(flat, compiled.donated_leaves, out)
         records = list(runner.records)
         compiled.plan.options["measured_idle_fraction"] = measured_idle_fraction(
             records, len(compiled.plan.stages))
@@ -191,6 +195,10 @@ class ParallelizedStep:
         """The plan for these arguments (arrays or ``jax.ShapeDtypeStruct``)."""
         return self._compiled(args).plan
 
+    def plan_was_cached(self, *args: Any) -> bool:
+        """Whether the plan for these arguments came from the on-disk cache."""
+        return self._compiled(args).from_cache
+
     def get_hlo_text(self, *args: Any) -> str:
         """The compiled, optimized HLO text of the sharded program for these arguments."""
         compiled = self._compiled(args)
@@ -199,27 +207,23 @@ class ParallelizedStep:
                 "get_hlo_text covers one sharded program; a pipelined step compiles one "
                 "program per stage task (see get_plan for its stages)"
             )
-        return compiled.executable.hlo_text(jax.tree_util.tree_leaves(tuple(args)))
+        return compiled.executable.hlo_text(self._flat_inputs(compiled, args))
 
     def get_traced(self, *args: Any) -> TracedStep:
         """The traced program and its OpGraph for these arguments."""
         return self._compiled(args).traced
 
 
-def _check_signature(plan: Plan, traced: TracedStep) -> None:
-    """A saved plan names tensors of one trace: the step's inputs must be the plan's."""
-    graph = traced.graph
-    have = [(io.path, graph.tensors[io.tensor].shape, graph.tensors[io.tensor].dtype)
-            for io in graph.inputs]
-    want = [(s.path, tuple(s.shape), s.dtype) for s in plan.signature]
-    if have == want:
+def _release_donated(flat: Sequence[Any], donated: Sequence[bool], outputs: Sequence[Any]) -> None:
+    """Free the buffers of donated inputs that the step did not hand back, as ``jax.jit``'s
+    donation would (the pipeline runner and re-laid-out inputs cannot donate in place)."""
+    if not any(donated):
         return
-    if len(have) != len(want):
-        raise PlanError(f"the plan does not match this step: it was made for {len(want)} input "
-                        f"leaves, the step has {len(have)}")
-    (hp, hs, hd), (wp, ws, wd) = next((h, w) for h, w in zip(have, want, strict=True) if h != w)
-    raise PlanError(f"the plan does not match this step: input {hp!r} is {hd}{list(hs)} here "
-                    f"but the plan has {wp!r} as {wd}{list(ws)}")
+    returned = {id(o) for o in outputs}
+    for leaf, give in zip(flat, donated, strict=True):
+        if give and isinstance(leaf, jax.Array) and id(leaf) not in returned \
+                and not leaf.is_deleted():
+            leaf.delete()
 
 
 def parallelize(
@@ -227,23 +231,37 @@ def parallelize(
     *,
     method: Method | None = None,
     batch_argnums: Sequence[int] = (1,),
+    static_argnums: Sequence[int] = (),
+    donate_argnums: Sequence[int] = (),
     devices: Sequence[Any] | None = None,
     plan: Plan | str | os.PathLike | None = None,
+    cache: bool | str | os.PathLike = True,
 ) -> Any:
     """Parallelize a train step over the local devices.
 
     ``step = autopar.parallelize(train_step, method=autopar.DataParallel())``; usable bare
-    (``@autopar.parallelize``) or with arguments. ``batch_argnums`` names the positional
-    arguments that hold the batch (split by data parallelism); the rest is state.
-    ``devices`` restricts the step to these devices (default: all of this process's).
-    Without ``method`` the full automatic search runs (``PipeshardParallel()``: stages,
+    (``@autopar.parallelize``), with arguments (``@autopar.parallelize(method=...)``) or as a
+    function call.
+
+    ``method``: without it the full automatic search runs (``PipeshardParallel()``: stages,
     submeshes and intra-operator plans, one stage when that is best); a step that does not
     differentiate with ``autopar.value_and_grad`` / ``autopar.grad`` gets one stage planned by
     the intra-operator pass (``ShardParallel()``), with a note in the plan.
-    ``plan``: a saved ``Plan`` (or the path of one, from ``Plan.save``) to run without planning;
-    each new input signature is checked against it (a one-line ``PlanError`` when it does not
-    match).
+    ``batch_argnums``: the positional arguments that hold the batch (split by data
+    parallelism and into microbatches); the rest is state.
+    ``static_argnums``: arguments that are not arrays (flags, config): their values are part of
+    the input signature, as with ``jax.jit``; they must be hashable.
+    ``donate_argnums``: arguments whose buffers the step may reuse (typically the train state);
+    after the call they are deleted, as with ``jax.jit``.
+    ``devices``: restrict the step to these devices (default: all of this process's).
+    ``plan``: a saved ``Plan`` (or the path of one, from ``Plan.save``) to run without
+    planning; each new input signature is checked against it (a one-line ``PlanError`` when it
+    does not match).
+    ``cache``: the on-disk plan cache: ``True`` (default: the user cache directory, or
+    ``$AUTOPAR_CACHE_DIR``), a directory, or ``False`` to plan every time.
     """
+    from autopar.plan_cache import PlanCache, check_cache_dir
+
     saved = Plan.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
     if saved is not None and not isinstance(saved, Plan):
         raise InvalidOptionError(f"plan= takes an autopar.Plan or a path to a saved plan, got "
@@ -251,10 +269,20 @@ def parallelize(
     if saved is not None and method is not None and method.name != saved.method:
         raise InvalidOptionError(f"method={type(method).__name__}() but the plan was made by "
                                  f"method '{saved.method}'; pass one of them")
+    if cache is True:
+        plan_cache = PlanCache()
+    elif cache is False or cache is None:
+        plan_cache = None
+    elif isinstance(cache, (str, os.PathLike)):
+        plan_cache = PlanCache(check_cache_dir(cache))
+    else:
+        raise InvalidOptionError(f"cache= takes True, False or a directory, got "
+                                 f"{type(cache).__name__}")
     chosen = method if method is not None else PipeshardParallel()
 
     def wrap(f: Callable) -> ParallelizedStep:
-        step = ParallelizedStep(f, chosen, tuple(batch_argnums), devices, saved)
+        step = ParallelizedStep(f, chosen, batch_argnums, devices, saved, static_argnums,
+                                donate_argnums, plan_cache)
         step.method_defaulted = method is None
         return step
 

@@ -13,15 +13,20 @@ from autopar.schedule_timeline import Timeline, render_text, stage_timeline
 
 @dataclass
 class CompileReport:
-    """What ``autopar compile`` found: the step's size, the plan and its estimates."""
+    """What ``autopar compile`` found: the step's size, the plan and its estimates.
+
+    A report of a saved plan (``from_plan``: ``autopar show``) has no graph: ``graph_nodes``,
+    ``graph_edges`` and, when unknown, ``num_params`` and ``compile_time_s`` are None (``-`` in
+    the text, None in ``to_dict``).
+    """
 
     model: str
     plan: Plan
-    graph_nodes: int
-    graph_edges: int
-    num_params: int
+    graph_nodes: int | None
+    graph_edges: int | None
+    num_params: int | None
     flops_per_step: float
-    compile_time_s: float
+    compile_time_s: float | None
     top_primitives: dict[str, int] = field(default_factory=dict)
     hlo_collectives: dict[str, dict[str, int]] | None = None  # kind -> {count, bytes}
     notes: list[str] = field(default_factory=list)
@@ -32,7 +37,7 @@ class CompileReport:
         model: str,
         plan: Plan,
         graph: OpGraph,
-        num_params: int,
+        num_params: int | None,
         compile_time_s: float,
         hlo_collectives: dict[str, dict[str, int]] | None = None,
     ) -> CompileReport:
@@ -47,6 +52,21 @@ class CompileReport:
             compile_time_s=compile_time_s,
             top_primitives=top,
             hlo_collectives=hlo_collectives,
+        )
+
+    @classmethod
+    def from_plan(cls, plan: Plan, model: str, num_params: int | None = None) -> CompileReport:
+        """The report of a saved plan, without the step's graph: flops are the plan's, the
+        compile time is the one the plan recorded (None when it has none)."""
+        recorded = plan.options.get("compile_time_s", plan.options.get("planning_time_s"))
+        return cls(
+            model=model,
+            plan=plan,
+            graph_nodes=None,
+            graph_edges=None,
+            num_params=num_params,
+            flops_per_step=plan.total_flops,
+            compile_time_s=None if recorded is None else float(recorded),
         )
 
     def predicted_collectives(self) -> dict[str, dict[str, float]]:
@@ -105,12 +125,16 @@ class CompileReport:
             f"  method            {plan.method}",
             f"  cluster           {plan.cluster}",
             f"  mesh              {_mesh_text(plan)}",
-            f"  graph             {self.graph_nodes} ops, {self.graph_edges} edges",
-            f"  parameters        {_count(self.num_params)}",
-            f"  flops per step    {_count(self.flops_per_step)}",
-            f"  compile time      {self.compile_time_s:.2f} s",
-            f"  est. step time    {_seconds(plan.est_step_time_s)}",
-            f"  per-device memory {_bytes(plan.peak_memory_bytes)}",
+            "  graph             "
+            + ("-" if self.graph_nodes is None
+               else f"{self.graph_nodes} ops, {self.graph_edges} edges"),
+            "  parameters        "
+            + ("-" if self.num_params is None else format_count(self.num_params)),
+            f"  flops per step    {format_count(self.flops_per_step)}",
+            "  compile time      "
+            + ("-" if self.compile_time_s is None else f"{self.compile_time_s:.2f} s"),
+            f"  est. step time    {format_seconds(plan.est_step_time_s)}",
+            f"  per-device memory {format_bytes(plan.peak_memory_bytes)}",
             "",
             "stages",
             f"  {'#':>2}  {'layers':<10} {'submesh':<8} {'logical':<8} {'est time':>10} "
@@ -120,9 +144,11 @@ class CompileReport:
             layers = f"{s.layers[0]}-{s.layers[-1]}" if len(s.layers) > 1 else str(s.layers[0])
             lines.append(
                 f"  {s.index:>2}  {layers:<10} {format_mesh_shape(s.submesh_shape):<8} "
-                f"{format_mesh_shape(s.logical_mesh_shape):<8} {_seconds(s.est_time_s):>10} "
-                f"{_seconds(s.est_compute_time_s):>10} "
-                f"{_seconds(s.est_communication_time_s):>10} {_bytes(s.peak_memory_bytes):>10}"
+                f"{format_mesh_shape(s.logical_mesh_shape):<8} "
+                f"{format_seconds(s.est_time_s):>10} "
+                f"{format_seconds(s.est_compute_time_s):>10} "
+                f"{format_seconds(s.est_communication_time_s):>10} "
+                f"{format_bytes(s.peak_memory_bytes):>10}"
             )
         timeline = plan_timeline(plan)
         if timeline is not None:
@@ -147,16 +173,21 @@ class CompileReport:
             lines.append("  none")
         for kind in kinds:
             p = predicted.get(kind, {"count": 0, "bytes": 0})
-            row = f"  {kind:<18} plan {int(p['count']):>4} x, {_bytes(p['bytes']):>10}"
+            row = f"  {kind:<18} plan {int(p['count']):>4} x, {format_bytes(p['bytes']):>10}"
             if self.hlo_collectives is not None:
                 h = self.hlo_collectives.get(kind, {"count": 0, "bytes": 0})
                 ratio = f"{p['bytes'] / h['bytes']:.2f}" if h["bytes"] else "-"
-                row += f" | hlo {h['count']:>4} x, {_bytes(h['bytes']):>10} | bytes ratio {ratio}"
+                row += (
+                    f" | hlo {h['count']:>4} x, {format_bytes(h['bytes']):>10}"
+                    f" | bytes ratio {ratio}"
+                )
             lines.append(row)
         if self.hlo_collectives is None and plan.method == "pipeshard":
             lines.append("  (HLO not counted: a pipelined step compiles one program per task)")
+        elif self.hlo_collectives is None and self.graph_nodes is None:
+            lines.append("  (HLO not counted: a report of a saved plan)")
         elif self.hlo_collectives is None:
-            lines.append("  (HLO not compiled: planned for a described cluster)")
+            lines.append("  (HLO not compiled: planned for a described cluster, or --no-hlo)")
         elif any(emitted.get(k, {"count": 0})["count"] < predicted[k]["count"] for k in predicted):
             lines.append(
                 "  (XLA combines collectives of one kind into tuple-shaped ones: compare bytes)"
@@ -213,7 +244,7 @@ def _solver_lines(stats: dict[str, Any]) -> list[str]:
     rows = [
         ("solver", f"{stats.get('solver')} ({stats.get('status')}"
                    f"{', proven optimal' if stats.get('proven_optimal') else ''})"),
-        ("objective", _seconds(float(stats.get("objective", 0.0)))),
+        ("objective", format_seconds(float(stats.get("objective", 0.0)))),
         ("gap", "-" if gap is None else f"{gap:.2e}"),
         ("decisions", f"{stats.get('decision_variables', '-')} (from "
                       f"{stats.get('variables_before_merging', '-')} ops and inputs)"),
@@ -225,21 +256,24 @@ def _solver_lines(stats: dict[str, Any]) -> list[str]:
     return [f"  {k:<10} {v}" for k, v in rows]
 
 
-def _count(x: float) -> str:
+def format_count(x: float) -> str:
+    """A count with a metric suffix: ``1.50M``."""
     for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(x) >= scale:
             return f"{x / scale:.2f}{unit}"
     return f"{x:.0f}"
 
 
-def _bytes(x: float) -> str:
+def format_bytes(x: float) -> str:
+    """A size in binary units: ``1.50 MiB``."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(x) >= scale:
             return f"{x / scale:.2f} {unit}"
     return f"{x:.0f} B"
 
 
-def _seconds(x: float) -> str:
+def format_seconds(x: float) -> str:
+    """A duration in s, ms or us: ``1.500 ms``."""
     if x >= 1:
         return f"{x:.3f} s"
     if x >= 1e-3:

@@ -1,15 +1,21 @@
 """Swimlane pictures (PNG) of simulated pipeline schedules.
 
-matplotlib is imported inside the function, so importing autopar never pays for it, and the
-figure is drawn on its own Agg canvas, leaving pyplot's global state alone.
+matplotlib is imported inside the functions, so importing autopar never pays for it, and the
+figure is drawn on its own Agg canvas, leaving pyplot's global state alone. ``swimlane_figure``
+builds the picture; ``save_swimlane_png`` writes it to a file and ``autopar.pictures`` renders
+it to bytes for the HTML report.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from autopar.schedule_timeline import Timeline
 from autopar.schedules import TaskKind
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 # Colour per task kind; chunks of interleaved schedules are told apart by shade.
 _KIND_COLOURS = {TaskKind.F: "#4C72B0", TaskKind.B: "#DD8452", TaskKind.W: "#55A868"}
@@ -23,7 +29,12 @@ _MAX_LABELLED_TASKS_PER_LANE = 48
 
 
 def save_swimlane_png(timeline: Timeline, path: str | Path, title: str | None = None) -> None:
-    """Draw ``timeline`` as one lane per stage (stage 0 on top) and write it as a PNG.
+    """Draw ``timeline`` (see :func:`swimlane_figure`) and write it as a PNG file."""
+    swimlane_figure(timeline, title).savefig(Path(path), format="png")
+
+
+def swimlane_figure(timeline: Timeline, title: str | None = None) -> Figure:
+    """Draw ``timeline`` as one lane per stage (stage 0 on top) on a fresh Agg figure.
 
     F, B and W tasks get distinct colours, idle time stays white, and the title carries the
     simulated idle fraction (``title`` is prepended when given).
@@ -36,7 +47,16 @@ def save_swimlane_png(timeline: Timeline, path: str | Path, title: str | None = 
     schedule = timeline.schedule
     p, v = schedule.num_stages, schedule.num_chunks
     makespan = timeline.makespan or 1.0
-    figure = Figure(figsize=(min(24.0, 4.0 + 0.35 * makespan * v), 1.0 + 0.6 * p), dpi=100)
+    # Width by the makespan in forward slots (the median forward task), not in cost units:
+    # plan timelines are in seconds, where a width in units would squash the picture. Under
+    # the unit costs (a forward is 1/v) this is the makespan x v of the papers' figures.
+    forwards = sorted(e - s for t, (s, e) in timeline.spans.items() if t.kind is TaskKind.F)
+    slot = forwards[len(forwards) // 2] if forwards else 0.0
+    slots = makespan / slot if slot > 0 else makespan * v
+    # The legend gets a strip of its own below the axes, so it never covers the x label.
+    legend_h = 0.35
+    height = 1.0 + 0.6 * p + legend_h
+    figure = Figure(figsize=(min(24.0, 4.0 + 0.35 * slots), height), dpi=100)
     FigureCanvasAgg(figure)
     axes = figure.add_subplot(1, 1, 1)
 
@@ -73,14 +93,13 @@ def save_swimlane_png(timeline: Timeline, path: str | Path, title: str | None = 
     shade_note = "; lighter shade = later chunk" if v > 1 else ""
     axes.set_xlabel(f"time (task cost units){shade_note}")
     kinds = [k for k in TaskKind if any(t.kind is k for t in timeline.spans)]
-    axes.legend(
+    figure.legend(
         handles=[
             Patch(facecolor=_KIND_COLOURS[k], edgecolor="black", label=_KIND_NAMES[k])
             for k in kinds
         ]
         + [Patch(facecolor="white", edgecolor="black", label="idle (bubble)")],
-        loc="upper center",
-        bbox_to_anchor=(0.5, -0.25),
+        loc="lower center",
         ncol=len(kinds) + 1,
         fontsize=8,
         frameon=False,
@@ -91,5 +110,5 @@ def save_swimlane_png(timeline: Timeline, path: str | Path, title: str | None = 
         + f" | idle fraction {timeline.idle_fraction:.1%}"
     )
     axes.set_title(f"{title} | {summary}" if title else summary, fontsize=10)
-    figure.tight_layout()
-    figure.savefig(Path(path), format="png")
+    figure.tight_layout(rect=(0.0, legend_h / height, 1.0, 1.0))
+    return figure

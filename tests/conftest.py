@@ -15,3 +15,14 @@ os.environ.setdefault(
                  "jax-compilation-cache"),
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _plan_cache_in_a_temporary_directory(tmp_path_factory):
+    """parallelize() caches plans on disk by default: keep the tests' plans out of the user's
+    cache directory, and start every test session with an empty cache."""
+    os.environ["AUTOPAR_CACHE_DIR"] = str(tmp_path_factory.mktemp("autopar-plans"))
+    yield

@@ -49,7 +49,8 @@ def stage_mesh(stage: StagePlan, devices: Sequence[Any] | None = None) -> Mesh:
 class ShardedProgram:
     """A flat program compiled for one single-stage plan; call it with flat arguments."""
 
-    def __init__(self, program: FlatProgram, plan: Plan, devices: Sequence[Any] | None = None):
+    def __init__(self, program: FlatProgram, plan: Plan, devices: Sequence[Any] | None = None,
+                 donated: Sequence[bool] = ()):
         if len(plan.stages) != 1:
             raise PlanError(
                 f"this executor runs single-stage plans; the plan has {len(plan.stages)} stages"
@@ -72,8 +73,10 @@ class ShardedProgram:
             use: NamedSharding(self.mesh, partition_spec(spec))
             for use, spec in stage.operand_shardings.items()
         }
+        # donated: per flat input leaf, whether XLA may reuse its buffer for an output
         self.jitted = jax.jit(
-            self._run, in_shardings=self.in_shardings, out_shardings=self.out_shardings
+            self._run, in_shardings=self.in_shardings, out_shardings=self.out_shardings,
+            donate_argnums=tuple(i for i, give in enumerate(donated) if give),
         )
         self._compiled: Any = None
 
@@ -120,7 +123,9 @@ class ShardedProgram:
 
     def abstract_args(self, flat_args: Sequence[Any]) -> list[Any]:
         return [
-            jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=s)
+            jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=s) if hasattr(a, "dtype")
+            # a Python scalar (a TrainState's fresh step counter) is traced weakly typed
+            else jax.ShapeDtypeStruct((), jax.numpy.asarray(a).dtype, sharding=s, weak_type=True)
             for a, s in zip(flat_args, self.in_shardings, strict=True)
         ]
 

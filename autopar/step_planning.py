@@ -1,0 +1,201 @@
+"""From a train step and its arguments to a Plan: the one path shared by the decorator and the CLI.
+
+``plan_train_step`` traces the step (for pipelining: the pipeline cut of it), then takes the plan
+from the saved plan it was given, or from the on-disk cache, or from the planner, in that order.
+It touches no devices: the caller builds the executable (``runtime/``) from what it returns.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from autopar.compiler.mesh import ClusterSpec
+from autopar.compiler.plan import Plan
+from autopar.compiler.planner import plan_step
+from autopar.compiler.trace import TracedStep, build_graph, trace_step
+from autopar.errors import BatchSizeError, InvalidOptionError, NoLossFunctionError, PlanError
+from autopar.methods import Method, PipeshardParallel, ShardParallel
+
+# Primitives that draw random bits: a pipelined forward draws them per microbatch shape.
+RANDOM_DRAWS = frozenset({"random_bits", "threefry2x32", "rng_bit_generator", "rng_uniform"})
+
+
+@dataclass
+class PlannedStep:
+    """A traced step and its plan; ``pipeline`` is the pipeline cut when the plan is pipelined."""
+
+    traced: TracedStep
+    plan: Plan
+    pipeline: Any = None  # autopar.pipeline_program.PipelineProgram
+    from_cache: bool = False
+
+
+@dataclass(frozen=True)
+class StaticBinding:
+    """A step with its static arguments bound: ``fn(*dynamic)`` is ``step(*all arguments)``."""
+
+    fn: Callable
+    dynamic_args: tuple[Any, ...]
+    batch_argnums: tuple[int, ...]  # positions among the dynamic arguments
+
+
+def bind_static_args(
+    step: Callable, args: Sequence[Any], static_argnums: Sequence[int],
+    batch_argnums: Sequence[int],
+) -> StaticBinding:
+    """Close ``step`` over the arguments at ``static_argnums`` (their values are part of the
+    input signature, as with ``jax.jit``); the bound function keeps the names of the dynamic
+    parameters, so plans still name leaves ``state/params/w``."""
+    static = set(static_argnums)
+    for i in static_argnums:
+        if i >= len(args):
+            raise InvalidOptionError(f"static_argnums names argument {i} but the step was "
+                                     f"called with {len(args)} argument(s)")
+    if static & set(batch_argnums):
+        raise InvalidOptionError(f"argument(s) {sorted(static & set(batch_argnums))} are in both "
+                                 "static_argnums and batch_argnums; a batch must be arrays")
+    if not static:
+        return StaticBinding(step, tuple(args), tuple(batch_argnums))
+    dynamic_positions = [i for i in range(len(args)) if i not in static]
+    fixed = {i: args[i] for i in static}
+
+    def bound(*dynamic: Any) -> Any:
+        merged = dict(zip(dynamic_positions, dynamic, strict=True)) | fixed
+        return step(*(merged[i] for i in range(len(args))))
+
+    bound.__name__ = getattr(step, "__name__", "train_step")
+    try:
+        params = list(inspect.signature(step).parameters.values())
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        kept = [positional[i] for i in dynamic_positions if i < len(positional)]
+        bound.__signature__ = inspect.Signature(kept)  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        pass  # no signature: leaves are named arg0, arg1, ...
+    remap = {old: new for new, old in enumerate(dynamic_positions)}
+    return StaticBinding(bound, tuple(args[i] for i in dynamic_positions),
+                         tuple(remap[i] for i in batch_argnums))
+
+
+def plan_train_step(
+    fn: Callable,
+    args: Sequence[Any],
+    method: Method,
+    cluster: ClusterSpec,
+    *,
+    batch_argnums: tuple[int, ...],
+    fall_back_to_shard: bool = False,
+    saved_plan: Plan | None = None,
+    cache: Any = None,
+) -> PlannedStep:
+    """Trace ``fn(*args)`` and plan it with ``method`` on ``cluster``.
+
+    ``fall_back_to_shard``: when the method is the default full search and the step cannot be
+    pipelined (no ``autopar.value_and_grad``, or a batch the microbatches do not divide), plan
+    one stage with the intra-operator pass instead, with a note in the plan.
+    ``saved_plan``: use this plan (checked against the trace) instead of planning.
+    ``cache``: an ``autopar.plan_cache.PlanCache`` to take the plan from, keyed by the traced
+    program, method, cluster and batch arguments, and to store a new plan in.
+    """
+    if saved_plan is not None:
+        return _with_saved_plan(fn, args, saved_plan, batch_argnums)
+    if isinstance(method, PipeshardParallel):
+        from autopar.compiler.pipeshard import plan_pipeshard
+        from autopar.pipeline_program import build_pipeline_program
+
+        try:
+            pp = build_pipeline_program(fn, args, batch_argnums, method.num_microbatches)
+        except (NoLossFunctionError, BatchSizeError) as err:
+            if not fall_back_to_shard:
+                raise
+            shard = ShardParallel(memory_budget_bytes=method.memory_budget_bytes,
+                                  solver=method.solver, time_limit_s=method.time_limit_s)
+            planned = plan_train_step(fn, args, shard, cluster, batch_argnums=batch_argnums,
+                                      cache=cache)
+            planned.plan.notes.append(f"one stage, no pipeline: {err}")
+            return planned
+        traced = TracedStep(pp.outer, build_graph(pp.outer))
+        # the outer trace holds the loss function as one equation: the microbatch forward's
+        # own trace is what tells two loss functions apart
+        key = _cache_key(cache, (pp.outer, pp.forward), method, cluster, batch_argnums)
+        cached = _cached_plan(cache, key, traced)
+        if cached is not None:
+            return PlannedStep(traced, cached, pp, from_cache=True)
+        plan = plan_pipeshard(pp, method, cluster)
+        plan.batch_argnums = tuple(batch_argnums)
+        if any(eqn.name in RANDOM_DRAWS for eqn in pp.forward.eqns):
+            plan.notes.append(
+                "the loss function draws random numbers (dropout?): each microbatch draws its "
+                "own, so the masks differ from an unpipelined step's (same distribution)")
+        _store(cache, key, plan)
+        return PlannedStep(traced, plan, pp)
+    traced = trace_step(fn, args)
+    key = _cache_key(cache, (traced.program,), method, cluster, batch_argnums)
+    cached = _cached_plan(cache, key, traced)
+    if cached is not None:
+        return PlannedStep(traced, cached, from_cache=True)
+    plan = plan_step(traced, method, cluster, batch_argnums=tuple(batch_argnums))
+    _store(cache, key, plan)
+    return PlannedStep(traced, plan)
+
+
+def _cache_key(cache: Any, programs: tuple[Any, ...], method: Method, cluster: ClusterSpec,
+               batch_argnums: tuple[int, ...]) -> str | None:
+    if cache is None:
+        return None
+    from autopar.plan_cache import cache_key, program_fingerprint
+
+    fingerprint = "+".join(program_fingerprint(p) for p in programs)
+    return cache_key(fingerprint, method=method, cluster=cluster,
+                     batch_argnums=tuple(batch_argnums), devices=None)
+
+
+def _cached_plan(cache: Any, key: str | None, traced: TracedStep) -> Plan | None:
+    if key is None:
+        return None
+    plan = cache.get(key)
+    if plan is None:
+        return None
+    try:  # a hash collision or a hand-edited entry must not run a foreign plan
+        check_signature(plan, traced)
+    except PlanError:
+        return None
+    return plan
+
+
+def _store(cache: Any, key: str | None, plan: Plan) -> None:
+    if key is not None:
+        cache.put(key, plan)
+
+
+def _with_saved_plan(
+    fn: Callable, args: Sequence[Any], plan: Plan, batch_argnums: tuple[int, ...]
+) -> PlannedStep:
+    if plan.method == "pipeshard":
+        from autopar.pipeline_program import build_pipeline_program
+
+        pp = build_pipeline_program(fn, args, batch_argnums, plan.num_microbatches)
+        traced = TracedStep(pp.outer, build_graph(pp.outer))
+        check_signature(plan, traced)
+        return PlannedStep(traced, plan, pp)
+    traced = trace_step(fn, args)
+    check_signature(plan, traced)
+    return PlannedStep(traced, plan)
+
+
+def check_signature(plan: Plan, traced: TracedStep) -> None:
+    """A saved plan names tensors of one trace: the step's inputs must be the plan's."""
+    graph = traced.graph
+    have = [(io.path, graph.tensors[io.tensor].shape, graph.tensors[io.tensor].dtype)
+            for io in graph.inputs]
+    want = [(s.path, tuple(s.shape), s.dtype) for s in plan.signature]
+    if have == want:
+        return
+    if len(have) != len(want):
+        raise PlanError(f"the plan does not match this step: it was made for {len(want)} input "
+                        f"leaves, the step has {len(have)}")
+    (hp, hs, hd), (wp, ws, wd) = next((h, w) for h, w in zip(have, want, strict=True) if h != w)
+    raise PlanError(f"the plan does not match this step: input {hp!r} is {hd}{list(hs)} here "
+                    f"but the plan has {wp!r} as {wd}{list(ws)}")
