@@ -10,7 +10,6 @@ become the defaults). Everything that can go wrong in the user's file is one lin
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import inspect
 import logging
@@ -220,7 +219,7 @@ def _checked_source(target: str, returned: Any,
     bind_static_args(step, args, static, batch)  # both static and batch: one line
     _check_argument_leaves(step, args, static, target)
     return StepSource(
-        name=target, fn=checked_outputs(step), args=args, batch_argnums=batch,
+        name=target, fn=step, args=args, batch_argnums=batch,
         static_argnums=static, method=method, saved_plan=saved,
         num_params=_count_params(args, set(batch) | set(static)),
     )
@@ -243,28 +242,6 @@ def _check_argument_leaves(step: Callable, args: Sequence[Any], static: Sequence
                     f"is {_describe(leaf)}; train-step arguments must be pytrees of arrays or "
                     "jax.ShapeDtypeStruct"
                 )
-
-
-def checked_outputs(step: Callable) -> Callable:
-    """``step``, failing its trace with one line naming the output leaf (``out/1``) when it
-    returns something that is not an array (a string, an object). ``None`` is an empty pytree,
-    as in ``jax.jit``: it is kept as is."""
-    import jax
-
-    from autopar.program import leaf_path
-
-    @functools.wraps(step)  # inspect.signature follows __wrapped__: leaves keep their names
-    def checked(*args: Any) -> Any:
-        out = step(*args)
-        for keypath, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
-            if not _is_array_like(leaf):  # tracers have a shape and dtype too
-                raise TraceError(
-                    f"the step's output '{leaf_path('out', keypath)}' is {_describe(leaf)}; a "
-                    "train step must return a pytree of arrays"
-                )
-        return out
-
-    return checked
 
 
 def _is_array_like(leaf: Any) -> bool:

@@ -177,3 +177,16 @@ def test_static_argument_errors_are_one_line():
     beyond = autopar.parallelize(scaled_step, static_argnums=(5,), cache=False)
     with pytest.raises(InvalidOptionError, match="names argument 5"):
         beyond(state, batch, 1.0)
+
+
+def test_a_step_returning_a_non_array_is_one_line():
+    p, batch = params_and_batch()
+
+    def chatty(params, batch):
+        return params, "done"
+
+    step = autopar.parallelize(chatty, method=autopar.DataParallel(), cache=False)
+    with pytest.raises(autopar.TraceError) as err:
+        step(p, batch)
+    assert str(err.value) == ("the step's output 'out/1' is a str ('done'); a train step must "
+                              "return a pytree of arrays")
