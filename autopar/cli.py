@@ -102,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("plan_path", metavar="PLAN.json", help="the saved plan or --json report")
     _add_log_level(s, argparse.SUPPRESS)
     _add_outputs(s)
+    from autopar.cli_profile import add_profile_parser  # light: imports no JAX
+
+    add_profile_parser(sub, _Parser)
+    from autopar.cli_bench import add_bench_parser  # light: imports no JAX
+
+    add_bench_parser(sub, _Parser)
     return parser
 
 
@@ -187,8 +193,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 from autopar.cli_show import run_show
 
                 return run_show(args)
+            if args.command == "profile":
+                from autopar.cli_profile import run_profile
+
+                return run_profile(args)
+            if args.command == "bench":
+                from autopar.cli_bench import run_bench
+
+                return run_bench(args, handler)
         raise InvalidOptionError(f"unknown command '{args.command}'; valid commands: compile, "
-                                 "show")
+                                 "show, profile, bench")
     except AutoparError as exc:
         print(f"autopar: error: {one_line(str(exc))}", file=sys.stderr)
         return EXIT_USAGE

@@ -14,13 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import time
-from importlib.metadata import version
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from autopar.bench.outputs import load_average, machine_text  # noqa: E402
 from autopar.compiler.intra_op import IntraOpOptions, solve_intra_op  # noqa: E402
 from autopar.compiler.mesh import LogicalMesh, load_cluster, parse_mesh_shape  # noqa: E402
 from autopar.compiler.trace import TracedStep, trace_step  # noqa: E402
@@ -69,33 +68,6 @@ def measure(traced: TracedStep, mesh_text: str, solver: str, time_limit: float) 
         "gap": sol.gap,
         "objective_s": sol.objective,
     }
-
-
-def machine_text() -> str:
-    """CPU model, cores, memory and the library versions the numbers depend on."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
-    except (OSError, StopIteration):
-        pass
-    try:
-        pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
-        memory = f", {pages * page_size / 2**30:.0f} GiB RAM"
-    except (ValueError, OSError, AttributeError):
-        memory = ""
-    versions = ", ".join(f"{p} {version(p)}" for p in ("jax", "highspy", "PuLP"))
-    return (
-        f"{cpu} ({platform.machine()}), {os.cpu_count()} cores{memory}; "
-        f"Python {platform.python_version()}, {versions}"
-    )
-
-
-def load_text() -> str:
-    try:
-        return ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    except OSError:
-        return "unknown"
 
 
 def target_lines(rows: list[dict]) -> list[str]:
@@ -180,7 +152,7 @@ def main() -> None:
     parser.add_argument("--solvers", default="highs,cbc")
     parser.add_argument("--time-limit", type=float, default=120.0)
     args = parser.parse_args()
-    load_before = load_text()
+    load_before = load_average()
     rows = []
     for layers in (int(x) for x in args.layers.split(",")):
         traced, trace_s = trace_gpt(layers)
@@ -190,7 +162,7 @@ def main() -> None:
                 row.update(measure(traced, mesh, solver, args.time_limit))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    write_docs(rows, load_before, load_text())
+    write_docs(rows, load_before, load_average())
 
 
 if __name__ == "__main__":

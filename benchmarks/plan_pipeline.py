@@ -3,7 +3,8 @@
 Abstract shapes only: GPT-39B's hyper-parameters on ``aws-p3.16xlarge-8nodes`` (8 hosts of 8
 V100s), nothing allocated. Times the trace, the stage search (per-layer ILPs and the DP) and
 the per-stage plans, and writes ``docs/benchmarks/pipeline.md`` and ``pipeline.jsonl``. The
-Alpa paper reports about 40 minutes (compilation plus profiling) for this case.
+Alpa paper reports about 40 minutes (compilation plus profiling) for this case. The planning
+itself is ``autopar.bench``'s (``autopar bench`` runs the same search in its paper suite).
 
     python benchmarks/plan_pipeline.py [--layers 48] [--microbatches 32] [--cluster NAME]
 """
@@ -13,40 +14,30 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-
-import autopar  # noqa: E402
+from autopar.bench.outputs import machine_text  # noqa: E402
+from autopar.bench.planning import full_search, planning_times  # noqa: E402
+from autopar.bench.suites import NO_MEMORY_LIMIT  # noqa: E402
 from autopar.compiler.mesh import load_cluster  # noqa: E402
-from autopar.compiler.pipeshard import plan_pipeshard  # noqa: E402
 from autopar.models import get_model  # noqa: E402
-from autopar.pipeline_program import build_pipeline_program  # noqa: E402
 
 OUT_DIR = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 
 
-# GPT-39B keeps ~20 GiB of activations per block and microbatch without rematerialisation,
-# which autopar does not do yet (issue 8): on 16 GB V100s no stage would fit. The benchmark
-# times the search with the memory rule switched off by a budget no stage reaches.
-NO_MEMORY_LIMIT = 1e18
-
-
 def measure(layers: int, microbatches: int, cluster_name: str, pipeline_layers: int) -> dict:
-    model = get_model("gpt", "39B", num_layers=layers).with_value_and_grad(
-        autopar.value_and_grad)
+    """The full search (``autopar.bench.planning.full_search``, as ``autopar bench`` runs it)
+    with memory not enforced: GPT-39B keeps ~20 GiB of activations per block and microbatch
+    without rematerialisation, which autopar does not do yet (issue 8), so on 16 GB V100s no
+    stage would fit; the benchmark times the same search with a budget no stage reaches."""
+    model = get_model("gpt", "39B", num_layers=layers)
     cluster = load_cluster(cluster_name)
-    t0 = time.perf_counter()
-    pp = build_pipeline_program(model.train_step, model.abstract_inputs(), (1,), microbatches)
-    t1 = time.perf_counter()
-    method = autopar.PipeshardParallel(num_microbatches=microbatches, layers=pipeline_layers,
-                                       memory_budget_bytes=NO_MEMORY_LIMIT)
-    plan = plan_pipeshard(pp, method, cluster)
-    t2 = time.perf_counter()
+    searched = full_search(model, cluster, microbatches=microbatches,
+                           pipeline_layers=pipeline_layers, memory_budget_bytes=NO_MEMORY_LIMIT)
+    plan = searched.plan
+    times = planning_times(searched.trace_s, plan)
     step_s = plan.est_step_time_s
     flops = 6.0 * model.num_params() * model.config.batch_size * model.config.seq_len
     return {
@@ -55,9 +46,11 @@ def measure(layers: int, microbatches: int, cluster_name: str, pipeline_layers: 
         "devices": cluster.num_devices,
         "microbatches": microbatches,
         "pipeline_layers": pipeline_layers,
-        "trace_s": t1 - t0,
-        "plan_s": t2 - t1,
-        "total_s": t2 - t0,
+        "trace_s": times["trace_s"],
+        "plan_s": times["total_s"] - times["trace_s"],
+        "total_s": times["total_s"],
+        "ilp_s": times["ilp_s"],
+        "dp_s": times["dp_s"],
         "ilp_solves": plan.options["stage_search"]["ilp_solves"],
         "stages": [
             {"layers": [s.layers[0], s.layers[-1]], "submesh": list(s.submesh_shape),
@@ -80,8 +73,7 @@ def main() -> None:
     print(json.dumps(row), flush=True)
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     (OUT_DIR / "pipeline.jsonl").write_text(json.dumps(row) + "\n")
-    machine = (f"{platform.machine()}, {os.cpu_count()} cores, Python "
-               f"{platform.python_version()}, jax {jax.__version__}")
+    machine = machine_text()
     met = "met" if row["total_s"] < 60 else "NOT met"
     lines = [
         "# Pipeline planning time: GPT-39B on 64 described GPUs",

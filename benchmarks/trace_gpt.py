@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
+from autopar.bench.outputs import machine_text  # noqa: E402
 from autopar.compiler.mesh import load_cluster  # noqa: E402
 from autopar.compiler.planner import plan_step  # noqa: E402
 from autopar.compiler.trace import trace_step  # noqa: E402
@@ -70,10 +70,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     (OUT_DIR / "tracing.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    machine = (
-        f"{platform.machine()}, {os.cpu_count()} cores, "
-        f"Python {platform.python_version()}, jax {jax.__version__}"
-    )
+    machine = machine_text()
     lines = [
         "# Tracing and planning time: GPT at the Alpa paper's sizes",
         "",

@@ -11,6 +11,7 @@ runtime places.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -115,14 +116,26 @@ def _submesh_mesh(cluster: ClusterSpec, submesh: SubmeshShape, shape: tuple[int,
     return LogicalMesh.from_cluster(cluster, shape, device_ids=tuple(ids))
 
 
+@dataclass
+class CostClock:
+    """Seconds spent costing layers (tracing their train graphs and solving their ILPs) while
+    the stage DP reads the table: the table is filled lazily, so the DP's own time is the
+    search's total minus this."""
+
+    seconds: float = 0.0
+
+
 def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: PipeshardParallel,
-                     cluster: ClusterSpec, cache: LayerCostCache) -> StageCostTable:
+                     cluster: ClusterSpec, cache: LayerCostCache,
+                     clock: CostClock | None = None) -> StageCostTable:
     """Candidates for every layer range and submesh: per logical mesh shape, the sum of the
-    layers' ILP costs (filled lazily: the DP reads every entry, baselines only a few)."""
+    layers' ILP costs (filled lazily: the DP reads every entry, baselines only a few).
+    ``clock``: accumulates the seconds spent in the layers' cost lookups and solves."""
     layers = cut_pieces(pp.forward, positions)
 
     def candidates(start: int, end: int, submesh: SubmeshShape) -> list[StageCandidate]:
         found = []
+        start_s = time.perf_counter()
         for shape in logical_shapes(submesh):
             mesh = _submesh_mesh(cluster, submesh, shape)
             costs = [cache.cost(pp, layers[k], mesh) for k in range(start, end)]
@@ -133,6 +146,8 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
                 logical_mesh_shape=shape,
                 key="x".join(map(str, shape)),
             ))
+        if clock is not None:
+            clock.seconds += time.perf_counter() - start_s
         return found
 
     submeshes = submesh_shapes(cluster.num_hosts, cluster.devices_per_host)
@@ -161,18 +176,29 @@ def _intra_options(method: PipeshardParallel) -> IntraOpOptions:
                           batch_argnums=(1,), relative_gap=STAGE_COST_RELATIVE_GAP)
 
 
-def stage_baselines(pp: PipelineProgram, method: PipeshardParallel,
-                    cluster: ClusterSpec) -> dict[str, StagePartition]:
+def layer_cost_cache(method: PipeshardParallel) -> LayerCostCache:
+    """An empty cache of layer costs with the ILP options ``method`` plans with: pass the same
+    one to ``plan_pipeshard`` and ``stage_baselines`` to solve each layer and mesh once."""
+    return LayerCostCache(_intra_options(method))
+
+
+def stage_baselines(pp: PipelineProgram, method: PipeshardParallel, cluster: ClusterSpec, *,
+                    cache: LayerCostCache | None = None,
+                    num_stages: int | None = None) -> dict[str, StagePartition]:
     """The DP's stages beside the two usual hand splits with as many stages: equal layers on
-    equal submeshes, and equal numbers of operators on equal submeshes."""
+    equal submeshes, and equal numbers of operators on equal submeshes.
+
+    ``cache``: layer costs already solved (``layer_cost_cache``). ``num_stages``: the hand
+    splits' stage count instead of the DP's (PlanError when it does not split the layers and
+    devices evenly)."""
     graph = build_graph(pp.forward)
-    cache = LayerCostCache(_intra_options(method))
+    cache = cache if cache is not None else layer_cost_cache(method)
     options = _dp_options(method, cluster)
     hosts, per_host = cluster.num_hosts, cluster.devices_per_host
     positions = layer_positions(pp, graph, method, cluster.num_devices)
     table = stage_cost_table(pp, positions, method, cluster, cache)
     best = solve_stages(table, hosts, per_host, options)
-    p = len(best.stages)
+    p = num_stages if num_stages is not None else len(best.stages)
     found = {"dp": best}
     if p > 1:
         found["equal-layer"] = uniform_stages(table, p, hosts, per_host, options)
@@ -184,17 +210,27 @@ def stage_baselines(pp: PipelineProgram, method: PipeshardParallel,
 
 
 def plan_pipeshard(pp: PipelineProgram, method: PipeshardParallel, cluster: ClusterSpec,
-                   cluster_name: str | None = None) -> Plan:
-    """Plan ``pp`` (built with ``method.num_microbatches``) on ``cluster``."""
+                   cluster_name: str | None = None, *,
+                   cache: LayerCostCache | None = None) -> Plan:
+    """Plan ``pp`` (built with ``method.num_microbatches``) on ``cluster``.
+
+    ``cache``: layer costs to reuse and fill (``layer_cost_cache``; default: a fresh one).
+    ``plan.options["timings"]`` splits the planning seconds: ``layers_s`` (clustering),
+    ``stage_costs_s`` (the per-layer ILPs the DP asked for), ``stage_dp_s`` (the DP without
+    them), ``stage_plans_s`` (the chosen stages solved whole) and ``total_s``."""
+    start = time.perf_counter()
     m = method.num_microbatches
     graph = build_graph(pp.forward)
     positions = layer_positions(pp, graph, method, cluster.num_devices)
     num_layers = len(positions) + 1
-    cache = LayerCostCache(_intra_options(method))
+    cache = cache if cache is not None else layer_cost_cache(method)
     hosts, per_host = cluster.num_hosts, cluster.devices_per_host
-    table = stage_cost_table(pp, positions, method, cluster, cache)
+    clock = CostClock()
+    table = stage_cost_table(pp, positions, method, cluster, cache, clock)
     dp_options = _dp_options(method, cluster)
+    searched = time.perf_counter()
     partition, chunks = _partition(method, table, num_layers, hosts, per_host, dp_options)
+    solved = time.perf_counter()
     placed = place_submeshes(list(partition.submeshes), hosts, per_host)
     layout, piece_ranges = _layout(method, partition, positions, chunks)
     pieces = [range_piece(pp, positions, a, b) for a, b in piece_ranges]
@@ -228,6 +264,14 @@ def plan_pipeshard(pp: PipelineProgram, method: PipeshardParallel, cluster: Clus
                                   int(c.activation_memory_per_microbatch)},
         ))
     timeline = stage_timeline(method.schedule, [st.est_time_s for st in stages], m, chunks)
+    end = time.perf_counter()
+    timings = {
+        "layers_s": searched - start,
+        "stage_costs_s": clock.seconds,
+        "stage_dp_s": solved - searched - clock.seconds,
+        "stage_plans_s": end - solved,
+        "total_s": end - start,
+    }
     notes = []
     if not partition.exact:
         notes.append("stage search thinned its stage-time caps: not proven optimal")
@@ -251,6 +295,7 @@ def plan_pipeshard(pp: PipelineProgram, method: PipeshardParallel, cluster: Clus
             "stage_search": partition.to_dict() | {"ilp_solves": cache.ilp_solves},
             "estimated_idle_fraction": timeline.idle_fraction,
             "theoretical_idle_fraction": timeline.theoretical_idle_fraction,
+            "timings": timings,
         },
         notes=notes,
     )

@@ -1,0 +1,115 @@
+"""Running plans on the local devices: the only part of the harness that touches devices.
+
+Every plan runs through ``autopar.parallelize(step, plan=..., cache=False)`` on real arrays
+(the plan is the one the harness made, so nothing is planned twice); the single-device
+baseline is plain ``jax.jit`` on the first device. A step time is the median of several calls
+after warm-up calls (the first compiles), each waited for with ``jax.block_until_ready``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from autopar.compiler.plan import Plan
+from autopar.models import ZooModel
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Measured step times (seconds) and the collectives of the compiled program."""
+
+    step_times_s: tuple[float, ...]
+    warmup_steps: int
+    first_call_s: float  # the first warm-up call: compilation included
+    hlo_collectives: dict[str, dict[str, int]] | None = None
+    hlo_note: str = ""
+
+    @property
+    def median_s(self) -> float:
+        """The median of the timed steps."""
+        return statistics.median(self.step_times_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The row's ``measured`` entry."""
+        return {
+            "step_time_s": self.median_s,
+            "step_times_s": list(self.step_times_s),
+            "warmup_steps": self.warmup_steps,
+            "first_call_s": self.first_call_s,
+            "hlo_collectives": self.hlo_collectives,
+            "hlo_note": self.hlo_note,
+        }
+
+
+@dataclass(frozen=True)
+class LocalInputs:
+    """Real arrays for one model: its initial state and a batch, on the default device."""
+
+    state: Any
+    batch: Any
+
+
+def make_inputs(model: ZooModel, seed: int = 0) -> LocalInputs:
+    """The model's initial state and a random batch."""
+    import jax
+
+    key_state, key_batch = jax.random.split(jax.random.key(seed))
+    return LocalInputs(model.init_state(key_state), model.make_batch(key_batch))
+
+
+def time_calls(call: Callable[[], Any], warmup: int, repeats: int) -> tuple[float, list[float]]:
+    """The first call's seconds and ``repeats`` timed calls after ``warmup`` calls (at least
+    one: the first compiles), each waited for."""
+    import jax
+
+    start = time.perf_counter()
+    jax.block_until_ready(call())
+    first = time.perf_counter() - start
+    for _ in range(max(0, warmup - 1)):
+        jax.block_until_ready(call())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(call())
+        times.append(time.perf_counter() - start)
+    return first, times
+
+
+def measure_plan(step_fn: Callable, plan: Plan, inputs: LocalInputs, devices: Sequence[Any],
+                 warmup: int, repeats: int) -> Timing:
+    """Run ``plan`` for ``step_fn(state, batch)`` on ``devices``: the step times, and for a
+    one-program plan (data, shard) the collectives counted in its compiled HLO."""
+    import autopar
+    from autopar.hlo import count_collectives
+
+    step = autopar.parallelize(step_fn, plan=plan, devices=list(devices), cache=False)
+    first, times = time_calls(lambda: step(inputs.state, inputs.batch), warmup, repeats)
+    if plan.method == "pipeshard":
+        # the pipeline runs one program per stage task, not one program to inspect
+        return Timing(tuple(times), warmup, first, None,
+                      f"pipelined plan ({len(plan.stages)} stage(s)): one program per task")
+    text = step.get_hlo_text(inputs.state, inputs.batch)
+    counted = count_collectives(text, num_devices=len(devices)).by_kind()
+    return Timing(tuple(times), warmup, first, counted)
+
+
+def measure_single_device(step_fn: Callable, inputs: LocalInputs, device: Any, warmup: int,
+                          repeats: int) -> Timing:
+    """``jax.jit(step_fn)`` with its inputs on ``device``."""
+    import jax
+
+    state, batch = jax.device_put((inputs.state, inputs.batch), device)
+    jitted = jax.jit(step_fn)
+    first, times = time_calls(lambda: jitted(state, batch), warmup, repeats)
+    return Timing(tuple(times), warmup, first, None, "one device: no collectives")
+
+
+def local_devices(count: int) -> list[Any]:
+    """The first ``count`` devices of this process."""
+    import jax
+
+    return list(jax.devices()[:count])

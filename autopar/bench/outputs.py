@@ -1,0 +1,332 @@
+"""The benchmark's written results: JSON lines, and a Markdown page describing the machine.
+
+``JsonlWriter`` appends each row as it is made (a run that stops early keeps what it did);
+``markdown_page`` renders every row of a suite as tables, with the machine, the definitions of
+each column and the plots. ``machine_info`` is shared with the ``benchmarks/`` scripts.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any, TextIO
+
+from autopar.report import format_count
+
+Row = dict[str, Any]
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (else what ``platform`` knows)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages, or ``unknown``."""
+    try:
+        return ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
+def _version(package: str) -> str:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU model, cores, memory and the library versions the numbers depend on."""
+    try:
+        memory_gib = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except (ValueError, OSError, AttributeError):
+        memory_gib = None
+    return {
+        "cpu": cpu_model(), "arch": platform.machine(), "cores": os.cpu_count(),
+        "memory_gib": memory_gib, "python": platform.python_version(),
+        "versions": {p: _version(p) for p in ("jax", "jaxlib", "highspy", "PuLP")},
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def machine_text(info: dict[str, Any] | None = None) -> str:
+    """``machine_info`` as one sentence."""
+    info = info or machine_info()
+    memory = f", {info['memory_gib']:.0f} GiB RAM" if info.get("memory_gib") else ""
+    versions = ", ".join(f"{p} {v}" for p, v in info["versions"].items())
+    return (f"{info['cpu']} ({info['arch']}), {info['cores']} cores{memory}; "
+            f"Python {info['python']}, {versions}")
+
+
+class JsonlWriter:
+    """Rows appended to a JSON-lines file as they come, flushed each time."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: TextIO = open(self.path, "w")  # closed by close()
+
+    def write(self, row: Row) -> None:
+        """Append ``row`` as one JSON line."""
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        """Close the file."""
+        self._file.close()
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What the page says about the run itself."""
+
+    suite: str
+    command: str
+    machine: dict[str, Any]
+    load_before: str
+    load_after: str
+    wall_s: float
+    local_devices: int
+    calibrated: str | None
+
+
+def _f(x: float | None, digits: int = 3) -> str:
+    """A number to ``digits`` significant digits (whole numbers from 1000 up); ``—`` for None."""
+    if x is None:
+        return "—"
+    if abs(x) >= 1000:
+        return f"{x:.0f}"
+    return f"{x:.{digits}g}"
+
+
+def _stages(plan: dict | None) -> str:
+    if not plan:
+        return "—"
+    parts = [f"{s['submesh'][0]}x{s['submesh'][1]}/{s['logical_mesh']}" for s in plan["stages"]]
+    return f"{plan['num_stages']}: " + ", ".join(parts)
+
+
+def _kinds(kinds: dict | None) -> str:
+    if not kinds:
+        return "none"
+    shown = [f"{k} {v['count']:g}" for k, v in sorted(kinds.items()) if v["count"]]
+    return ", ".join(shown) or "none"
+
+
+def _cases_table(cases: Sequence[Row]) -> list[str]:
+    lines = ["| case | where | devices | params | stages: submesh/logical mesh | trace (s) | "
+             "ILP (s) | DP (s) | planning total (s) | ILP solves | est. step (s) | "
+             "est. TFLOPS/device | measured step (s) | measured TFLOPS/device |",
+             "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in cases:
+        if r.get("error"):
+            lines.append(f"| {r['case']} | {r.get('where', '')} | — | — | error: {r['error']} "
+                         "| | | | | | | | | |")
+            continue
+        p, m = r["planning"], r.get("measured") or {}
+        lines.append(
+            f"| {r['case']} | {r['where']} ({r['cluster']}) | {r['devices']} | "
+            f"{format_count(r['params'])} | {_stages(r['plan'])} | {_f(p['trace_s'])} | "
+            f"{_f(p['ilp_s'])} | {_f(p['dp_s'])} | {_f(p['total_s'])} | {r['ilp_solves']} | "
+            f"{_f(r['est_step_time_s'])} | {_f(r['est_tflops_per_device'])} | "
+            f"{_f(m.get('step_time_s'))} | {_f(m.get('tflops_per_device'))} |")
+    return lines
+
+
+def _baselines_table(cases: Sequence[Row]) -> list[str]:
+    lines = ["| case | baseline | plan | est. step (s) | est. / autopar's | measured step (s) | "
+             "measured / autopar's | note |", "|---|---|---|---:|---:|---:|---:|---|"]
+    for r in cases:
+        for b in r.get("baselines", []):
+            note = f"error: {b['error']}" if b.get("error") else b.get("note", "")
+            lines.append(
+                f"| {r['case']} | {b['name']} | {_stages(b.get('plan'))} | "
+                f"{_f(b['est_step_time_s'])} | {_f(b['est_ratio'])} | "
+                f"{_f(b['measured_step_time_s'])} | {_f(b['measured_ratio'])} | {note} |")
+    return lines
+
+
+def _what_if_table(cases: Sequence[Row]) -> list[str]:
+    rows = [r for r in cases if r.get("what_if")]
+    if not rows:
+        return ["No what-if case in this suite."]
+    lines = ["| case | cluster | est. TFLOPS/GPU (traced flops) | est. TFLOPS/GPU (Alpa's "
+             "formula) | published TFLOPS/GPU (as published) | published, without the "
+             "recomputed forward | est. / published | published run | comparable |",
+             "|---|---|---:|---:|---:|---:|---:|---|---|"]
+    for r in rows:
+        w = r["what_if"]
+        published = w["published_tflops_per_device"]
+        lines.append(
+            f"| {r['case']} | {r['cluster']} ({r['devices']} GPUs) | "
+            f"{_f(w['est_tflops_per_device'])} | {_f(w['est_tflops_per_device_alpa_formula'])} "
+            f"| {f'{published:g}' if published else '—'} | "
+            f"{_f(w['published_tflops_per_device_without_recompute'])} | "
+            f"{_f(w['est_over_published'])} | {w['published_setting']}; "
+            f"{w['published_source']} | "
+            f"{'yes' if w['comparable'] else 'no: a reduced copy of the case'} |")
+    lines += ["", "The estimates are the cost model's, not measurements. autopar plans without "
+              "rematerialisation (memory is not enforced on described clusters), Alpa's runs "
+              "recompute the forward and count it: both are put on Alpa's formula without the "
+              "recomputed forward (72 B S H² L (1 + S/6H) + 6 B S H V flops per step) before "
+              "the ratio."]
+    return lines
+
+
+def _cost_model_table(cases: Sequence[Row]) -> list[str]:
+    lines = ["| case | plan | est. default (s) | est. calibrated (s) | measured (s) | "
+             "measured / est. default | measured / est. calibrated | same plan calibrated |",
+             "|---|---|---:|---:|---:|---:|---:|---|"]
+    found = False
+    for r in cases:
+        items = [("autopar", r.get("cost_model"))]
+        items += [(b["name"], b.get("cost_model")) for b in r.get("baselines", [])]
+        for name, cm in items:
+            if not cm:
+                continue
+            found = True
+            same = "—" if cm["same_plan"] is None else ("yes" if cm["same_plan"] else "no")
+            lines.append(
+                f"| {r['case']} | {name} | {_f(cm['est_default_s'])} | "
+                f"{_f(cm['est_calibrated_s'])} | {_f(cm['measured_s'])} | "
+                f"{_f(cm['measured_over_default'])} | {_f(cm['measured_over_calibrated'])} | "
+                f"{same} |")
+    return lines if found else ["No local case in this suite."]
+
+
+def _collectives_table(cases: Sequence[Row]) -> list[str]:
+    lines = ["| case | plan | predicted (count by kind) | compiled HLO (count by kind) |",
+             "|---|---|---|---|"]
+    found = False
+    for r in cases:
+        items = [("autopar", r.get("predicted_communication"), r.get("measured"))]
+        items += [(b["name"], b.get("predicted_communication"), b.get("measured"))
+                  for b in r.get("baselines", [])]
+        for name, predicted, measured in items:
+            if not measured:
+                continue
+            found = True
+            hlo = (_kinds(measured["hlo_collectives"])
+                   if measured.get("hlo_collectives") is not None else measured["hlo_note"])
+            pred = (_kinds(predicted["collectives"]) if predicted and predicted["collectives"]
+                    else f"{_f((predicted or {}).get('time_s'))} s, kinds not recorded")
+            lines.append(f"| {r['case']} | {name} | {pred} | {hlo} |")
+    return lines if found else ["No local case in this suite."]
+
+
+def _stage_table(cases: Sequence[Row]) -> list[str]:
+    lines = ["| case | stage | layers | submesh | logical mesh | est. time per microbatch (s) |",
+             "|---|---:|---|---|---|---:|"]
+    for r in cases:
+        for i, st in enumerate((r.get("plan") or {}).get("stages", [])):
+            first, last = st["layers"]
+            layers = f"{first}" if first == last else f"{first}-{last}"
+            lines.append(f"| {r['case']} | {i} | {layers} | {st['submesh'][0]}x{st['submesh'][1]} "
+                         f"| {st['logical_mesh']} | {_f(st['est_time_s'])} |")
+    return lines
+
+
+def _scaling_table(points: Sequence[Row]) -> list[str]:
+    if not points:
+        return ["No scaling point in this suite."]
+    lines = ["| axis | model | layers | devices | pipeline layers | stages | ILP solves | "
+             "trace (s) | ILP (s) | DP (s) | total (s) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in points:
+        if r.get("error"):
+            lines.append(f"| {r['axis']} | {r['case']} | error: {r['error']} | | | | | | | | |")
+            continue
+        p = r["planning"]
+        lines.append(
+            f"| {r['axis']} | {r['model']} {r['size']} | {r['num_layers']} | {r['devices']} | "
+            f"{r['plan']['pipeline_layers']} | {r['plan']['num_stages']} | {r['ilp_solves']} | "
+            f"{_f(p['trace_s'])} | {_f(p['ilp_s'])} | {_f(p['dp_s'])} | {_f(p['total_s'])} |")
+    return lines
+
+
+_DEFINITIONS = """\
+How to read these tables:
+
+- **Planning time** is split by phase: *trace* (`build_pipeline_program`: the step traced at
+  the full batch and at one microbatch), *ILP* (every intra-operator ILP the full search
+  solved: one per distinct layer and mesh for the stage costs, then the chosen stages whole),
+  *DP* (the stage DP without the ILPs it asked for) and the *total* (trace, layer clustering,
+  ILPs, DP). *ILP solves* counts the distinct (layer, mesh) ILPs: structurally identical layers
+  are solved once per mesh, which is what keeps the curve against layers flat.
+- **est. step** is the cost model's step time for the plan on the described cluster (for local
+  cases: the default description of the local devices, `cpu-sim`); **est. TFLOPS/device** is
+  the train step's flops *as traced* (forward, backward and the Adam update, no recomputation:
+  `OpGraph.total_flops`) over est. step x devices. Measured TFLOPS use the same flops.
+- **Baselines** are planned in the same run: *single-device* (local: `jax.jit` on one device,
+  measured; described: the compute time on one device), *data-parallel*
+  (`autopar.DataParallel()`), *intra-op-only* (`autopar.ShardParallel()`), *megatron* (GPT:
+  every parameter and Adam moment pinned to Megatron-LM's tensor-parallel spec, q/k/v/fc_in
+  column-parallel, out/fc_out row-parallel, the rest replicated; tensor parallelism inside a
+  host, data parallelism across hosts; the ILP places the batch and intermediates),
+  *equal-layer* and *equal-operator* (as many stages as the DP chose, or the nearest count that
+  splits evenly, 2 when the DP chose one). A ratio above 1 means autopar's plan is faster. The
+  pipeline splits are compared with the DP's own stages under the DP's formula
+  (sum + (M - 1) x max of the stage times), not with the schedule's simulated makespan.
+- **Measured** step times are medians of several steps after warm-up, on the local devices
+  (simulated CPU devices share the host's cores: they measure the plan's overheads, not a GPU
+  cluster's speed). Pipelined plans run one program per stage task: their compiled HLO is not
+  one program to count collectives in.
+- **Described clusters** are planned from abstract shapes, with memory not enforced:
+  autopar has no rematerialisation yet, and the Alpa sizes keep more activations than a 16 GB
+  V100 holds. The paper suite plans them in fp16, as Alpa ran them (the zoo's default is fp32).
+- **What-if** rows are estimates from the cost model, not measurements, beside figures
+  published for real runs."""
+
+
+def markdown_page(rows: Sequence[Row], info: RunInfo, plots: Sequence[Path]) -> str:
+    """The suite's results as one Markdown page."""
+    cases = [r for r in rows if r.get("kind") == "case"]
+    points = [r for r in rows if r.get("kind") == "scaling"]
+    m = info.machine
+    calibrated = (f"; local cases also estimated under the calibrated description "
+                  f"`{info.calibrated}`" if info.calibrated else "")
+    lines = [
+        f"# autopar benchmarks: the `{info.suite}` suite", "",
+        f"Written by `{info.command}` on {m['date']} in {info.wall_s:.0f} s.", "",
+        f"Machine: {machine_text(m)}. Local cases ran on simulated CPU devices (XLA's host "
+        f"platform, {info.local_devices} in the process; a case may use fewer, see its "
+        f"devices) sharing those cores{calibrated}. Load average "
+        f"{info.load_before} before the run and {info.load_after} after: the machine may be "
+        "shared, and wall-clock times carry that noise.", "",
+        _DEFINITIONS, "",
+        "## Cases", "", *_cases_table(cases), "",
+        "## Stages chosen by the full search", "",
+        "Layers are the pipeline layers the loss forward was clustered into.", "",
+        *_stage_table(cases), "",
+        "## Baselines", "", *_baselines_table(cases), "",
+        "## What-if: the Alpa paper's testbed (cost-model estimates)", "",
+        *_what_if_table(cases), "",
+        "## Cost model against measurement (local cases)", "", *_cost_model_table(cases), "",
+        "## Collectives: predicted and in the compiled HLO (local cases)", "",
+        *_collectives_table(cases), "",
+        "## Planning time of the planner itself", "", *_scaling_table(points), "",
+    ]
+    if plots:
+        lines += ["## Plots", ""]
+        lines += [f"![{p.stem}]({p.name})" for p in plots]
+        lines.append("")
+    notes = [(r["case"], n) for r in cases for n in r.get("notes", [])]
+    if notes:
+        lines += ["## Notes from the planner", ""]
+        lines += [f"- {case}: {note}" for case, note in notes]
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,345 @@
+"""Timing collectives and matmuls on the present devices (``autopar profile``).
+
+For every mesh shape (default: the 1-D mesh of all devices and a 2-D one such as 2x4), every
+axis and every collective (all-reduce ``psum``, all-gather, reduce-scatter ``psum_scatter``,
+all-to-all), one ``jax.shard_map`` program per message size is compiled once, warmed up and timed
+``repeats`` times; the median is kept. The other axis of a 2-D mesh is split too, so all its
+groups run their collective at the same time, as they do in a sharded step.
+
+Message sizes follow the cost model's full-tensor convention (:mod:`autopar.compiler.collectives`):
+the buffer of an all-reduce, the input of a reduce-scatter, the gathered result of an all-gather,
+the whole logical tensor of an all-to-all; each is rounded so its blocks divide evenly.
+
+A sample is the median time of one call, dispatch included: the fit takes a constant out for
+it. The median time of an empty ``shard_map`` program (``x + 1`` on a few elements) on
+each mesh is recorded beside it, as a check. A sample stops early once its timed calls add up to
+``max_sample_s`` (after three calls at least): the 16 MiB programs need no more to settle, and
+compiling one program per size and kind is most of the run anyway.
+
+Matmuls: ``m x m`` by ``m x m`` in each dtype, on one device alone and on every device at once
+(``shard_map`` of a local matmul); the fit uses the latter, since a step keeps every device busy
+(simulated CPU devices share the host's cores: with 8 of them busy each gets about an eighth).
+
+The fit (pure, no devices) is :mod:`autopar.compiler.calibration_fit`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from autopar.compiler.calibration_fit import (
+    CALIBRATED_KINDS,
+    Calibration,
+    CollectiveSample,
+    FitOptions,
+    MatmulSample,
+    calibrate_cluster,
+)
+from autopar.compiler.mesh import ClusterSpec, format_mesh_shape, load_cluster
+from autopar.errors import InvalidOptionError, MeshError, choices_text
+
+__all__ = [
+    "ACCELERATOR_MATMUL_SIZES",
+    "CPU_MATMUL_SIZES",
+    "ProfileOptions",
+    "calibrate_profile",
+    "ProfileResult",
+    "default_mesh_shapes",
+    "profile_devices",
+    "size_range",
+]
+
+logger = logging.getLogger(__name__)
+
+_AXIS_NAMES = ("x", "y")
+_MIN_REPEATS_WHEN_SLOW = 3
+CPU_MATMUL_SIZES = (128, 256, 512)  # 512^3 with 8 devices on 2 cores: ~0.1 s a call
+ACCELERATOR_MATMUL_SIZES = (1024, 2048, 4096)
+
+
+def size_range(low: int, high: int, factor: int = 4) -> tuple[int, ...]:
+    """``low, low*factor, ...`` up to ``high`` inclusive (``high`` added if the steps miss it)."""
+    if low < 1 or high < low or factor < 2:
+        raise InvalidOptionError(f"bad size range {low}..{high} (x{factor}): need "
+                                 "1 <= low <= high and a factor of at least 2")
+    sizes = [low]
+    while sizes[-1] * factor <= high:
+        sizes.append(sizes[-1] * factor)
+    if sizes[-1] != high:
+        sizes.append(high)
+    return tuple(sizes)
+
+
+def default_mesh_shapes(num_devices: int) -> tuple[tuple[int, ...], ...]:
+    """The 1-D mesh of all devices and, when ``num_devices`` factors, the most square 2-D mesh
+    (8 devices: 2x4 and 8)."""
+    a = max(d for d in range(1, math.isqrt(num_devices) + 1) if num_devices % d == 0)
+    two_d = ((a, num_devices // a),) if a > 1 else ()
+    return (*two_d, (num_devices,))
+
+
+@dataclass(frozen=True)
+class ProfileOptions:
+    """What ``profile_devices`` times.
+
+    ``mesh_shapes``: empty for :func:`default_mesh_shapes`; each must use every device.
+    ``sizes``: message sizes in bytes (full-tensor convention). ``repeats``: timed calls per
+    sample (the median is kept) after ``warmup`` untimed ones (the first compiles).
+    ``max_sample_s``: stop timing a sample once its calls add up to this (three calls at
+    least). ``matmul_sizes``: square matmul sides (default by platform: an accelerator needs
+    large ones to leave the dispatch-bound range); ``matmul_dtypes`` must include float32.
+    """
+
+    mesh_shapes: tuple[tuple[int, ...], ...] = ()
+    sizes: tuple[int, ...] = field(default_factory=lambda: size_range(4 << 10, 16 << 20))
+    repeats: int = 5
+    warmup: int = 1
+    max_sample_s: float = 0.25
+    kinds: tuple[str, ...] = CALIBRATED_KINDS
+    matmul_sizes: tuple[int, ...] = ()  # empty: CPU_MATMUL_SIZES or ACCELERATOR_MATMUL_SIZES
+    matmul_dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    dtype: str = "float32"  # of the collectives' buffers
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1 or self.warmup < 1:
+            raise InvalidOptionError(f"repeats must be at least 1 (got {self.repeats}) and "
+                                     f"warmup at least 1, the call that compiles (got "
+                                     f"{self.warmup})")
+        if not self.sizes or min(self.sizes) < 1:
+            raise InvalidOptionError(f"message sizes must be positive bytes, got {self.sizes}")
+        bad = [k for k in self.kinds if k not in CALIBRATED_KINDS]
+        if bad or not self.kinds:
+            raise InvalidOptionError(f"unknown collective(s) {bad or '(none)'}; valid: "
+                                     f"{choices_text(CALIBRATED_KINDS)}")
+        if "float32" not in self.matmul_dtypes or min(self.matmul_sizes, default=1) < 1:
+            raise InvalidOptionError("matmul_dtypes must include float32 and matmul_sizes be "
+                                     "positive")
+
+
+@dataclass(frozen=True)
+class ProfileResult:
+    """Everything measured: samples plus what the cluster file records about the run."""
+
+    platform: str
+    device_kind: str
+    num_devices: int
+    mesh_shapes: tuple[tuple[int, ...], ...]
+    collectives: tuple[CollectiveSample, ...]
+    matmuls: tuple[MatmulSample, ...]
+    empty_program_s: dict[str, float]  # per mesh shape ("2x4"): an empty program's median time
+    memory_bytes: int | None
+    started: str  # ISO time, UTC
+    elapsed_s: float
+    options: ProfileOptions = field(default_factory=ProfileOptions)
+
+
+def _median_time(fn: Callable[..., Any], args: Sequence[Any], options: ProfileOptions) -> float:
+    """Median seconds of ``fn(*args)`` after ``options.warmup`` calls (the first compiles)."""
+    for _ in range(options.warmup):
+        jax.block_until_ready(fn(*args))
+    times: list[float] = []
+    while len(times) < options.repeats:
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+        if sum(times) > options.max_sample_s and len(times) >= _MIN_REPEATS_WHEN_SLOW:
+            break
+    return statistics.median(times)
+
+
+def _local_elems(kind: str, nbytes: int, n: int, itemsize: int) -> tuple[int, int]:
+    """Elements each device holds for a ``kind`` of ``nbytes`` over ``n`` devices, and the bytes
+    that really moves in the full-tensor convention (after rounding to whole blocks)."""
+    elems = max(1, round(nbytes / itemsize))
+    if kind == "all-reduce":
+        return elems, elems * itemsize
+    if kind == "reduce-scatter":
+        local = max(1, round(elems / n)) * n  # scattered into n equal blocks
+        return local, local * itemsize
+    if kind == "all-gather":
+        local = max(1, round(elems / n))
+        return local, local * n * itemsize
+    local = max(1, round(elems / (n * n))) * n  # all-to-all: n blocks per device
+    return local, local * n * itemsize
+
+
+def _collective_body(kind: str, axis: str) -> Callable[[jax.Array], jax.Array]:
+    def body(x: jax.Array) -> jax.Array:
+        last = x.ndim - 1
+        if kind == "all-reduce":
+            return jax.lax.psum(x, axis)
+        if kind == "all-gather":
+            return jax.lax.all_gather(x, axis, axis=last, tiled=True)
+        if kind == "reduce-scatter":
+            return jax.lax.psum_scatter(x, axis, scatter_dimension=last, tiled=True)
+        return jax.lax.all_to_all(x, axis, last, last, tiled=True)
+    return body
+
+
+def _sharded_ones(mesh: Mesh, local: int, dtype: Any) -> jax.Array:
+    """A (*mesh.shape, local) array, one (1, .., local) block per device, made on the devices."""
+    # device_put of a host array: no program to compile per shape (compiles dominate the run)
+    host = np.ones((*mesh.devices.shape, local), dtype)
+    return jax.device_put(host, NamedSharding(mesh, P(*mesh.axis_names, None)))
+
+
+def _shard_mapped(mesh: Mesh, body: Callable[[jax.Array], jax.Array]) -> Callable[..., Any]:
+    spec = P(*mesh.axis_names, None)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec,
+                                 check_vma=False))
+
+
+def _time_collectives(mesh: Mesh, options: ProfileOptions) -> list[CollectiveSample]:
+    dtype = jnp.dtype(options.dtype)
+    label = format_mesh_shape(mesh.devices.shape)
+    out = []
+    for axis in mesh.axis_names:
+        n = mesh.shape[axis]
+        if n == 1:
+            continue
+        for kind in options.kinds:
+            fn = _shard_mapped(mesh, _collective_body(kind, axis))
+            for nbytes in options.sizes:
+                local, moved = _local_elems(kind, nbytes, n, dtype.itemsize)
+                x = _sharded_ones(mesh, local, dtype)
+                seconds = _median_time(fn, (x,), options)
+                out.append(CollectiveSample(kind=kind, mesh=label, axis=axis, group_size=n,
+                                            nbytes=float(moved), seconds=seconds))
+                del x  # free the buffers before the next size
+            logger.info("timed %s on %s:%s (%d devices): %s", kind, label, axis, n,
+                        ", ".join(f"{s.seconds * 1e6:.0f} us" for s in out[-len(options.sizes):]))
+    return out
+
+
+def _time_matmuls(devices: Sequence[Any], options: ProfileOptions) -> list[MatmulSample]:
+    out = []
+    everyone = Mesh(np.array(devices), ("d",))
+    sizes = options.matmul_sizes or (
+        CPU_MATMUL_SIZES if devices[0].platform == "cpu" else ACCELERATOR_MATMUL_SIZES)
+    for dtype_name in options.matmul_dtypes:
+        dtype = jnp.dtype(dtype_name)
+        for m in sizes:
+            one = jax.device_put(np.ones((m, m), dtype), devices[0])
+            single = _median_time(jax.jit(jnp.matmul), (one, one), options)
+            out.append(MatmulSample(dtype_name, m, m, m, single, concurrent=False))
+            if len(devices) > 1:
+                a = _sharded_ones(everyone, m * m, dtype)
+                fn = _shard_mapped(everyone, lambda x, m=m: (x.reshape(m, m) @ x.reshape(m, m))
+                                   .reshape(1, m * m))
+                busy = _median_time(fn, (a,), options)
+                out.append(MatmulSample(dtype_name, m, m, m, busy, concurrent=True))
+            logger.info("timed %s matmul %d^3: %.3g GFLOP/s on one device, %.3g with all busy",
+                        dtype_name, m, out[-1 - (len(devices) > 1)].flops_per_s / 1e9,
+                        out[-1].flops_per_s / 1e9)
+    return out
+
+
+def _memory_bytes(device: Any) -> int | None:
+    """The device's memory limit when the backend reports one (CPU devices do not)."""
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # noqa: BLE001 - backends without memory stats raise various errors
+        return None
+    limit = stats.get("bytes_limit")
+    return int(limit) if limit else None
+
+
+def profile_devices(options: ProfileOptions | None = None,
+                    devices: Sequence[Any] | None = None) -> ProfileResult:
+    """Time collectives on every axis of each mesh over ``devices`` (default: all) and matmuls;
+    see the module docstring."""
+    options = options or ProfileOptions()
+    devices = list(jax.devices() if devices is None else devices)
+    count = len(devices)
+    shapes = options.mesh_shapes or default_mesh_shapes(count)
+    for shape in shapes:
+        if not 1 <= len(shape) <= 2:
+            raise MeshError(f"mesh {format_mesh_shape(shape)} has {len(shape)} dimensions; "
+                            "profile times 1-D or 2-D meshes")
+        if math.prod(shape) != count:
+            raise MeshError(f"mesh {format_mesh_shape(shape)} does not cover the {count} "
+                            f"device(s): use shapes whose product is {count}")
+    if all(d == 1 for shape in shapes for d in shape):
+        raise MeshError(f"no mesh axis has more than one device ({count} device(s)): nothing "
+                        "to time collectives over")
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    start = time.perf_counter()
+    samples: list[CollectiveSample] = []
+    empty: dict[str, float] = {}
+    for shape in shapes:
+        mesh = Mesh(np.array(devices).reshape(shape), _AXIS_NAMES[: len(shape)])
+        label = format_mesh_shape(shape)
+        empty[label] = _median_time(_shard_mapped(mesh, lambda x: x + 1),
+                                    (_sharded_ones(mesh, 16, jnp.float32),), options)
+        logger.info("mesh %s: empty program %.0f us", label, empty[label] * 1e6)
+        samples += _time_collectives(mesh, options)
+    matmuls = _time_matmuls(devices, options)
+    return ProfileResult(
+        platform=devices[0].platform, device_kind=str(devices[0].device_kind),
+        num_devices=count, mesh_shapes=tuple(tuple(s) for s in shapes),
+        collectives=tuple(samples), matmuls=tuple(matmuls), empty_program_s=empty,
+        memory_bytes=_memory_bytes(devices[0]), started=started,
+        elapsed_s=time.perf_counter() - start, options=options,
+    )
+
+
+def calibrate_profile(result: ProfileResult, base: ClusterSpec | None = None,
+                      options: FitOptions | None = None) -> Calibration:
+    """Fit ``result`` into a 1-host cluster named ``calibrated-PLATFORM-N``; what was not
+    measured comes from ``base`` (default: the shipped ``cpu-sim``)."""
+    base = base or load_cluster("cpu-sim")
+    meshes = ", ".join(format_mesh_shape(s) for s in result.mesh_shapes)
+    sizes = sorted({s.nbytes for s in result.collectives})
+    kind = "" if result.device_kind == result.platform else f" ({result.device_kind})"
+    source = (f"autopar profile, {result.started}: {result.num_devices} {result.platform} "
+              f"device(s){kind}; meshes {meshes}; "
+              f"{len(result.collectives)} collective samples of {_bytes_text(sizes[0])} to "
+              f"{_bytes_text(sizes[-1])}, median of the timed calls; {len(result.matmuls)} "
+              f"matmul samples; {result.elapsed_s:.0f} s")
+    measured = {
+        "platform": result.platform,
+        "device_kind": result.device_kind,
+        "mesh_shapes": [list(s) for s in result.mesh_shapes],
+        "empty_program_s": dict(result.empty_program_s),
+        "repeats": result.options.repeats,
+        "max_sample_s": result.options.max_sample_s,
+        "elapsed_s": result.elapsed_s,
+        "collective_samples": [
+            {"kind": s.kind, "axis": s.label, "group_size": s.group_size, "nbytes": s.nbytes,
+             "seconds": s.seconds} for s in result.collectives],
+        "matmul_samples": [
+            {"dtype": m.dtype, "m": m.m, "n": m.n, "k": m.k, "concurrent": m.concurrent,
+             "seconds": m.seconds, "flops_per_s": m.flops_per_s} for m in result.matmuls],
+    }
+    return calibrate_cluster(
+        result.collectives, result.matmuls, base, num_devices=result.num_devices,
+        name=f"calibrated-{result.platform}-{result.num_devices}",
+        device_name=_device_name(result), source=source,
+        memory_bytes=result.memory_bytes, options=options, measured=measured,
+    )
+
+
+def _device_name(result: ProfileResult) -> str:
+    if result.platform == "cpu":
+        return "CPU devices sharing the host's cores"
+    return f"{result.device_kind} ({result.platform})"
+
+
+def _bytes_text(nbytes: float) -> str:
+    """``4096`` -> ``"4 KiB"``."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.3g} {unit}"
+    return f"{nbytes:.0f} B"
