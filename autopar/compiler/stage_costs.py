@@ -118,8 +118,9 @@ class LayerCostCache:
     signatures: dict[tuple[int, int], str] = field(default_factory=dict)
     # each piece's input and output roles, by its first and last equation
     roles: dict[tuple[int, int], PieceRoles] = field(default_factory=dict)
-    # each structure's train graph, traced once for all meshes
-    graphs: dict[str, tuple[OpGraph, dict[str, int]]] = field(default_factory=dict)
+    # each structure's train graph, traced once for all meshes, and the piece it was traced
+    # from (its value ids are the ones the graph's paths name)
+    graphs: dict[str, tuple[OpGraph, dict[str, int], Piece]] = field(default_factory=dict)
 
     def _roles(self, pp: PipelineProgram, piece: Piece) -> PieceRoles:
         span = _span(piece)
@@ -137,11 +138,13 @@ class LayerCostCache:
         key = (signature, *mesh_key)
         if key not in self.solved:
             if signature not in self.graphs:
-                self.graphs[signature] = piece_train_graph(pp, piece)
-            graph, paths = self.graphs[signature]
+                self.graphs[signature] = (*piece_train_graph(pp, piece), piece)
+            # an identical piece met first on another mesh traced the graph: solve as that
+            # piece (its ids match the graph's) and rename below like any cache hit
+            graph, paths, traced_from = self.graphs[signature]
             shared = self.reshard_costs.setdefault(mesh_key, {})
-            cost = _solve_piece(pp, piece, graph, paths, mesh, self.options, shared)
-            self.solved[key] = (cost, piece)
+            cost = _solve_piece(pp, traced_from, graph, paths, mesh, self.options, shared)
+            self.solved[key] = (cost, traced_from)
             self.ilp_solves += 1
         cost, first = self.solved[key]
         if first is piece:
