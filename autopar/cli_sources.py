@@ -23,8 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from autopar.compiler.plan import Plan
 from autopar.errors import InvalidOptionError, TraceError
 from autopar.methods import Method
@@ -229,25 +227,19 @@ def _check_argument_leaves(step: Callable, args: Sequence[Any], static: Sequence
                            target: str) -> None:
     import jax
 
-    from autopar.program import argument_names, leaf_path
+    from autopar.program import argument_names, is_array_like, leaf_path
 
     names = argument_names(step, len(args))
     for i, (name, arg) in enumerate(zip(names, args, strict=True)):
         if i in static:
             continue
         for keypath, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
-            if not _is_array_like(leaf):
+            if not is_array_like(leaf):
                 raise TraceError(
                     f"argument leaf '{leaf_path(name, keypath)}' of the args {target} returned "
                     f"is {_describe(leaf)}; train-step arguments must be pytrees of arrays or "
                     "jax.ShapeDtypeStruct"
                 )
-
-
-def _is_array_like(leaf: Any) -> bool:
-    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
-        return True
-    return isinstance(leaf, (bool, int, float, complex, np.number))
 
 
 def _count_params(args: Sequence[Any], skip: set[int]) -> int | None:

@@ -260,7 +260,7 @@ def leaf_path(prefix: str, keypath: Sequence[Any]) -> str:
     return f"{prefix}/{rest}" if rest else prefix
 
 
-def _is_array_like(leaf: Any) -> bool:
+def is_array_like(leaf: Any) -> bool:
     """Arrays, tracers, ShapeDtypeStructs and Python or NumPy scalars."""
     if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
         return True
@@ -302,7 +302,7 @@ def flatten_step(fn: Callable, args: Sequence[Any], keep_markers: bool = False) 
     def flat_fn(*flat_leaves: Any) -> list[Any]:
         out = fn(*jax.tree_util.tree_unflatten(in_tree, flat_leaves))
         for keypath, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
-            if not _is_array_like(leaf):  # None is an empty subtree, as in jax.jit
+            if not is_array_like(leaf):  # None is an empty subtree, as in jax.jit
                 shown = repr(leaf) if isinstance(leaf, str) and len(leaf) <= 40 else ""
                 raise TraceError(
                     f"the step's output '{leaf_path('out', keypath)}' is a "
