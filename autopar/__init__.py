@@ -1,17 +1,26 @@
 """autopar: automatic data, operator and pipeline parallelism for JAX train steps."""
 
+from autopar import distributed
 from autopar.api import ParallelizedStep, parallelize
 from autopar.compiler.plan import Plan, ShardingSpec, StagePlan
 from autopar.errors import (
     AutoparError,
     BatchSizeError,
+    DistributedError,
     InvalidOptionError,
     MeshError,
     PlanError,
     TraceError,
 )
 from autopar.loss_markers import grad, mark_pipeline_boundary, value_and_grad
-from autopar.methods import DataParallel, ManualStages, PipeshardParallel, ShardParallel
+from autopar.methods import (
+    DataParallel,
+    ManualStages,
+    PipeshardParallel,
+    ShardParallel,
+    Zero2Parallel,
+    Zero3Parallel,
+)
 from autopar.plan_cache import PlanCacheWarning
 
 __version__ = "0.1.0"
@@ -20,6 +29,7 @@ __all__ = [
     "AutoparError",
     "BatchSizeError",
     "DataParallel",
+    "DistributedError",
     "InvalidOptionError",
     "ManualStages",
     "MeshError",
@@ -32,7 +42,10 @@ __all__ = [
     "ShardingSpec",
     "StagePlan",
     "TraceError",
+    "Zero2Parallel",
+    "Zero3Parallel",
     "__version__",
+    "distributed",
     "grad",
     "mark_pipeline_boundary",
     "parallelize",

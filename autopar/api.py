@@ -20,19 +20,34 @@ import numpy as np
 from autopar.compiler.mesh import ClusterSpec, load_cluster
 from autopar.compiler.plan import Plan
 from autopar.compiler.trace import TracedStep
+from autopar.distributed import global_devices, host_layout, is_multiprocess, same_plan_everywhere
 from autopar.errors import InvalidOptionError, MeshError
 from autopar.methods import METHOD_TYPES, Method, PipeshardParallel
 from autopar.runtime.shard import ShardedProgram
 from autopar.step_planning import bind_static_args, plan_train_step
 
+# Between the processes of a multi-process run data crosses sockets (gloo collectives, the
+# cross-host transfer server), an order of magnitude slower than inside one process: the
+# planner should see that link as the slow one (a rough figure for loopback; calibrate for
+# real hosts).
+MULTIPROCESS_INTER_HOST = {"bandwidth_bytes_per_s": 1e9, "latency_s": 1e-4}
+
 
 def local_cluster(devices: Sequence[Any] | None = None) -> ClusterSpec:
-    """A description of ``devices`` (default: all this process sees) as one host."""
-    devices = list(jax.devices() if devices is None else devices)
-    base = load_cluster("cpu-sim")
-    return ClusterSpec.from_dict(
-        base.to_dict() | {"name": f"local-{devices[0].platform}"}
-    ).with_devices(1, len(devices))
+    """A description of ``devices`` (default: every device of the run): one host per process
+    holding some of them (``jax.distributed``: one host per process, devices per host = its
+    local devices), the devices host-major as :func:`autopar.distributed.global_devices`
+    lists them; a single-process run is one host."""
+    devices = list(_run_devices() if devices is None else devices)
+    hosts, per_host = host_layout(devices)
+    fields = load_cluster("cpu-sim").to_dict() | {"name": f"local-{devices[0].platform}"}
+    if hosts > 1:
+        fields["inter_host"] = dict(MULTIPROCESS_INTER_HOST)
+    return ClusterSpec.from_dict(fields).with_devices(hosts, per_host)
+
+
+def _run_devices() -> list[Any]:
+    return global_devices() if is_multiprocess() else jax.devices()
 
 
 @dataclass
@@ -138,8 +153,8 @@ class ParallelizedStep:
             batch_argnums=bound.batch_argnums, fall_back_to_shard=self.method_defaulted,
             saved_plan=self.saved_plan, cache=self.cache,
         )
-        plan = planned.plan
-        devices = self.devices if self.devices is not None else jax.devices()
+        plan = same_plan_everywhere(planned.plan)  # across processes: process 0's plan
+        devices = self.devices if self.devices is not None else _run_devices()
         used = max((d for st in plan.stages for d in st.device_ids), default=-1) + 1
         if used > len(devices):
             raise MeshError(f"the plan uses {used} devices but this step has {len(devices)}")
@@ -154,7 +169,7 @@ class ParallelizedStep:
 
             executable: Any = PipelineRunner.from_plan(planned.pipeline, plan, devices)
         else:
-            executable = ShardedProgram(planned.traced.program, plan, self.devices,
+            executable = ShardedProgram(planned.traced.program, plan, devices,
                                         donated=donated)
         elapsed = time.perf_counter() - start
         if self.saved_plan is None and not planned.from_cache:

@@ -64,10 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--method", default=None,
         help="pipeshard (the full search of stages, submeshes and intra-operator plans), shard, "
-             "data (default: the step's parallelize(method=...), else the full search, which "
-             "falls back to one shard stage for a step without autopar.value_and_grad)",
+             "data, zero2, zero3 (default: the step's parallelize(method=...), else the full "
+             "search, which falls back to one shard stage for a step without "
+             "autopar.value_and_grad)",
     )
-    m.add_argument("--mesh", default=None, help="logical mesh shape for shard/data, e.g. 2x4 or 8")
+    m.add_argument("--mesh", default=None,
+                   help="logical mesh shape for shard/data/zero2/zero3, e.g. 2x4 or 8")
     m.add_argument(
         "--devices", type=int, default=None,
         help="simulate N CPU devices when no accelerator is present (default 8)",
@@ -108,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     from autopar.cli_bench import add_bench_parser  # light: imports no JAX
 
     add_bench_parser(sub, _Parser)
+    from autopar.cli_launch import add_launch_parser
+
+    add_launch_parser(sub, _Parser)
     return parser
 
 
@@ -201,8 +206,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 from autopar.cli_bench import run_bench
 
                 return run_bench(args, handler)
+            if args.command == "launch":
+                from autopar.cli_launch import run_launch
+
+                return run_launch(args)
         raise InvalidOptionError(f"unknown command '{args.command}'; valid commands: compile, "
-                                 "show, profile, bench")
+                                 "show, profile, bench, launch")
     except AutoparError as exc:
         print(f"autopar: error: {one_line(str(exc))}", file=sys.stderr)
         return EXIT_USAGE

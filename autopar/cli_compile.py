@@ -22,6 +22,8 @@ from autopar.compiler.mesh import ClusterSpec
 from autopar.compiler.plan import Plan
 from autopar.errors import InvalidOptionError
 from autopar.methods import (
+    METHOD_NAMES,
+    METHOD_TYPES,
     DataParallel,
     Method,
     PipeshardParallel,
@@ -110,14 +112,15 @@ def _compile(args: argparse.Namespace, given: dict[str, tuple[str, Any]], cluste
                 cluster.num_devices)
     result = plan_source(source, method, cluster, fall_back_to_shard=fall_back,
                          progress=progress, dump_ilp=bool(args.dump_ilp))
-    hlo = None
+    hlo, xla_memory = None, None
     if result.program is not None and local and not args.no_hlo:
         with progress.phase("compiling HLO"):
-            hlo = count_hlo_collectives(result)
+            hlo, xla_memory = compiled_facts(result)
     report = CompileReport.build(
         model=source.name, plan=result.plan, graph=result.graph, num_params=source.num_params,
         compile_time_s=result.compile_time_s, hlo_collectives=hlo,
     )
+    report.xla_memory_bytes = xla_memory
     return report, result.ilp_json
 
 
@@ -199,9 +202,9 @@ def resolve_method(args: argparse.Namespace, source: StepSource,
     for field, (flag, value) in given.items():
         if field not in fields:
             if field == "mesh_shape":
-                raise InvalidOptionError("--mesh applies to --method shard/data; pipeshard "
-                                         "chooses a logical mesh per stage")
-            users = [m.name for m in (DataParallel, ShardParallel, PipeshardParallel)
+                raise InvalidOptionError("--mesh applies to --method shard/data/zero2/zero3; "
+                                         "pipeshard chooses a logical mesh per stage")
+            users = [m.name for m in METHOD_TYPES
                      if field in {f.name for f in dataclasses.fields(m)}]
             raise InvalidOptionError(f"{flag} applies to --method {'/'.join(users)}, not "
                                      f"{base.name}")
@@ -230,7 +233,7 @@ def given_method_options(args: argparse.Namespace) -> dict[str, tuple[str, Any]]
 
 def _method_of_saved(plan: Plan) -> Method:
     """A method of the saved plan's kind (plan_train_step takes the plan, not the method)."""
-    return method_from_name(plan.method) if plan.method in ("data", "shard", "pipeshard") \
+    return method_from_name(plan.method) if plan.method in METHOD_NAMES \
         else PipeshardParallel()
 
 
@@ -283,16 +286,22 @@ def plan_source(source: StepSource, method: Method, cluster: ClusterSpec, *,
                          dynamic_args=bound.dynamic_args, ilp_json=ilp_json)
 
 
-def count_hlo_collectives(result: CompileResult) -> dict[str, dict[str, int]]:
-    """Compile the one-stage plan's sharded program; its collectives by kind."""
+def compiled_facts(result: CompileResult) -> tuple[dict[str, dict[str, int]], int | None]:
+    """Compile the one-stage plan's sharded program: its collectives by kind, and the
+    per-device bytes XLA's memory analysis gives it (arguments + outputs + temporaries - what
+    outputs alias; None where the backend reports none)."""
     import jax
 
     from autopar.hlo import count_collectives
     from autopar.runtime.shard import ShardedProgram
 
     executable = ShardedProgram(result.program, result.plan)
-    text = executable.hlo_text(jax.tree_util.tree_leaves(result.dynamic_args))
-    counted = count_collectives(text).by_kind()
+    flat = jax.tree_util.tree_leaves(result.dynamic_args)
+    counted = count_collectives(executable.hlo_text(flat)).by_kind()
     logger.debug("HLO collectives: %s",
                  {k: v["count"] for k, v in counted.items() if v["count"]} or "none")
-    return counted
+    m = executable.compiled(flat).memory_analysis()
+    memory = None if m is None else int(
+        m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+        - m.alias_size_in_bytes)
+    return counted, memory

@@ -36,6 +36,11 @@ class NoLossFunctionError(PlanError):
     """Pipelining needs the loss function marked by autopar.value_and_grad / autopar.grad."""
 
 
+class DistributedError(AutoparError):
+    """A multi-process run could not start or went on without a peer (coordinator not
+    reachable, bad process id or address, a process gone)."""
+
+
 def choices_text(choices) -> str:
     """Format valid choices for an error message: ``a, b, c``."""
     return ", ".join(str(c) for c in choices)

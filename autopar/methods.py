@@ -10,6 +10,15 @@ from dataclasses import dataclass
 from autopar.errors import InvalidOptionError, choices_text
 
 SOLVERS: tuple[str, ...] = ("auto", "highs", "cbc")
+REMAT_MODES: tuple[str, ...] = ("none", "layers", "auto")
+
+
+def check_remat(value: str) -> None:
+    """Raise ``InvalidOptionError`` unless ``value`` is a remat mode."""
+    if value not in REMAT_MODES:
+        raise InvalidOptionError(
+            f"unknown remat option {value!r}; valid: {choices_text(REMAT_MODES)}"
+        )
 
 
 @dataclass(frozen=True)
@@ -18,11 +27,16 @@ class DataParallel:
 
     ``mesh_shape``: the logical mesh (default: all devices in one axis). The batch is split over
     every axis of it, so the shape only changes how the gradient all-reduce is costed.
+    ``remat``: see ``ShardParallel`` (the budget is the device's memory).
     """
 
     mesh_shape: tuple[int, ...] | None = None
+    remat: str = "none"
 
     name = "data"
+
+    def __post_init__(self) -> None:
+        check_remat(self.remat)
 
 
 @dataclass(frozen=True)
@@ -34,16 +48,26 @@ class ShardParallel:
     ``solver``: ``"auto"`` (HiGHS when available, else CBC), ``"highs"`` or ``"cbc"``.
     ``time_limit_s``: the solver's time limit; past it the best plan found so far is used and
     marked as not proven optimal.
+    ``prefer_reduce_scatter``: shard the optimizer state over all devices as ``Zero2Parallel``
+    does and let the ILP choose everything else; gradients then reach their update
+    reduce-scattered rather than all-reduced.
+    ``remat``: rematerialisation of the loss function's layers (it needs the step's gradient
+    from ``autopar.value_and_grad``): ``"none"``, ``"layers"`` (each layer under
+    ``jax.checkpoint``: the backward keeps only layer inputs and recomputes the rest) or
+    ``"auto"`` (only when the plan without it does not fit the memory budget).
     """
 
     mesh_shape: tuple[int, ...] | None = None
     memory_budget_bytes: float | None = None
     solver: str = "auto"
     time_limit_s: float = 30.0
+    prefer_reduce_scatter: bool = False
+    remat: str = "none"
 
     name = "shard"
 
     def __post_init__(self) -> None:
+        check_remat(self.remat)
         if self.solver not in SOLVERS:
             raise InvalidOptionError(
                 f"unknown solver '{self.solver}'; valid solvers: {choices_text(SOLVERS)}"
@@ -54,6 +78,34 @@ class ShardParallel:
             raise InvalidOptionError(
                 f"memory_budget_bytes must be positive, got {self.memory_budget_bytes}"
             )
+
+
+@dataclass(frozen=True)
+class Zero2Parallel:
+    """Data parallelism with ZeRO-2 state sharding: every batch leaf split on its first dimension
+    over all devices; the optimizer state (state the loss does not read) sharded over them too,
+    gradients reduce-scattered to match, parameters all-gathered whole after the update.
+
+    ``mesh_shape``: the logical mesh (default: all devices in one axis); the batch and the
+    sharded state are split over every axis of it.
+    """
+
+    mesh_shape: tuple[int, ...] | None = None
+
+    name = "zero2"
+
+
+@dataclass(frozen=True)
+class Zero3Parallel:
+    """ZeRO-3: as :class:`Zero2Parallel`, and the parameters are sharded too (in and out);
+    the forward and backward gather each one where they read it.
+
+    ``mesh_shape``: the logical mesh (default: all devices in one axis).
+    """
+
+    mesh_shape: tuple[int, ...] | None = None
+
+    name = "zero3"
 
 
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
@@ -90,6 +142,10 @@ class PipeshardParallel:
     per stage, uniform stages) or ``"zb-h1"`` (backward split into input and weight gradients).
     ``num_stages``: fixes the stage count (None: the DP chooses; uniform needs it or uses 2).
     ``memory_budget_bytes``: per-device memory every stage must fit (default: the cluster's).
+    ``remat``: rematerialisation, ``"none"``, ``"layers"`` (every stage keeps only its layers'
+    inputs for the backward and recomputes the rest, ``jax.checkpoint`` on each layer) or
+    ``"auto"`` (the stage search chooses per stage, paying the recompute only where memory
+    is short).
     """
 
     num_microbatches: int = 4
@@ -101,6 +157,7 @@ class PipeshardParallel:
     memory_budget_bytes: float | None = None
     solver: str = "auto"
     time_limit_s: float = 30.0
+    remat: str = "none"
 
     name = "pipeshard"
 
@@ -109,6 +166,7 @@ class PipeshardParallel:
             raise InvalidOptionError(
                 f"num_microbatches must be a positive integer, got {self.num_microbatches!r}"
             )
+        check_remat(self.remat)
         if self.schedule not in SCHEDULES:
             raise InvalidOptionError(
                 f"unknown schedule '{self.schedule}'; valid schedules: {choices_text(SCHEDULES)}"
@@ -141,16 +199,23 @@ class PipeshardParallel:
             )
 
 
-Method = DataParallel | ShardParallel | PipeshardParallel
+Method = DataParallel | ShardParallel | PipeshardParallel | Zero2Parallel | Zero3Parallel
 
-METHOD_TYPES: tuple[type, ...] = (DataParallel, ShardParallel, PipeshardParallel)
-METHOD_NAMES: tuple[str, ...] = ("data", "shard", "pipeshard")
+METHOD_TYPES: tuple[type, ...] = (
+    DataParallel, ShardParallel, PipeshardParallel, Zero2Parallel, Zero3Parallel
+)
+METHOD_NAMES: tuple[str, ...] = ("data", "shard", "pipeshard", "zero2", "zero3")
 
 
 def method_from_name(name: str, mesh_shape: tuple[int, ...] | None = None, **options) -> Method:
-    """The method for a CLI name (``data``, ``shard``); raises ``InvalidOptionError`` for others."""
+    """The method for a CLI name (``data``, ``shard``, ``pipeshard``, ``zero2``, ``zero3``);
+    raises ``InvalidOptionError`` for others."""
     if name == "data":
         return DataParallel(mesh_shape=mesh_shape)
+    if name == "zero2":
+        return Zero2Parallel(mesh_shape=mesh_shape)
+    if name == "zero3":
+        return Zero3Parallel(mesh_shape=mesh_shape)
     if name == "shard":
         return ShardParallel(mesh_shape=mesh_shape, **options)
     if name == "pipeshard":

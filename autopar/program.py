@@ -41,6 +41,10 @@ INLINED_CALLS: dict[str, str] = {
 }
 
 
+# Calls that rematerialise their body in the backward (``jax.checkpoint``).
+REMAT_CALLS = frozenset({"checkpoint", "remat", "remat2"})
+
+
 class TensorKind:
     """Where a numbered value comes from (plain strings: they are stored in JSON)."""
 
@@ -154,8 +158,10 @@ class _Numberer:
     markers as equations (the pipeline pass reads them); otherwise the first is inlined as the
     forward and backward it stands for and the markers vanish (they are identities)."""
 
-    def __init__(self, keep_markers: bool = False) -> None:
+    def __init__(self, keep_markers: bool = False,
+                 remat_positions: Sequence[int] | None = None) -> None:
         self.keep_markers = keep_markers
+        self.remat_positions = remat_positions
         self.eqns: list[FlatEqn] = []
         self.avals: dict[int, Any] = {}
         self.kinds: dict[int, str] = {}
@@ -212,11 +218,13 @@ class _Numberer:
             if name == PIPELINE_BOUNDARY and not self.keep_markers:
                 results = operands
             elif name == VALUE_AND_GRAD and not self.keep_markers:
-                expanded = jax.make_jaxpr(expand_value_and_grad(eqn.params["loss"]))(
+                expanded = jax.make_jaxpr(self.expansion(eqn.params["loss"]))(
                     *[v.aval for v in eqn.invars]
                 )
                 results = self.walk(expanded.jaxpr, expanded.consts, operands)
             elif body_param is not None and body_param in eqn.params:
+                if name in REMAT_CALLS and eqn.params.get("prevent_cse", False):
+                    operands = self.barrier(operands)
                 body = eqn.params[body_param]
                 inner, inner_consts = (
                     (body.jaxpr, body.consts) if hasattr(body, "consts") else (body, ())
@@ -238,6 +246,29 @@ class _Numberer:
             for var, vid in zip(eqn.outvars, results, strict=True):
                 env[var] = vid
         return [read(a) for a in jaxpr.outvars]
+
+    def expansion(self, loss: Any) -> Callable[..., list[Any]]:
+        """What an ``autopar_value_and_grad`` equation is inlined as: the plain value and
+        gradient, or with ``remat_positions`` its rematerialised form."""
+        if self.remat_positions is None:
+            return expand_value_and_grad(loss)
+        from autopar.remat_loss import rematerialised_value_and_grad  # it imports this module
+
+        return rematerialised_value_and_grad(loss, self.remat_positions)
+
+    def barrier(self, operands: Sequence[int]) -> list[int]:
+        """Each array operand through its own ``optimization_barrier``: what JAX's lowering does
+        for a ``checkpoint`` with ``prevent_cse``, so that XLA cannot merge the recomputed
+        forward back into the original once the call is inlined (one barrier per operand, so
+        the sharding pass need not give unrelated tensors one layout)."""
+        out = []
+        for vid in operands:
+            if self.kinds[vid] == TensorKind.LITERAL:
+                out.append(vid)
+                continue
+            closed = jax.make_jaxpr(jax.lax.optimization_barrier)(self.avals[vid])
+            out.extend(self.walk(closed.jaxpr, closed.consts, [vid]))
+        return out
 
 
 def argument_names(fn: Callable, nargs: int) -> list[str]:
@@ -280,11 +311,14 @@ def _abstract_leaf(leaf: Any) -> Any:
     )
 
 
-def flatten_step(fn: Callable, args: Sequence[Any], keep_markers: bool = False) -> FlatProgram:
+def flatten_step(fn: Callable, args: Sequence[Any], keep_markers: bool = False,
+                 remat_positions: Sequence[int] | None = None) -> FlatProgram:
     """Trace ``fn(*args)`` (arrays or ``jax.ShapeDtypeStruct``) into a ``FlatProgram``.
 
     Nothing is computed and no device memory is touched: abstract shapes are enough.
-    ``keep_markers``: see ``_Numberer`` (the pipeline pass sets it).
+    ``keep_markers``: see ``_Numberer`` (the pipeline pass sets it). ``remat_positions``: inline
+    ``autopar.value_and_grad`` with its forward's layers (cut before these equations of
+    ``remat_loss.loss_forward``) under ``jax.checkpoint``.
     """
     names = argument_names(fn, len(args))
     in_paths: list[str] = []
@@ -324,7 +358,7 @@ def flatten_step(fn: Callable, args: Sequence[Any], keep_markers: bool = False) 
             f"could not trace {name}: {type(exc).__name__}: {first}"
         ) from exc
     out_tree = out_tree_box[-1]
-    numberer = _Numberer(keep_markers)
+    numberer = _Numberer(keep_markers, remat_positions)
     in_ids = [
         numberer.new_id(var.aval, TensorKind.INPUT) for var in closed.jaxpr.invars
     ]

@@ -30,6 +30,8 @@ class CompileReport:
     top_primitives: dict[str, int] = field(default_factory=dict)
     hlo_collectives: dict[str, dict[str, int]] | None = None  # kind -> {count, bytes}
     notes: list[str] = field(default_factory=list)
+    # per device, from the compiled program's memory analysis (None: not compiled)
+    xla_memory_bytes: int | None = None
 
     @classmethod
     def build(
@@ -90,6 +92,7 @@ class CompileReport:
             "compile_time_s": self.compile_time_s,
             "est_step_time_s": plan.est_step_time_s,
             "peak_memory_bytes": plan.peak_memory_bytes,
+            "xla_memory_bytes": self.xla_memory_bytes,
             "num_params": self.num_params,
             "flops_per_step": self.flops_per_step,
             "graph": {
@@ -134,7 +137,10 @@ class CompileReport:
             "  compile time      "
             + ("-" if self.compile_time_s is None else f"{self.compile_time_s:.2f} s"),
             f"  est. step time    {format_seconds(plan.est_step_time_s)}",
-            f"  per-device memory {format_bytes(plan.peak_memory_bytes)}",
+            f"  per-device memory {format_bytes(plan.peak_memory_bytes)}"
+            + ("" if self.xla_memory_bytes is None
+               else f" (XLA's memory analysis: {format_bytes(self.xla_memory_bytes)})"),
+            *_breakdown_lines(plan),
             "",
             "stages",
             f"  {'#':>2}  {'layers':<10} {'submesh':<8} {'logical':<8} {'est time':>10} "
@@ -205,6 +211,15 @@ class CompileReport:
         for note in list(self.notes) + list(plan.notes):
             lines.append(f"note: {note}")
         return "\n".join(lines)
+
+
+def _breakdown_lines(plan: Plan) -> list[str]:
+    """The one-stage plan's memory parts (a pipeline's stages have their own, in the table)."""
+    if len(plan.stages) != 1 or not plan.stages[0].memory_breakdown:
+        return []
+    parts = plan.stages[0].memory_breakdown
+    return ["                    " + ", ".join(
+        f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in parts.items())]
 
 
 def plan_timeline(plan: Plan) -> Timeline | None:

@@ -135,10 +135,56 @@ def plan_train_step(
     key = _cache_key(cache, (traced.program,), method, cluster, batch_argnums)
     cached = _cached_plan(cache, key, traced)
     if cached is not None:
-        return PlannedStep(traced, cached, from_cache=True)
-    plan = plan_step(traced, method, cluster, batch_argnums=tuple(batch_argnums))
+        return PlannedStep(_retraced(fn, args, cached, traced), cached, from_cache=True)
+    remat = getattr(method, "remat", "none")
+    plan = None
+    if remat != "layers":
+        plan = plan_step(traced, method, cluster, batch_argnums=tuple(batch_argnums))
+    if remat != "none" and (plan is None or not _fits(plan, method, cluster)):
+        traced, plan = _plan_rematerialised(fn, args, method, cluster, batch_argnums,
+                                            traced, plan)
     _store(cache, key, plan)
     return PlannedStep(traced, plan)
+
+
+def _fits(plan: Plan, method: Method, cluster: ClusterSpec) -> bool:
+    budget = getattr(method, "memory_budget_bytes", None) or cluster.device.memory_bytes
+    return plan.peak_memory_bytes <= budget
+
+
+def _plan_rematerialised(fn: Callable, args: Sequence[Any], method: Method,
+                         cluster: ClusterSpec, batch_argnums: tuple[int, ...],
+                         traced: TracedStep, plan: Plan | None) -> tuple[TracedStep, Plan]:
+    """Trace again with the loss function's layers under ``jax.checkpoint`` and plan that;
+    for ``remat="auto"`` keep it only if it needs less memory than ``plan``."""
+    from autopar.compiler.pipeshard import remat_layer_positions
+    from autopar.pipeline_program import build_pipeline_program
+
+    try:
+        pp = build_pipeline_program(fn, args, batch_argnums, 1)
+    except NoLossFunctionError as err:
+        if plan is None:
+            raise InvalidOptionError(f"remat='layers' needs the step's gradient from "
+                                     f"autopar.value_and_grad or autopar.grad: {err}") from None
+        plan.notes.append("remat='auto' left off: the step has no autopar.value_and_grad")
+        return traced, plan
+    positions = remat_layer_positions(pp, build_graph(pp.forward))
+    remat_traced = trace_step(fn, args, remat_positions=positions)
+    remat_plan = plan_step(remat_traced, method, cluster, batch_argnums=tuple(batch_argnums))
+    if plan is not None and remat_plan.peak_memory_bytes >= plan.peak_memory_bytes:
+        plan.notes.append("remat='auto' tried the layers under jax.checkpoint: no memory saved")
+        return traced, plan
+    remat_plan.options["remat_positions"] = list(positions)
+    remat_plan.notes.append(
+        f"rematerialised: the loss function's {len(positions) + 1} layers run under "
+        "jax.checkpoint (the backward recomputes them)")
+    return remat_traced, remat_plan
+
+
+def _retraced(fn: Callable, args: Sequence[Any], plan: Plan, traced: TracedStep) -> TracedStep:
+    """The trace a plan's tensor ids refer to: again with its rematerialised layers, if any."""
+    positions = plan.options.get("remat_positions")
+    return traced if positions is None else trace_step(fn, args, remat_positions=positions)
 
 
 def _cache_key(cache: Any, programs: tuple[Any, ...], method: Method, cluster: ClusterSpec,
@@ -182,7 +228,7 @@ def _with_saved_plan(
         return PlannedStep(traced, plan, pp)
     traced = trace_step(fn, args)
     check_signature(plan, traced)
-    return PlannedStep(traced, plan)
+    return PlannedStep(_retraced(fn, args, plan, traced), plan)
 
 
 def check_signature(plan: Plan, traced: TracedStep) -> None:

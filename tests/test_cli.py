@@ -45,6 +45,11 @@ def test_json_report_has_the_documented_keys(tmp_path, capsys):
         assert key in stage
     assert data["shardings"]["batch/tokens"] == "P(('x', 'y'), None)"
     assert data["shardings"]["state/params/wte"] == "P(None, None)"
+    # the memory model's figure beside XLA's own analysis of the compiled program
+    assert data["xla_memory_bytes"] > 0
+    assert data["peak_memory_bytes"] == pytest.approx(data["xla_memory_bytes"], rel=0.15)
+    assert set(stage["memory_breakdown"]) == {
+        "parameters", "optimizer_state", "batch", "updated_state", "activations"}
 
 
 def test_shard_method_reports_the_ilp(tmp_path, capsys):

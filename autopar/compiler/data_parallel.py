@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from autopar.compiler.batch_split import propagate_batch_split
 from autopar.compiler.estimate import compute_time_s, dominant_float_dtype, summarize_collectives
+from autopar.compiler.memory_model import estimate_memory
 from autopar.compiler.mesh import LogicalMesh, format_mesh_shape
 from autopar.compiler.plan import Plan, ShardingSpec
 from autopar.compiler.plan_common import whole_mesh_plan
@@ -64,17 +65,9 @@ def plan_data_parallel(
     compute_s = compute_time_s(graph.total_flops / n, mesh, dtype)
     comm_s = sum(c.time_s for c in collectives)
 
-    state_ids = [io.tensor for io in graph.inputs if io not in batch_inputs]
-    batch_ids = [io.tensor for io in batch_inputs]
-    state_bytes = graph.bytes_of(state_ids)
-    batch_bytes = graph.bytes_of(batch_ids) // n
-    # Intermediates scale with the batch split; a conservative even division.
-    activation_bytes = graph.peak_live_bytes(exclude=set(state_ids) | set(batch_ids)) // n
-    memory = {
-        "state": state_bytes,
-        "batch": batch_bytes,
-        "activations": activation_bytes,
-    }
+    # every value the batch split reaches is split n ways on every device
+    shards = {t: n for t, d in result.split_dim.items() if d is not None}
+    memory = estimate_memory(graph, batch_argnums=batch_argnums, shards=shards).breakdown()
     return whole_mesh_plan(
         "data",
         mesh,

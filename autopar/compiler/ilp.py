@@ -142,14 +142,16 @@ class IntraOpSolution:
 class InfeasibleMemoryError(AutoparError, ValueError):
     """No choice of strategies fits the per-device memory budget."""
 
-    def __init__(self, budget: float, min_peak_bytes: float):
+    def __init__(self, budget: float, min_peak_bytes: float, dominant: str = ""):
         self.budget = budget
         self.min_peak_bytes = min_peak_bytes
+        self.dominant = dominant
         have, need = _fmt_bytes(budget), _fmt_bytes(min_peak_bytes)
         if have == need:  # rounding hid the difference: show exact bytes
             have, need = f"{budget:.0f} bytes", f"{min_peak_bytes:.0f} bytes"
+        most = f", most of it {dominant}" if dominant else ""
         super().__init__(f"no sharding plan fits in {have} per device; the smallest per-device "
-                         f"memory any plan needs is {need}")
+                         f"memory any plan needs is {need}{most}")
 
 
 def _fmt_bytes(b: float) -> str:
@@ -219,7 +221,8 @@ def peak_memory(problem: IntraOpProblem, choices: Sequence[int]) -> float:
     return max((math.fsum(mem[u] for u in set(s)) for s in problem.live_sets), default=0.0)
 
 
-def _min_memory(problem: IntraOpProblem) -> list[int]:
+def least_memory_choices(problem: IntraOpProblem) -> list[int]:
+    """Every node at its least-memory strategy: the plan of least peak memory."""
     return [0 if nd.memory is None else int(np.argmin(nd.memory)) for nd in problem.nodes]
 
 
@@ -229,7 +232,7 @@ def min_peak_memory(problem: IntraOpProblem, *, solver: str = "auto",
     each node's own memory, so each node at its least-memory strategy minimises all of them at
     once. ``solver``/``time_limit_s`` are only checked, for a uniform signature."""
     solver_name(solver)
-    return peak_memory(problem, _min_memory(problem))
+    return peak_memory(problem, least_memory_choices(problem))
 
 
 def brute_force(problem: IntraOpProblem) -> tuple[list[int], float]:

@@ -21,7 +21,14 @@ from typing import Any
 
 from autopar.compiler.collectives import CollectiveEstimate
 from autopar.compiler.graph import OpGraph
-from autopar.compiler.ilp import IntraOpProblem, IntraOpSolution, ProblemNode, solve
+from autopar.compiler.ilp import (
+    InfeasibleMemoryError,
+    IntraOpProblem,
+    IntraOpSolution,
+    ProblemNode,
+    least_memory_choices,
+    solve,
+)
 from autopar.compiler.intra_op_edges import ReshardingEdges, state_ties
 from autopar.compiler.intra_op_memory import live_sets, memory_vectors
 from autopar.compiler.intra_op_tying import tie_identical_variables
@@ -31,6 +38,7 @@ from autopar.compiler.intra_op_variables import (
     DecisionVariables,
     Variable,
 )
+from autopar.compiler.memory_model import estimate_memory
 from autopar.compiler.mesh import LogicalMesh
 from autopar.compiler.plan import ShardingSpec
 from autopar.compiler.strategies.base import Strategy
@@ -181,6 +189,18 @@ def read_solution(
     return node_strategy, input_spec, operand_specs, tensor_spec, collectives
 
 
+def _dominant_part(parts: ProblemParts, problem: IntraOpProblem, options: IntraOpOptions) -> str:
+    """What holds most of the memory in the least-memory plan (for the infeasibility error).
+    Its layouts disagree from op to op; the copies that would cost are left out, as they are
+    an artefact of picking each op's least memory on its own."""
+    _, _, _, tensor_spec, _ = read_solution(parts, least_memory_choices(problem))
+    mesh = parts.table.mesh
+    sizes = {a: mesh.axis_size(a) for a in mesh.axis_names}
+    shards = {t: spec.num_shards(sizes) for t, spec in tensor_spec.items()}
+    return estimate_memory(parts.table.graph, batch_argnums=options.batch_argnums,
+                           shards=shards).dominant()
+
+
 def solve_intra_op(
     graph: OpGraph,
     mesh: LogicalMesh,
@@ -192,8 +212,12 @@ def solve_intra_op(
     start = time.perf_counter()
     problem, parts = build_problem(graph, mesh, options, reshard_cache)
     build_time = time.perf_counter() - start
-    solution = solve(problem, solver=options.solver, time_limit_s=options.time_limit_s,
-                     relative_gap=options.relative_gap)
+    try:
+        solution = solve(problem, solver=options.solver, time_limit_s=options.time_limit_s,
+                         relative_gap=options.relative_gap)
+    except InfeasibleMemoryError as error:
+        raise InfeasibleMemoryError(error.budget, error.min_peak_bytes,
+                                    _dominant_part(parts, problem, options)) from None
     node_strategy, input_spec, operand_specs, tensor_spec, collectives = read_solution(
         parts, solution.choices
     )

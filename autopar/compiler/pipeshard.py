@@ -20,6 +20,7 @@ from autopar.compiler.intra_op import IntraOpOptions
 from autopar.compiler.layers import cluster_layers
 from autopar.compiler.mesh import ClusterSpec, LogicalMesh
 from autopar.compiler.plan import InputSignature, Plan, StagePlan
+from autopar.compiler.remat import is_remat_key, remat_candidates
 from autopar.compiler.stage_costs import LayerCostCache
 from autopar.compiler.stages import (
     StageCandidate,
@@ -85,6 +86,16 @@ def layer_positions(pp: PipelineProgram, graph: OpGraph, method: PipeshardParall
     return list(cluster_layers(graph, count).positions)
 
 
+def remat_layer_positions(pp: PipelineProgram, graph: OpGraph) -> list[int]:
+    """Where to cut the loss forward into layers for one-stage rematerialisation: the user's
+    ``mark_pipeline_boundary`` calls, else up to ``DEFAULT_MAX_LAYERS`` clustered layers."""
+    if pp.boundary_positions():
+        return layer_positions(pp, graph, PipeshardParallel(layers="marked"), num_devices=1)
+    heavy = sum(1 for n in graph.nodes if n.flops > 0)
+    method = PipeshardParallel(layers=max(1, min(DEFAULT_MAX_LAYERS, heavy)))
+    return layer_positions(pp, graph, method, num_devices=1)
+
+
 def _span(positions: Sequence[int], n: int, start: int, end: int) -> tuple[int, int]:
     cuts = [0, *positions, n]
     return cuts[start], cuts[end]
@@ -139,13 +150,7 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
         for shape in logical_shapes(submesh):
             mesh = _submesh_mesh(cluster, submesh, shape)
             costs = [cache.cost(pp, layers[k], mesh) for k in range(start, end)]
-            found.append(StageCandidate(
-                time=sum(c.time_s for c in costs),
-                fixed_memory=sum(c.fixed_bytes for c in costs),
-                activation_memory_per_microbatch=sum(c.activation_bytes for c in costs),
-                logical_mesh_shape=shape,
-                key="x".join(map(str, shape)),
-            ))
+            found.extend(remat_candidates(costs, shape, method.remat))
         if clock is not None:
             clock.seconds += time.perf_counter() - start_s
         return found
@@ -291,7 +296,8 @@ def plan_pipeshard(pp: PipelineProgram, method: PipeshardParallel, cluster: Clus
             for v, path in zip(pp.outer.in_ids, pp.outer.in_paths, strict=True)
         ],
         options={
-            "pipeline": layout.to_dict(),
+            "pipeline": layout.to_dict() | {"remat_stages": [
+                is_remat_key(a.candidate.key) for a in partition.stages]},
             "stage_search": partition.to_dict() | {"ilp_solves": cache.ilp_solves},
             "estimated_idle_fraction": timeline.idle_fraction,
             "theoretical_idle_fraction": timeline.theoretical_idle_fraction,

@@ -10,8 +10,9 @@ from autopar.compiler.data_parallel import plan_data_parallel
 from autopar.compiler.mesh import ClusterSpec, LogicalMesh, format_mesh_shape
 from autopar.compiler.plan import Plan
 from autopar.compiler.trace import TracedStep
+from autopar.compiler.zero import optimizer_state_pins, plan_zero
 from autopar.errors import InvalidOptionError, MeshError
-from autopar.methods import DataParallel, Method, ShardParallel
+from autopar.methods import DataParallel, Method, ShardParallel, Zero2Parallel, Zero3Parallel
 
 
 def mesh_shape_choices(num_devices: int) -> list[str]:
@@ -56,20 +57,36 @@ def plan_step(
         from autopar.compiler.shard_parallel import plan_shard_parallel
 
         mesh = logical_mesh_for(cluster, method.mesh_shape)
-        plan = plan_shard_parallel(
-            traced,
-            mesh,
-            IntraOpOptions(
-                memory_budget_bytes=method.memory_budget_bytes,
-                solver=method.solver,
-                time_limit_s=method.time_limit_s,
-                batch_argnums=tuple(batch_argnums),
-            ),
-            batch_argnums=batch_argnums,
-            cluster_name=cluster.name,
-            devices_per_host=cluster.devices_per_host,
-            ilp_observer=ilp_observer,
-        )
+        pins = (optimizer_state_pins(traced.graph, mesh, tuple(batch_argnums))
+                if method.prefer_reduce_scatter else {})
+
+        def solve_within(budget: float | None) -> Plan:
+            return plan_shard_parallel(
+                traced,
+                mesh,
+                IntraOpOptions(
+                    memory_budget_bytes=budget,
+                    solver=method.solver,
+                    time_limit_s=method.time_limit_s,
+                    batch_argnums=tuple(batch_argnums),
+                    pinned_inputs=pins,
+                ),
+                batch_argnums=batch_argnums,
+                cluster_name=cluster.name,
+                devices_per_host=cluster.devices_per_host,
+                ilp_observer=ilp_observer,
+            )
+
+        plan = solve_within(method.memory_budget_bytes)
+        device_memory = cluster.device.memory_bytes
+        if method.memory_budget_bytes is None and plan.peak_memory_bytes > device_memory:
+            # the device's memory is the default budget; the memory rows make the ILP slower,
+            # so they are added only when the unconstrained plan does not fit
+            plan = solve_within(float(device_memory))
+            plan.notes.append(
+                f"the fastest plan did not fit the device's {device_memory / 2**30:.1f} GiB; "
+                "solved again with that as the per-device memory budget"
+            )
     elif isinstance(method, DataParallel):
         mesh = logical_mesh_for(cluster, method.mesh_shape)
         plan = plan_data_parallel(
@@ -79,9 +96,20 @@ def plan_step(
             cluster_name=cluster.name,
             devices_per_host=cluster.devices_per_host,
         )
+    elif isinstance(method, Zero2Parallel | Zero3Parallel):
+        mesh = logical_mesh_for(cluster, method.mesh_shape)
+        plan = plan_zero(
+            traced,
+            mesh,
+            stage=2 if isinstance(method, Zero2Parallel) else 3,
+            batch_argnums=batch_argnums,
+            cluster_name=cluster.name,
+            devices_per_host=cluster.devices_per_host,
+        )
     else:
         raise InvalidOptionError(
-            f"unknown method {type(method).__name__}; valid methods: DataParallel, ShardParallel"
+            f"unknown method {type(method).__name__}; valid methods: DataParallel, "
+            "ShardParallel, Zero2Parallel, Zero3Parallel"
         )
     plan.options = {"method": method.name, "mesh_shape": list(mesh.shape)}
     plan.options["planning_time_s"] = time.perf_counter() - start

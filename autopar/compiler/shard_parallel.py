@@ -7,6 +7,7 @@ from typing import Any
 
 from autopar.compiler.estimate import summarize_collectives
 from autopar.compiler.intra_op import IntraOpOptions, IntraOpResult, solve_intra_op
+from autopar.compiler.memory_model import estimate_memory, resharded_operand_bytes
 from autopar.compiler.mesh import LogicalMesh
 from autopar.compiler.plan import Plan, ShardingSpec
 from autopar.compiler.plan_common import whole_mesh_plan
@@ -61,14 +62,12 @@ def plan_shard_parallel(
     collectives = _collectives(result, mesh)
     compute_s = sum(s.compute_time_s for s in result.node_strategy.values())
     comm_s = sum(c.time_s for c in collectives)
-    batch_ids = {io.tensor for io in graph.inputs if io.arg_index in batch_argnums}
-    state_ids = {io.tensor for io in graph.inputs} - batch_ids
     shard_count = {t: spec.num_shards(sizes) for t, spec in result.tensor_spec.items()}
-    memory = {
-        "state": int(sum(graph.tensors[t].nbytes / shard_count.get(t, 1) for t in state_ids)),
-        "batch": int(sum(graph.tensors[t].nbytes / shard_count.get(t, 1) for t in batch_ids)),
-        "activations": graph.peak_live_bytes(exclude=state_ids | batch_ids, shards=shard_count),
-    }
+    resharded = resharded_operand_bytes(
+        graph, {use: spec.num_shards(sizes) for use, spec in result.operand_specs.items()},
+        shard_count)
+    memory = estimate_memory(graph, batch_argnums=batch_argnums, shards=shard_count,
+                             resharded=resharded).breakdown()
     solution = result.solution
     solver_stats = solution.to_dict() | {
         "build_time_s": result.build_time_s + solution.build_time_s,

@@ -36,6 +36,8 @@ class PieceCost:
     compute_s: float
     fixed_bytes: float
     activation_bytes: float
+    # per microbatch when the piece is rematerialised: only its activation inputs are kept
+    boundary_bytes: float
     input_specs: dict[int, ShardingSpec]
     ilp_status: str
 
@@ -118,6 +120,8 @@ class LayerCostCache:
     signatures: dict[tuple[int, int], str] = field(default_factory=dict)
     # each piece's input and output roles, by its first and last equation
     roles: dict[tuple[int, int], PieceRoles] = field(default_factory=dict)
+    # bytes of optimizer state per byte of parameters, read off the step once
+    state_per_parameter: float | None = None
     # each structure's train graph, traced once for all meshes, and the piece it was traced
     # from (its value ids are the ones the graph's paths name)
     graphs: dict[str, tuple[OpGraph, dict[str, int], Piece]] = field(default_factory=dict)
@@ -143,7 +147,10 @@ class LayerCostCache:
             # piece (its ids match the graph's) and rename below like any cache hit
             graph, paths, traced_from = self.graphs[signature]
             shared = self.reshard_costs.setdefault(mesh_key, {})
-            cost = _solve_piece(pp, traced_from, graph, paths, mesh, self.options, shared)
+            if self.state_per_parameter is None:
+                self.state_per_parameter = optimizer_state_per_parameter(pp)
+            cost = _solve_piece(pp, traced_from, graph, paths, mesh, self.options, shared,
+                                self.state_per_parameter)
             self.solved[key] = (cost, traced_from)
             self.ilp_solves += 1
         cost, first = self.solved[key]
@@ -157,12 +164,26 @@ class LayerCostCache:
         return replace(cost, input_specs=specs)
 
 
+def optimizer_state_per_parameter(pp: PipelineProgram) -> float:
+    """Bytes of the step's other state (optimizer moments, counters) per byte of parameters:
+    2 for Adam, 1 for momentum SGD, 0 for plain SGD. Parameters are the loss function's
+    differentiated inputs; the batch is what the pipeline splits into microbatches."""
+    outer = pp.outer
+    params = {pp.operand_of[f] for f in pp.diff_inputs}
+    batch = {pp.operand_of[f] for f in pp.split_inputs}
+    param_bytes = sum(_nbytes(outer.avals[v]) for v in params)
+    state_bytes = sum(_nbytes(outer.avals[v]) for v in outer.in_ids
+                      if v not in params and v not in batch)
+    return state_bytes / param_bytes if param_bytes else 0.0
+
+
 def _span(piece: Piece) -> tuple[int, int]:
     return (piece.eqns[0], piece.eqns[-1]) if piece.eqns else (piece.index, -1)
 
 
 def _solve_piece(pp: PipelineProgram, piece: Piece, graph: OpGraph, paths: dict[str, int],
-                 mesh: LogicalMesh, options: IntraOpOptions, reshard_cache: dict) -> PieceCost:
+                 mesh: LogicalMesh, options: IntraOpOptions, reshard_cache: dict,
+                 state_per_parameter: float) -> PieceCost:
     result = solve_intra_op(graph, mesh, options, reshard_cache)
     sizes = {a: mesh.axis_size(a) for a in mesh.axis_names}
     by_path = {io.path: io.tensor for io in graph.inputs}
@@ -182,8 +203,11 @@ def _solve_piece(pp: PipelineProgram, piece: Piece, graph: OpGraph, paths: dict[
     return PieceCost(
         time_s=float(result.solution.objective),
         compute_s=sum(st.compute_time_s for st in result.node_strategy.values()),
-        fixed_bytes=4.0 * param_bytes,
+        # the parameters, their gradient accumulators and their optimizer state
+        fixed_bytes=(2.0 + state_per_parameter) * param_bytes,
         activation_bytes=kept / batch_split,
+        boundary_bytes=sum(_nbytes(fwd.avals[v]) for v in (*roles.acts, *roles.micro))
+        / batch_split,
         input_specs=specs,
         ilp_status=result.solution.status,
     )

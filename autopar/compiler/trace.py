@@ -65,7 +65,9 @@ def build_graph(program: FlatProgram) -> OpGraph:
     )
 
 
-def trace_step(fn: Callable, args: Sequence[Any]) -> TracedStep:
-    """Trace ``fn(*args)`` into a flat program and its OpGraph (raises ``TraceError``)."""
-    program = flatten_step(fn, tuple(args))
+def trace_step(fn: Callable, args: Sequence[Any],
+               remat_positions: Sequence[int] | None = None) -> TracedStep:
+    """Trace ``fn(*args)`` into a flat program and its OpGraph (raises ``TraceError``).
+    ``remat_positions``: see ``program.flatten_step``."""
+    program = flatten_step(fn, tuple(args), remat_positions=remat_positions)
     return TracedStep(program=program, graph=build_graph(program))

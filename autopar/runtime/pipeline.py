@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from autopar.distributed import put
 from autopar.pipeline_program import (
     Piece,
     PipelineProgram,
@@ -33,6 +34,7 @@ from autopar.pipeline_program import (
     plan_segments,
 )
 from autopar.program import run_eqns
+from autopar.remat_loss import layer_function
 from autopar.runtime.shard import partition_spec
 from autopar.schedules import Schedule, TaskKind, make_schedule
 
@@ -101,6 +103,8 @@ class PipelineRunner:
         schedule: Schedule,
         devices: Sequence[Any],
         specs: Sequence[dict[int, Any]] | None = None,
+        remat_layers: Sequence[Piece] = (),
+        remat_stages: Sequence[bool] = (),
     ):
         self.pp, self.pieces, self.schedule = pp, list(pieces), schedule
         self.stage_of_piece = list(stage_of_piece)
@@ -115,6 +119,10 @@ class PipelineRunner:
         # per stage: forward value id -> ShardingSpec the stage's plan gives it
         self.specs = [dict(d) for d in specs] if specs is not None else [{} for _ in stages]
         self.consumers = input_consumers(self.pieces)
+        # rematerialised stages run each layer (``remat_layers``: the forward cut at every
+        # layer boundary) under jax.checkpoint: the backward keeps only layer inputs
+        self.remat_layers = list(remat_layers)
+        self.remat_stages = list(remat_stages) or [False] * len(stages)
         self.tasks = [self._piece_tasks(p) for p in self.pieces]
         self.segment_fns = [jax.jit(self._segment_fn(s)) for s in self.segments]
         self.records: list[TaskRecord] = []
@@ -133,7 +141,10 @@ class PipelineRunner:
         schedule = make_schedule(layout["schedule"], len(stages), plan.num_microbatches,
                                  int(layout["num_chunks"]))
         specs = [st.tensor_shardings for st in plan.stages]
-        return cls(pp, pieces, owner, stages, segments, home, schedule, devices, specs)
+        remat = [bool(r) for r in layout.get("remat_stages", [])]
+        layers = cut_pieces(pp.forward, layout["layer_positions"]) if any(remat) else []
+        return cls(pp, pieces, owner, stages, segments, home, schedule, devices, specs,
+                   remat_layers=layers, remat_stages=remat)
 
     # -- placement -----------------------------------------------------------------------------
 
@@ -153,7 +164,10 @@ class PipelineRunner:
         return NamedSharding(mesh, PartitionSpec())
 
     def _put(self, value: Any, stage: int, vid: int | None = None, batched: bool = False) -> Any:
-        return jax.device_put(value, self.sharding(stage, value, vid, batched))
+        # distributed.put is jax.device_put in one process; across processes (every process
+        # runs this driver over every task, JAX skips the computations of devices it does not
+        # hold) it also moves values between stages on different processes
+        return put(value, self.sharding(stage, value, vid, batched))
 
     # -- executables ---------------------------------------------------------------------------
 
@@ -166,10 +180,20 @@ class PipelineRunner:
                         float_out, other_out)
         n_params = len(params)
 
+        inside = set(piece.eqns)
+        layers = [layer for layer in self.remat_layers if layer.eqns and layer.eqns[0] in inside]
+        rematerialise = self.remat_stages[t.stage] and layers
+
         def run(diff_vals: list[Any], nondiff_vals: list[Any]) -> tuple[list[Any], list[Any]]:
             env = dict(zip(diff, diff_vals, strict=True))
             env.update(zip(nondiff, nondiff_vals, strict=True))
-            run_eqns(fwd, piece.eqns, env)
+            if rematerialise:
+                for layer in layers:
+                    ins = [v for v in layer.inputs if v in env]
+                    outs = jax.checkpoint(layer_function(fwd, layer, ins))([env[v] for v in ins])
+                    env.update(zip(layer.outputs, outs, strict=True))
+            else:
+                run_eqns(fwd, piece.eqns, env)
             return [env[v] for v in float_out], [env[v] for v in other_out]
 
         def forward(diff_vals, nondiff_vals):

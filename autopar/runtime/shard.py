@@ -16,6 +16,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autopar.compiler.plan import Plan, ShardingSpec, StagePlan
+from autopar.distributed import global_devices, is_multiprocess, put
 from autopar.errors import MeshError, PlanError
 from autopar.program import FlatProgram
 
@@ -34,8 +35,11 @@ def partition_spec(spec: ShardingSpec) -> PartitionSpec:
 
 
 def stage_mesh(stage: StagePlan, devices: Sequence[Any] | None = None) -> Mesh:
-    """The ``jax.sharding.Mesh`` of a stage: its device ids laid out in its logical shape."""
-    devices = list(jax.devices() if devices is None else devices)
+    """The ``jax.sharding.Mesh`` of a stage: its device ids laid out in its logical shape
+    (ids index ``devices``; default: every device of the run, host-major across processes)."""
+    if devices is None:
+        devices = global_devices() if is_multiprocess() else jax.devices()
+    devices = list(devices)
     missing = [d for d in stage.device_ids if d >= len(devices)]
     if missing:
         raise MeshError(
@@ -104,9 +108,11 @@ class ShardedProgram:
         )
 
     def place(self, flat_args: Sequence[Any]) -> list[Any]:
-        """Move arguments to the devices and layouts the plan wants (no-op where they are)."""
+        """Move arguments to the devices and layouts the plan wants (no-op where they are).
+        Across processes a host value (numpy, uncommitted array) becomes a global array, each
+        process placing its own shards of it (every process holds the same value)."""
         return [
-            jax.device_put(a, s) if isinstance(a, jax.Array | np.ndarray) else a
+            put(a, s) if isinstance(a, jax.Array | np.ndarray) else a
             for a, s in zip(flat_args, self.in_shardings, strict=True)
         ]
 
