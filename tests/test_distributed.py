@@ -151,6 +151,13 @@ def test_stage_dp_keeps_stages_inside_hosts_and_cuts_between_them_at_the_bottlen
 # -- runs across 2 processes ------------------------------------------------------------------
 
 
+@pytest.mark.skipif(
+    (os.cpu_count() or 1) < 4,
+    reason="flaky on fewer than 4 cores: while the suite's other worker loads the machine, one "
+           "process can lag the other past the 30 s in which JAX's CPU backend sets up a gloo "
+           "group for a new device set (GetKeyValue timed out, cpu:gloo/...); seen in about "
+           "half the runs on 2 cores, never idle. The train tests below cover the moves the "
+           "pipeline makes.")
 def test_values_move_between_processes(tmp_path):
     rc, log, _ = _launch(sys.executable, str(SCRIPTS / "put_check.py"), str(tmp_path))
     assert rc == 0, log[-3000:]
