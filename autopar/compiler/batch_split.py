@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from autopar.compiler.collectives import CollectiveKind
 from autopar.compiler.graph import OpGraph, OpNode
 from autopar.compiler.op_costs import ELEMENTWISE
+from autopar.errors import BatchSizeError
 
 # Ops that keep their operand's layout element for element (one operand, same shape out).
 SHAPE_PRESERVING = frozenset(
@@ -320,3 +321,23 @@ def group_collectives(found: list[ImpliedCollective]) -> dict[CollectiveKind, tu
         count, nbytes = out.get(c.kind, (0, 0))
         out[c.kind] = (count + 1, nbytes + c.nbytes)
     return out
+
+
+def batch_split_inputs(graph: OpGraph, batch_argnums: tuple[int, ...], num_shards: int,
+                       mesh_text: str) -> dict[int, int]:
+    """The batch leaves (non-scalar leaves of the ``batch_argnums`` arguments) to split on
+    their first dimension ``num_shards`` ways, by tensor id; raises ``BatchSizeError`` naming
+    the first whose leading dimension does not divide (``mesh_text``: the mesh, for it)."""
+    split: dict[int, int] = {}
+    for io in graph.inputs:
+        info = graph.tensors[io.tensor]
+        if io.arg_index not in batch_argnums or info.ndim == 0:
+            continue
+        if info.shape[0] % num_shards != 0:
+            raise BatchSizeError(
+                f"batch leaf '{io.path}' has leading dimension {info.shape[0]}, not divisible "
+                f"by the data-parallel degree {num_shards} (mesh {mesh_text}); use a batch "
+                f"size that is a multiple of {num_shards}"
+            )
+        split[io.tensor] = 0
+    return split

@@ -7,14 +7,13 @@ every device; gradients are all-reduced where the batch split is summed away.
 
 from __future__ import annotations
 
-from autopar.compiler.batch_split import propagate_batch_split
+from autopar.compiler.batch_split import batch_split_inputs, propagate_batch_split
 from autopar.compiler.estimate import compute_time_s, dominant_float_dtype, summarize_collectives
 from autopar.compiler.memory_model import estimate_memory
 from autopar.compiler.mesh import LogicalMesh, format_mesh_shape
 from autopar.compiler.plan import Plan, ShardingSpec
 from autopar.compiler.plan_common import whole_mesh_plan
 from autopar.compiler.trace import TracedStep
-from autopar.errors import BatchSizeError
 
 
 def plan_data_parallel(
@@ -29,22 +28,13 @@ def plan_data_parallel(
     graph = traced.graph
     n = mesh.num_devices
     all_axes = tuple(mesh.axis_names)
-    batch_inputs = [io for io in graph.inputs if io.arg_index in batch_argnums]
-    input_specs: dict[str, ShardingSpec] = {}
-    split_inputs: dict[int, int] = {}
-    for io in graph.inputs:
-        info = graph.tensors[io.tensor]
-        if io in batch_inputs and info.ndim > 0:
-            if info.shape[0] % n != 0:
-                raise BatchSizeError(
-                    f"batch leaf '{io.path}' has leading dimension {info.shape[0]}, not "
-                    f"divisible by the data-parallel degree {n} (mesh "
-                    f"{format_mesh_shape(mesh.shape)}); use a batch size that is a multiple of {n}"
-                )
-            split_inputs[io.tensor] = 0
-            input_specs[io.path] = ShardingSpec.split(info.ndim, 0, all_axes)
-        else:
-            input_specs[io.path] = ShardingSpec.replicated(info.ndim)
+    split_inputs = batch_split_inputs(graph, tuple(batch_argnums), n,
+                                      format_mesh_shape(mesh.shape))
+    input_specs = {
+        io.path: ShardingSpec.split(graph.tensors[io.tensor].ndim, 0, all_axes)
+        if io.tensor in split_inputs else ShardingSpec.replicated(graph.tensors[io.tensor].ndim)
+        for io in graph.inputs
+    }
 
     result = propagate_batch_split(graph, split_inputs, n)
     output_specs: dict[str, ShardingSpec] = {}

@@ -31,7 +31,12 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from autopar.compiler.batch_split import SHAPE_PRESERVING, BatchSplitResult, propagate_batch_split
+from autopar.compiler.batch_split import (
+    SHAPE_PRESERVING,
+    BatchSplitResult,
+    batch_split_inputs,
+    propagate_batch_split,
+)
 from autopar.compiler.collectives import CollectiveKind
 from autopar.compiler.estimate import compute_time_s, dominant_float_dtype, summarize_collectives
 from autopar.compiler.graph import OpGraph
@@ -46,7 +51,7 @@ from autopar.compiler.mesh import LogicalMesh, format_mesh_shape
 from autopar.compiler.plan import Plan, ShardingSpec
 from autopar.compiler.plan_common import whole_mesh_plan
 from autopar.compiler.trace import TracedStep
-from autopar.errors import BatchSizeError, InvalidOptionError
+from autopar.errors import InvalidOptionError
 
 ZERO_STAGES = (2, 3)
 
@@ -202,22 +207,9 @@ def plan_zero(
     axis_sizes = dict(zip(axes, mesh.shape, strict=True))
 
     # 1. the batch split, as in data parallelism
-    batch_ids: set[int] = set()
-    split_inputs: dict[int, int] = {}
-    for io in graph.inputs:
-        if io.arg_index not in batch_argnums:
-            continue
-        batch_ids.add(io.tensor)
-        info = graph.tensors[io.tensor]
-        if info.ndim == 0:
-            continue
-        if info.shape[0] % n != 0:
-            raise BatchSizeError(
-                f"batch leaf '{io.path}' has leading dimension {info.shape[0]}, not divisible "
-                f"by the data-parallel degree {n} (mesh {format_mesh_shape(mesh.shape)}); use "
-                f"a batch size that is a multiple of {n}"
-            )
-        split_inputs[io.tensor] = 0
+    batch_ids = {io.tensor for io in graph.inputs if io.arg_index in batch_argnums}
+    split_inputs = batch_split_inputs(graph, tuple(batch_argnums), n,
+                                      format_mesh_shape(mesh.shape))
     split = propagate_batch_split(graph, split_inputs, n)
 
     # 2. parameters vs optimizer state, then the sharded layouts of the state inputs
