@@ -19,10 +19,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from tanh_mlp import tanh_mlp_step
 
 import autopar
 from autopar.api import local_cluster
@@ -118,16 +118,7 @@ def test_stage_dp_keeps_stages_inside_hosts_and_cuts_between_them_at_the_bottlen
     data = {"x": np.ones((batch, widths[0]), np.float32),
             "y": np.ones((batch, widths[-1]), np.float32)}
 
-    def loss_fn(ps, b):
-        h = b["x"]
-        for w in ps:
-            h = jnp.tanh(h @ w)
-        return jnp.mean((h - b["y"]) ** 2)
-
-    def step(state, b):
-        loss, grads = autopar.value_and_grad(loss_fn)(state["params"], b)
-        updates, opt_state = opt.update(grads, state["opt"], state["params"])
-        return {"params": optax.apply_updates(state["params"], updates), "opt": opt_state}, loss
+    step = tanh_mlp_step(opt)
 
     state = {"params": params, "opt": opt.init(params)}
     pp = build_pipeline_program(step, (state, data), (1,), micro)

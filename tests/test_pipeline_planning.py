@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from tanh_mlp import tanh_mlp_step
 
 import autopar
 from autopar.cli import main
@@ -28,16 +29,7 @@ def uneven_mlp(widths=(32, 32, 512, 32, 32), batch=32, vg=autopar.value_and_grad
     batch_data = {"x": jax.random.normal(keys[-1], (batch, widths[0])),
                   "y": jnp.zeros((batch, widths[-1]))}
 
-    def loss_fn(ps, b):
-        h = b["x"]
-        for w in ps:
-            h = jnp.tanh(h @ w)
-        return jnp.mean((h - b["y"]) ** 2)
-
-    def step(state, b):
-        loss, grads = vg(loss_fn)(state["params"], b)
-        updates, opt_state = opt.update(grads, state["opt"], state["params"])
-        return {"params": optax.apply_updates(state["params"], updates), "opt": opt_state}, loss
+    step = tanh_mlp_step(opt, vg)
 
     return step, {"params": params, "opt": opt.init(params)}, batch_data
 

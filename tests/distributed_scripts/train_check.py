@@ -16,11 +16,14 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
 import autopar
+
+# the step is shared with the tests, one directory up
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tanh_mlp import tanh_mlp_step  # noqa: E402
 
 # before any JAX computation: joins the run described by the launcher's environment
 # generous: on a loaded 2-core CI machine one process can lag the other by tens of seconds;
@@ -37,16 +40,7 @@ BATCH = 256  # big enough that the ShardParallel plan splits tensors across the 
 def make_step():
     opt = optax.sgd(0.1)
 
-    def loss_fn(params, batch):
-        h = batch["x"]
-        for w in params:
-            h = jnp.tanh(h @ w)
-        return jnp.mean((h - batch["y"]) ** 2)
-
-    def step(state, batch):
-        loss, grads = autopar.value_and_grad(loss_fn)(state["params"], batch)
-        updates, opt_state = opt.update(grads, state["opt"], state["params"])
-        return {"params": optax.apply_updates(state["params"], updates), "opt": opt_state}, loss
+    step = tanh_mlp_step(opt)
 
     # host data: the same on every process (fixed seeds), as multi-controller JAX expects
     rng = np.random.default_rng(0)
