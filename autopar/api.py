@@ -20,7 +20,7 @@ import numpy as np
 from autopar.compiler.mesh import ClusterSpec, load_cluster
 from autopar.compiler.plan import Plan
 from autopar.compiler.trace import TracedStep
-from autopar.distributed import global_devices, host_layout, is_multiprocess, same_plan_everywhere
+from autopar.distributed import global_devices, host_layout, same_plan_everywhere
 from autopar.errors import InvalidOptionError, MeshError
 from autopar.methods import METHOD_TYPES, Method, PipeshardParallel
 from autopar.runtime.shard import ShardedProgram
@@ -38,16 +38,12 @@ def local_cluster(devices: Sequence[Any] | None = None) -> ClusterSpec:
     holding some of them (``jax.distributed``: one host per process, devices per host = its
     local devices), the devices host-major as :func:`autopar.distributed.global_devices`
     lists them; a single-process run is one host."""
-    devices = list(_run_devices() if devices is None else devices)
+    devices = list(global_devices() if devices is None else devices)
     hosts, per_host = host_layout(devices)
     fields = load_cluster("cpu-sim").to_dict() | {"name": f"local-{devices[0].platform}"}
     if hosts > 1:
         fields["inter_host"] = dict(MULTIPROCESS_INTER_HOST)
     return ClusterSpec.from_dict(fields).with_devices(hosts, per_host)
-
-
-def _run_devices() -> list[Any]:
-    return global_devices() if is_multiprocess() else jax.devices()
 
 
 @dataclass
@@ -154,7 +150,7 @@ class ParallelizedStep:
             saved_plan=self.saved_plan, cache=self.cache,
         )
         plan = same_plan_everywhere(planned.plan)  # across processes: process 0's plan
-        devices = self.devices if self.devices is not None else _run_devices()
+        devices = self.devices if self.devices is not None else global_devices()
         used = max((d for st in plan.stages for d in st.device_ids), default=-1) + 1
         if used > len(devices):
             raise MeshError(f"the plan uses {used} devices but this step has {len(devices)}")

@@ -203,7 +203,9 @@ def is_multiprocess() -> bool:
 
 def global_devices() -> list[Any]:
     """All devices of the run, host-major: by process, then by id (plan device ``d`` is on
-    host ``d // devices_per_host``)."""
+    host ``d // devices_per_host``); in a single process, ``jax.devices()`` as it is."""
+    if not is_multiprocess():
+        return jax.devices()
     return sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
 
 

@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autopar.compiler.plan import Plan, ShardingSpec, StagePlan
-from autopar.distributed import global_devices, is_multiprocess, put
+from autopar.distributed import global_devices, put
 from autopar.errors import MeshError, PlanError
 from autopar.program import FlatProgram
 
@@ -37,9 +37,7 @@ def partition_spec(spec: ShardingSpec) -> PartitionSpec:
 def stage_mesh(stage: StagePlan, devices: Sequence[Any] | None = None) -> Mesh:
     """The ``jax.sharding.Mesh`` of a stage: its device ids laid out in its logical shape
     (ids index ``devices``; default: every device of the run, host-major across processes)."""
-    if devices is None:
-        devices = global_devices() if is_multiprocess() else jax.devices()
-    devices = list(devices)
+    devices = list(global_devices() if devices is None else devices)
     missing = [d for d in stage.device_ids if d >= len(devices)]
     if missing:
         raise MeshError(
