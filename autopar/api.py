@@ -21,7 +21,7 @@ from autopar.compiler.mesh import ClusterSpec, load_cluster
 from autopar.compiler.plan import Plan
 from autopar.compiler.trace import TracedStep
 from autopar.distributed import global_devices, host_layout, same_plan_everywhere
-from autopar.errors import InvalidOptionError, MeshError
+from autopar.errors import InvalidOptionError, PlanError
 from autopar.methods import METHOD_TYPES, Method, PipeshardParallel
 from autopar.runtime.shard import ShardedProgram
 from autopar.step_planning import bind_static_args, plan_train_step
@@ -151,9 +151,12 @@ class ParallelizedStep:
         )
         plan = same_plan_everywhere(planned.plan)  # across processes: process 0's plan
         devices = self.devices if self.devices is not None else global_devices()
-        used = max((d for st in plan.stages for d in st.device_ids), default=-1) + 1
-        if used > len(devices):
-            raise MeshError(f"the plan uses {used} devices but this step has {len(devices)}")
+        for i, stage in enumerate(plan.stages):
+            beyond = [d for d in stage.device_ids if not 0 <= d < len(devices)]
+            if beyond:
+                raise PlanError(f"plan field stages[{i}].device_ids names device {beyond[0]}; "
+                                f"this step runs on {len(devices)} device(s), ids 0 to "
+                                f"{len(devices) - 1}")
         dynamic = tuple(i for i in range(len(args)) if i not in self.static_argnums)
         donated = tuple(
             owner in self.donate_argnums

@@ -5,7 +5,10 @@ twice, as simulated hosts on loopback: each child gets ``$AUTOPAR_COORDINATOR`` 
 127.0.0.1), ``$AUTOPAR_NUM_PROCESSES``, ``$AUTOPAR_PROCESS_ID`` and its own
 ``$AUTOPAR_TRANSFER_ADDRESS``, which ``autopar.distributed.initialize()`` reads. The launcher
 watches its children: when one fails, or the run outlives ``--timeout``, it stops the others
-and exits non-zero with one line naming the process and how it ended. Real hosts need no
+and exits non-zero with one line naming the process and how it ended. Each child runs in a
+process group of its own, and stopping it means the whole group: SIGTERM, then SIGKILL after a
+grace for whatever is left (a process that ignores SIGTERM, or one the child started, even when
+the child itself has gone). Real hosts need no
 launcher: run the same command on each with those variables set (see docs/distributed.md).
 """
 
@@ -122,18 +125,33 @@ def _die_with_parent() -> None:
             pass
 
 
+def _signal_group(pgid: int, sig: int) -> bool:
+    """Send ``sig`` to process group ``pgid``; False when the group has no process left."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a member that changed its user: the group is still there
+        pass
+    return True
+
+
 def _stop(children: Sequence[subprocess.Popen]) -> None:
-    """SIGTERM every child's process group, then SIGKILL whatever is left after a grace."""
+    """SIGTERM every child's process group (the child and whatever it started that did not
+    leave the group), then SIGKILL the groups that still hold a process after a grace, whether
+    or not the child itself is gone; the children are reaped."""
+    groups = [child.pid for child in children]  # each child leads its own group (setsid)
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        for child in children:
-            if child.poll() is None:
-                try:
-                    os.killpg(child.pid, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
+        live = [g for g in groups if _signal_group(g, sig)]
         end = time.monotonic() + KILL_GRACE_S
-        while any(c.poll() is None for c in children) and time.monotonic() < end:
+        while live and time.monotonic() < end:
             time.sleep(POLL_S)
+            for child in children:
+                child.poll()  # reap: a dead, unreaped child would keep its group "alive"
+            live = [g for g in live if _signal_group(g, 0)]
+        groups = live
+        if not groups:
+            break
     for child in children:
         try:
             child.wait(timeout=KILL_GRACE_S)

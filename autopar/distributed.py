@@ -16,7 +16,11 @@ Facts this module relies on (jax 0.10.2, CPU): cross-process collectives need gl
 ``device_put`` between processes needs ``jax_cross_host_transfer_socket_address`` set to an
 address and explicit port of the process's own (port 0 does not work: the receiver waits
 forever), and every process must issue every cross-process transfer, in the same order, even
-one whose devices it does not hold (otherwise the transfers are paired wrongly and hang).
+one whose devices it does not hold (otherwise the transfers are paired wrongly and hang). The
+CPU client runs executions and transfer sends on one thread pool of max(cores, local devices)
+threads, and a collective across processes holds one of them per local device until the other
+processes join; :func:`initialize` therefore makes the pool larger than the local device count
+(see :func:`_size_cpu_thread_pool`), or a send can starve behind a collective that waits for it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import socket
 import sys
 import threading
@@ -109,6 +114,42 @@ def _check_port_free(port: int) -> None:
                                    f"{exc.strerror}; choose another port") from None
 
 
+def _local_cpu_devices() -> int:
+    """How many CPU devices this process's CPU client will have (read before JAX creates it):
+    ``jax_num_cpu_devices`` if set, else ``--xla_force_host_platform_device_count`` in
+    ``$XLA_FLAGS``, else 1."""
+    configured = getattr(jax.config, "jax_num_cpu_devices", -1)
+    if isinstance(configured, int) and configured > 0:
+        return configured
+    counts = re.findall(r"--xla_force_host_platform_device_count=(\d+)",
+                        os.environ.get("XLA_FLAGS", ""))
+    return max(1, int(counts[-1])) if counts else 1
+
+
+def _size_cpu_thread_pool() -> None:
+    """Give the CPU client (created later, on first use) at least twice as many threads as
+    local CPU devices, through ``$NPROC``, the one knob XLA reads for its size (default: the
+    schedulable cores; the pool has max(that, local devices) threads).
+
+    A collective across processes holds one pool thread per local device while it waits for
+    the other processes, and this process's cross-process sends need a pool thread too. With
+    no thread to spare (e.g. 4 simulated devices on 2 cores) a process whose peer waits for a
+    transfer before it joins the next collective deadlocks: the peer never gets the transfer,
+    until gloo gives up on the collective's set-up after 30 s (``GetKeyValue() timed out with
+    key: cpu:gloo/...``) or the collective's own timeout. Only ever raises ``$NPROC`` (which
+    also sizes XLA's intra-op pool on CPU); a value already large enough is kept."""
+    needed = 2 * _local_cpu_devices()
+    try:
+        have = int(os.environ["NPROC"])
+    except (KeyError, ValueError):
+        have = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+            os.cpu_count() or 1)
+    if have < needed:
+        os.environ["NPROC"] = str(needed)
+        log.info("NPROC=%d: CPU client threads for %d local devices (had %d)", needed,
+                 needed // 2, have)
+
+
 def initialize(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
@@ -162,6 +203,7 @@ def initialize(
     # path of its own (CPU here).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.config.update("jax_cross_host_transfer_socket_address", transfer_address)
+    _size_cpu_thread_pool()
     watchdog = threading.Timer(max(1.0, deadline - time.monotonic()), _give_up,
                                (process_id, num_processes, coordinator_address,
                                 initialization_timeout))

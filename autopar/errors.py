@@ -41,6 +41,11 @@ class DistributedError(AutoparError):
     reachable, bad process id or address, a process gone)."""
 
 
+class HloParseError(AutoparError, ValueError):
+    """Compiled HLO text holds a collective (or collective attributes) in a form that
+    ``autopar.hlo`` cannot parse; the message names the line."""
+
+
 def choices_text(choices) -> str:
     """Format valid choices for an error message: ``a, b, c``."""
     return ", ".join(str(c) for c in choices)

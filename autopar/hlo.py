@@ -6,6 +6,9 @@ per-device HLO module. Only the instruction opcode counts (the word right after
 collective are never counted. Recognised opcodes: ``all-reduce``, ``all-gather``,
 ``reduce-scatter``, ``all-to-all``, ``collective-permute`` and their async ``-start`` forms
 (the ``-done`` half is never counted). A tuple-shaped (combined) collective counts once.
+A line whose opcode is a collective but whose result shape (or replica groups) cannot be read
+raises :class:`~autopar.errors.HloParseError` naming the line: a parse miss never reads as
+"no collective".
 
 Bytes follow the cost model's full-tensor convention (:mod:`autopar.compiler.collectives`):
 
@@ -38,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from autopar.compiler.collectives import CollectiveKind
-from autopar.errors import AutoparError
+from autopar.errors import HloParseError
 
 __all__ = [
     "CollectiveSummary",
@@ -49,10 +52,6 @@ __all__ = [
     "parse_collectives",
     "parse_replica_groups",
 ]
-
-
-class HloParseError(AutoparError, ValueError):
-    """A collective's attributes are in a form this parser does not know."""
 
 
 _KINDS = tuple(k.value for k in CollectiveKind)
@@ -71,6 +70,13 @@ _MESH_RE = re.compile(
 _QUICK_RE = re.compile(
     r"\b(?:all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
 _AXIS_REF_RE = re.compile(r"""^\s*['"]?([^'":]+?)['"]?(?::\((\d+)\)(\d+))?\s*$""")
+# A collective as an instruction's opcode: not inside a name (``%all-reduce.3``,
+# ``%fused-all-gather``), nor an async ``-done`` half (its ``-start`` is the one counted).
+_COLLECTIVE_OP_RE = re.compile(
+    r"(?<![\w%.\-])(?:all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
+    r"(?:-start)?\(")
+_STRING_RE = re.compile(r'"(?:[^"\\]|\\.)*"')
+_LINE_SHOWN = 160  # characters of an unparsable line quoted in the error
 
 Shape = Any  # (dtype, dims) for an array, list of Shape for a tuple
 
@@ -265,16 +271,37 @@ def _module_devices(hlo_text: str) -> int:
         int(replicas.group(1)) if replicas else 1)
 
 
+def _holds_collective_op(line: str) -> bool:
+    """Whether ``line`` has a collective opcode outside its strings (``op_name="..."``)."""
+    return _COLLECTIVE_OP_RE.search(_STRING_RE.sub('""', line)) is not None
+
+
+def _unparsable(line: str, what: str) -> HloParseError:
+    text = " ".join(line.split())
+    if len(text) > _LINE_SHOWN:
+        text = text[:_LINE_SHOWN - 3] + "..."
+    return HloParseError(f"collective in compiled HLO with {what}: {text}")
+
+
 def _parse_line(line: str, computation: str, num_devices: int) -> HloCollective | None:
+    """The collective ``line`` holds, or None when its instruction is no collective. Raises
+    ``HloParseError`` when the line holds a collective opcode but its instruction (name, result
+    shape, opcode) cannot be read: a collective is never skipped silently."""
     head = _INSTR_RE.match(line)
     if not head:
+        if _holds_collective_op(line):
+            raise _unparsable(line, "no 'name = shape' instruction head")
         return None
     try:
         shape, end = _parse_shape(line, head.end())
     except HloParseError:
+        if _holds_collective_op(line):
+            raise _unparsable(line, "an unparsable result shape") from None
         return None
     op = _OPCODE_RE.match(line, end)
     if not op:
+        if _holds_collective_op(line):
+            raise _unparsable(line, "no opcode right after its result shape")
         return None
     opcode = op.group(1)
     is_async = opcode.endswith("-start")

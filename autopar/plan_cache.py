@@ -5,6 +5,12 @@ format versions, the creation time and ``Plan.to_dict()``. Entries are written a
 temporary file in the same directory, then ``os.replace``). A corrupt or stale entry is reported
 with one ``PlanCacheWarning`` line, removed and planned again; an unusable directory is reported
 once per cache and caching is skipped. The cache never fails a step.
+
+A temporary file is named ``.autopar-tmp.<host>.<pid>.<key>.<random>.tmp``. A writer interrupted
+by an exception (Ctrl-C) removes its own; one killed mid-write (SIGKILL, or SIGTERM's default
+action, which runs no ``finally``) cannot, so a cache removes, on its first use, the temporary
+files of writers on this host that are no longer running (another host's writers are left
+alone: their process ids mean nothing here).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import hashlib
 import json
 import os
 import re
+import socket
 import sys
 import tempfile
 import warnings
@@ -38,6 +45,9 @@ from autopar.program import FlatProgram
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
 # Keys become file names, so nothing that could leave the directory is accepted.
 _KEY = re.compile(r"[0-9A-Za-z_-]{1,128}")
+# The temporary file of an entry being written names its writer's host and process id.
+_TEMP_PREFIX = ".autopar-tmp."
+_TEMP = re.compile(re.escape(_TEMP_PREFIX) + r"(?P<host>[0-9A-Za-z_-]+)\.(?P<pid>[0-9]+)\..*\.tmp")
 
 
 class PlanCacheWarning(UserWarning):
@@ -209,6 +219,28 @@ def _decode_entry(raw: bytes, key: str) -> Plan:
         raise PlanError(f"invalid plan ({type(exc).__name__}: {exc})") from None
 
 
+def _host() -> str:
+    """This host's name as it appears in temporary file names."""
+    return re.sub(r"[^0-9A-Za-z_-]", "-", socket.gethostname())[:64] or "host"
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` of this host is still running (a zombie is not)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)  # signal 0: an existence check, nothing is sent
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: it runs, as another user
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:  # Linux: state Z is a zombie
+            return fh.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
 class PlanCache:
     """Plans on disk, one JSON file per key. ``get`` and ``put`` never raise for disk or data
     problems: they warn (``PlanCacheWarning``, one line) and behave as a miss."""
@@ -216,6 +248,24 @@ class PlanCache:
     def __init__(self, directory: str | os.PathLike | None = None) -> None:
         self.directory = Path(directory or default_cache_dir()).expanduser()
         self._warned: set[str] = set()  # problems reported once per cache, not per step
+        self._swept = False
+
+    def _sweep(self) -> None:
+        """Once per cache: remove the temporary files that writers on this host left behind
+        when they died mid-write (their process is gone). Never raises."""
+        if self._swept:
+            return
+        self._swept = True
+        try:
+            names = os.listdir(self.directory)
+        except OSError:
+            return
+        host = _host()
+        for name in names:
+            m = _TEMP.fullmatch(name)
+            if m and m["host"] == host and not _running(int(m["pid"])):
+                with contextlib.suppress(OSError):
+                    os.unlink(self.directory / name)
 
     def path(self, key: str) -> Path:
         """The entry file for ``key`` (``ValueError`` for a key unfit for a file name)."""
@@ -231,6 +281,7 @@ class PlanCache:
     def get(self, key: str) -> Plan | None:
         """The cached plan for ``key``, or None (missing, unreadable, corrupt or stale)."""
         path = self.path(key)
+        self._sweep()
         try:
             raw = path.read_bytes()
         except FileNotFoundError:
@@ -263,7 +314,9 @@ class PlanCache:
         tmp: str | None = None
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{key}.", suffix=".tmp")
+            self._sweep()
+            prefix = f"{_TEMP_PREFIX}{_host()}.{os.getpid()}.{key[:16]}."
+            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=prefix, suffix=".tmp")
             with os.fdopen(fd, "w", encoding="utf-8") as fh:
                 fh.write(text)
             os.replace(tmp, path)  # a reader sees the old entry or the new one, never half

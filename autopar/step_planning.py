@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import jax
+
 from autopar.compiler.mesh import ClusterSpec
 from autopar.compiler.plan import Plan
 from autopar.compiler.planner import plan_step
@@ -219,16 +221,51 @@ def _store(cache: Any, key: str | None, plan: Plan) -> None:
 def _with_saved_plan(
     fn: Callable, args: Sequence[Any], plan: Plan, batch_argnums: tuple[int, ...]
 ) -> PlannedStep:
+    plan.check()  # a Plan built in code gets the checks a loaded one had
     if plan.method == "pipeshard":
         from autopar.pipeline_program import build_pipeline_program
 
+        shapes = [getattr(leaf, "shape", ()) for i in batch_argnums if i < len(args)
+                  for leaf in jax.tree_util.tree_leaves(args[i])]
+        sizes = {int(shape[0]) for shape in shapes if shape}
+        if len(sizes) == 1 and min(sizes) % plan.num_microbatches:
+            raise PlanError(f"plan field num_microbatches={plan.num_microbatches} does not "
+                            f"divide this step's batch size {min(sizes)}")
         pp = build_pipeline_program(fn, args, batch_argnums, plan.num_microbatches)
         traced = TracedStep(pp.outer, build_graph(pp.outer))
         check_signature(plan, traced)
+        _check_spec_ranks(plan, pp.forward)  # a pipeline stage's value ids are the forward's
         return PlannedStep(traced, plan, pp)
     traced = trace_step(fn, args)
     check_signature(plan, traced)
-    return PlannedStep(_retraced(fn, args, plan, traced), plan)
+    traced = _retraced(fn, args, plan, traced)
+    _check_spec_ranks(plan, traced.program)
+    return PlannedStep(traced, plan)
+
+
+def _check_spec_ranks(plan: Plan, program: Any) -> None:
+    """A spec of a value the program has must have one entry per dimension of that value:
+    ``PlanError`` naming the field otherwise (a hand-edited plan), not an error from JAX."""
+    outputs = dict(zip(program.out_paths, program.out_ids, strict=True))
+
+    def check(where: str, vid: int | None, spec: Any) -> None:
+        aval = program.avals.get(vid) if vid is not None else None
+        shape = getattr(aval, "shape", None)
+        if shape is not None and len(shape) != spec.ndim:
+            raise PlanError(f"plan field {where} has {spec.ndim} dimension(s) but the value it "
+                            f"shards has the shape {list(shape)}")
+
+    for i, stage in enumerate(plan.stages):
+        for vid, spec in stage.tensor_shardings.items():
+            check(f"stages[{i}].tensor_shardings['{vid}']", vid, spec)
+        if plan.method == "pipeshard":
+            continue  # the runner places outputs and operands without these
+        for path, spec in stage.output_shardings.items():
+            check(f"stages[{i}].output_shardings[{path!r}]", outputs.get(path), spec)
+        for (node, operand), spec in stage.operand_shardings.items():
+            inputs = program.eqns[node].inputs if 0 <= node < len(program.eqns) else ()
+            vid = inputs[operand] if 0 <= operand < len(inputs) else None
+            check(f"stages[{i}].operand_shardings['{node}:{operand}']", vid, spec)
 
 
 def check_signature(plan: Plan, traced: TracedStep) -> None:

@@ -34,14 +34,20 @@ def train_step(state: train_state.TrainState, batch):
     return state.apply_gradients(grads=grads), loss
 
 
-def main() -> None:
+def setup() -> tuple[train_state.TrainState, dict]:
+    """The initial train state and the batch."""
     model = MLP()
     kx, ky, kp = jax.random.split(jax.random.key(0), 3)
     batch = {"x": jax.random.normal(kx, (32, 64)), "y": jax.random.randint(ky, (32,), 0, 10)}
     state = train_state.TrainState.create(
         apply_fn=model.apply, params=model.init(kp, batch["x"])["params"],
         tx=optax.adam(optax.cosine_decay_schedule(1e-3, decay_steps=100)))
+    return state, batch
 
+
+def main() -> train_state.TrainState:
+    """Three pipelined steps; returns the final state."""
+    state, batch = setup()
     step = autopar.parallelize(
         train_step,
         method=autopar.PipeshardParallel(num_microbatches=4),  # or ShardParallel(), ...
@@ -54,6 +60,7 @@ def main() -> None:
     print(f"plan: {len(plan.stages)} stage(s): "
           + ", ".join(f"layers {s.layers[0]}-{s.layers[-1]} on {len(s.device_ids)} devices"
                       for s in plan.stages))
+    return state
 
 
 if __name__ == "__main__":

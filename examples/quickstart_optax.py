@@ -40,7 +40,8 @@ def train_step(state, batch):
     return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
 
 
-def main() -> None:
+def main() -> tuple[dict, dict]:
+    """Three steps parallel and serial; returns both final states."""
     state = init(jax.random.key(0))
     kx, ky = jax.random.split(jax.random.key(1))
     batch = {"x": jax.random.normal(kx, (32, 64)), "y": jax.random.randint(ky, (32,), 0, 10)}
@@ -59,6 +60,7 @@ def main() -> None:
               f"(serial jax.jit {float(loss_serial):.6f})")
     plan.save("quickstart-plan.json")  # run it later: autopar.parallelize(..., plan=path)
     print("wrote quickstart-plan.json; see it with: autopar show quickstart-plan.json")
+    return a, b
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 timed), the Megatron specs on GPT's parameter paths, and one clear line for bad input."""
 
 import json
+import math
 
 import jax
 import pytest
@@ -60,8 +61,7 @@ def test_every_case_row_has_planning_phases_estimates_plan_and_baselines(smoke):
         assert "error" not in row
         planning = row["planning"]
         assert {"trace_s", "ilp_s", "dp_s", "other_s", "total_s"} <= set(planning)
-        assert all(v >= 0 for v in planning.values())
-        assert planning["total_s"] >= planning["trace_s"] + planning["ilp_s"]
+        assert all(math.isfinite(v) and v >= 0 for v in planning.values())
         assert row["ilp_solves"] >= 1 and row["flops_per_step"] > 0
         assert row["est_step_time_s"] > 0 and row["est_tflops_per_device"] > 0
         plan = row["plan"]

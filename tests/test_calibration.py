@@ -186,15 +186,12 @@ def test_profile_times_every_kind_on_every_axis(profiled):
     for s in result.collectives:
         # rounded to whole blocks, but still the size asked for (full-tensor convention)
         assert min(abs(s.nbytes - m) / m for m in PROFILE_SIZES) < 0.01
-        assert 0 < s.seconds < 10
-    for kind, label, _ in seen:
-        small, large = (s.seconds for s in sorted(
-            (s for s in result.collectives if (s.kind, s.label) == (kind, label)),
-            key=lambda s: s.nbytes))
-        assert large > small, (kind, label, small, large)
+        # measured seconds: structure only (present, positive, finite); which size took
+        # longer depends on the machine's load and belongs in the benchmark, not here
+        assert math.isfinite(s.seconds) and s.seconds > 0
     assert {(m.m, m.concurrent) for m in result.matmuls} == {
         (64, False), (64, True), (128, False), (128, True)}
-    assert all(0 < t < 1 for t in result.empty_program_s.values())
+    assert all(math.isfinite(t) and t > 0 for t in result.empty_program_s.values())
 
 
 def test_profile_writes_a_cluster_file_that_loads(profiled, tmp_path):

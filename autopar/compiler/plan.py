@@ -10,6 +10,8 @@ lossless and versioned; plans are never pickled.
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import os
 import re
 import tempfile
@@ -105,6 +107,53 @@ class ShardingSpec:
         return cls(tuple(tuple(axes) for axes in data))
 
 
+_REQUIRED = object()
+
+
+def _is_int(value: Any) -> bool:
+    """An integer (numpy's too), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _string(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"a string, got {type(value).__name__}")
+    return value
+
+
+def _spec_map(key: Any) -> Any:
+    """A converter of ``{key: spec JSON}`` to ``{key(k): ShardingSpec}``."""
+    def convert(value: Any) -> dict[Any, ShardingSpec]:
+        if not isinstance(value, dict):
+            raise TypeError(f"an object of sharding specs, got {type(value).__name__}")
+        out = {}
+        for k, v in value.items():
+            try:
+                out[key(k)] = ShardingSpec.from_json(v)
+            except PlanError as exc:  # a spec that uses an axis twice: name its key
+                raise ValueError(f"[{k!r}] {exc}") from None
+        return out
+    return convert
+
+
+def _field(d: dict[str, Any], name: str, convert: Any, label: str,
+           default: Any = _REQUIRED) -> Any:
+    """``convert(d[name])``; a missing field or one ``convert`` refuses is a one-line
+    ``PlanError`` naming ``label`` (its place in the plan: ``stages[0].device_ids``)."""
+    if name not in d:
+        if default is _REQUIRED:
+            raise PlanError(f"plan is missing the field {label!r}")
+        return default
+    try:
+        return convert(d[name])
+    except PlanError:
+        raise  # a nested field's own error (a stage's) names that field
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+        reason = (str(exc).strip().splitlines() or [""])[0]
+        raise PlanError(f"plan field {label} is invalid ({type(exc).__name__}: {reason})") \
+            from None
+
+
 def _use_key(text: str) -> tuple[int, int]:
     node, operand = text.split(":")
     return int(node), int(operand)
@@ -164,28 +213,79 @@ class StagePlan:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> StagePlan:
-        specs = ShardingSpec.from_json
-        return cls(
-            index=int(d["index"]),
-            layers=tuple(d["layers"]),
-            submesh_shape=tuple(d["submesh_shape"]),
-            logical_mesh_shape=tuple(d["logical_mesh_shape"]),
-            axis_names=tuple(d["axis_names"]),
-            device_ids=tuple(d["device_ids"]),
-            input_shardings={k: specs(v) for k, v in d["input_shardings"].items()},
-            output_shardings={k: specs(v) for k, v in d["output_shardings"].items()},
-            tensor_shardings={int(k): specs(v) for k, v in d["tensor_shardings"].items()},
-            operand_shardings={
-                _use_key(k): specs(v) for k, v in d.get("operand_shardings", {}).items()
-            },
-            collectives=[CollectiveEstimate.from_dict(c) for c in d["collectives"]],
-            est_time_s=float(d["est_time_s"]),
-            est_compute_time_s=float(d["est_compute_time_s"]),
-            est_communication_time_s=float(d["est_communication_time_s"]),
-            peak_memory_bytes=int(d["peak_memory_bytes"]),
-            memory_breakdown={k: int(v) for k, v in d["memory_breakdown"].items()},
+    def from_dict(cls, d: dict[str, Any], where: str = "stages[0]") -> StagePlan:
+        """The stage of ``d``, checked (:meth:`check`); ``where`` names it in errors."""
+        if not isinstance(d, dict):
+            raise PlanError(f"plan field {where} must be an object, got {type(d).__name__}")
+
+        def get(name: str, convert: Any, default: Any = _REQUIRED) -> Any:
+            return _field(d, name, convert, f"{where}.{name}", default)
+
+        stage = cls(
+            index=get("index", int),
+            layers=get("layers", tuple),
+            submesh_shape=get("submesh_shape", tuple),
+            logical_mesh_shape=get("logical_mesh_shape", tuple),
+            axis_names=get("axis_names", tuple),
+            device_ids=get("device_ids", tuple),
+            input_shardings=get("input_shardings", _spec_map(str)),
+            output_shardings=get("output_shardings", _spec_map(str)),
+            tensor_shardings=get("tensor_shardings", _spec_map(int)),
+            operand_shardings=get("operand_shardings", _spec_map(_use_key), {}),
+            collectives=get("collectives",
+                            lambda v: [CollectiveEstimate.from_dict(c) for c in v]),
+            est_time_s=get("est_time_s", float),
+            est_compute_time_s=get("est_compute_time_s", float),
+            est_communication_time_s=get("est_communication_time_s", float),
+            peak_memory_bytes=get("peak_memory_bytes", int),
+            memory_breakdown=get("memory_breakdown", lambda v: {k: int(x) for k, x in v.items()}),
         )
+        stage.check(where)
+        return stage
+
+    def check(self, where: str = "stages[0]") -> None:
+        """``PlanError`` (one line naming the field) unless the stage is consistent: a logical
+        mesh of positive sizes with one axis name each, as many distinct non-negative device
+        ids as the mesh has places, and sharding specs naming only the stage's axes."""
+        shape, names = self.logical_mesh_shape, self.axis_names
+        if not shape or not all(_is_int(n) and n >= 1 for n in shape):
+            raise PlanError(f"plan field {where}.logical_mesh_shape {list(shape)} must be one "
+                            "or more positive integers")
+        if not all(isinstance(a, str) for a in names) or len(set(names)) != len(names):
+            raise PlanError(f"plan field {where}.axis_names {list(names)} must be distinct "
+                            "strings")
+        if len(names) != len(shape):
+            raise PlanError(f"plan field {where}.axis_names has {len(names)} name(s) for the "
+                            f"{len(shape)}-D logical_mesh_shape {list(shape)}")
+        ids = self.device_ids
+        if not ids:
+            raise PlanError(f"plan field {where}.device_ids is empty; a stage needs at least "
+                            "one device")
+        for d in ids:
+            if not _is_int(d):
+                raise PlanError(f"plan field {where}.device_ids holds {d!r}; device ids are "
+                                "integers")
+            if d < 0:
+                raise PlanError(f"plan field {where}.device_ids holds {d}; device ids are 0 "
+                                "or more")
+        if len(set(ids)) != len(ids):
+            twice = next(d for d in ids if ids.count(d) > 1)
+            raise PlanError(f"plan field {where}.device_ids names device {twice} more than once")
+        places = math.prod(shape)
+        if len(ids) != places:
+            raise PlanError(f"plan field {where}.device_ids has {len(ids)} device(s) but the "
+                            f"logical_mesh_shape {list(shape)} has {places} places")
+        axes = set(names)
+        for kind, specs in (("input_shardings", self.input_shardings),
+                            ("output_shardings", self.output_shardings),
+                            ("tensor_shardings", self.tensor_shardings),
+                            ("operand_shardings", self.operand_shardings)):
+            for key, spec in specs.items():
+                unknown = [a for dim in spec.dims for a in dim if a not in axes]
+                if unknown:
+                    label = f"{key[0]}:{key[1]}" if isinstance(key, tuple) else str(key)
+                    raise PlanError(f"plan field {where}.{kind}[{label!r}] names mesh axis "
+                                    f"{unknown[0]!r}; the stage's axes are {', '.join(names)}")
 
 
 @dataclass(frozen=True)
@@ -247,33 +347,73 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Plan:
+        """The plan of ``d`` (``Plan.to_dict``'s form), checked (:meth:`check`): a missing,
+        mistyped or inconsistent field is a one-line ``PlanError`` naming it."""
+        if not isinstance(d, dict):
+            raise PlanError(f"a plan is a JSON object, got {type(d).__name__}")
         version = d.get("format_version")
         if version != FORMAT_VERSION:
             raise PlanError(
                 f"plan format version {version!r} is not supported; "
                 f"this autopar reads version {FORMAT_VERSION}"
             )
-        try:
-            return cls(
-                method=d["method"],
-                mesh_shape=tuple(d["mesh_shape"]),
-                cluster=d["cluster"],
-                stages=[StagePlan.from_dict(s) for s in d["stages"]],
-                est_step_time_s=float(d["est_step_time_s"]),
-                total_flops=float(d["total_flops"]),
-                signature=[
-                    InputSignature(s["path"], tuple(s["shape"]), s["dtype"])
-                    for s in d["signature"]
-                ],
-                batch_argnums=tuple(d["batch_argnums"]),
-                num_microbatches=int(d["num_microbatches"]),
-                options=dict(d["options"]),
-                solver=d["solver"],
-                notes=list(d["notes"]),
-                format_version=version,
-            )
-        except KeyError as exc:
-            raise PlanError(f"plan is missing the field {exc.args[0]!r}") from exc
+
+        def get(name: str, convert: Any) -> Any:
+            return _field(d, name, convert, name)
+
+        def stages(value: Any) -> list[StagePlan]:
+            if not isinstance(value, list):
+                raise TypeError(f"a list of stages, got {type(value).__name__}")
+            return [StagePlan.from_dict(s, f"stages[{i}]") for i, s in enumerate(value)]
+
+        plan = cls(
+            method=get("method", _string),
+            mesh_shape=get("mesh_shape", tuple),
+            cluster=get("cluster", _string),
+            stages=get("stages", stages),
+            est_step_time_s=get("est_step_time_s", float),
+            total_flops=get("total_flops", float),
+            signature=get("signature", lambda v: [
+                InputSignature(s["path"], tuple(s["shape"]), s["dtype"]) for s in v]),
+            batch_argnums=get("batch_argnums", tuple),
+            num_microbatches=get("num_microbatches", int),
+            options=get("options", dict),
+            solver=get("solver", lambda v: v),
+            notes=get("notes", list),
+            format_version=version,
+        )
+        plan.check()
+        return plan
+
+    def check(self) -> None:
+        """``PlanError`` (one line naming the field) unless the plan is consistent in itself:
+        every stage (:meth:`StagePlan.check`), at least one stage, a positive number of
+        microbatches, and every input spec fitting the shape the plan's signature gives that
+        input (as many dimensions, each split into pieces that divide it)."""
+        if not self.stages:
+            raise PlanError("plan field stages is empty; a plan has at least one stage")
+        if not _is_int(self.num_microbatches) or self.num_microbatches < 1:
+            raise PlanError(f"plan field num_microbatches={self.num_microbatches!r} must be a "
+                            "positive integer")
+        shapes = {s.path: tuple(s.shape) for s in self.signature}
+        for i, stage in enumerate(self.stages):
+            stage.check(f"stages[{i}]")
+            sizes = stage.axis_sizes
+            for path, spec in stage.input_shardings.items():
+                shape = shapes.get(path)
+                if shape is None:
+                    continue
+                field_name = f"stages[{i}].input_shardings[{path!r}]"
+                if spec.ndim != len(shape):
+                    raise PlanError(f"plan field {field_name} has {spec.ndim} dimension(s) but "
+                                    f"the signature gives {path!r} the shape {list(shape)}")
+                for dim, (size, axes) in enumerate(zip(shape, spec.dims, strict=True)):
+                    pieces = math.prod(sizes[a] for a in axes)
+                    if _is_int(size) and size % pieces:
+                        raise PlanError(
+                            f"plan field {field_name} splits dimension {dim} (size {size}) into "
+                            f"{pieces} pieces over mesh axes {', '.join(axes)}; they must "
+                            "divide it")
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
