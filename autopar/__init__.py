@@ -1,8 +1,6 @@
 """autopar: automatic data, operator and pipeline parallelism for JAX train steps."""
 
-from autopar import distributed
 from autopar.api import ParallelizedStep, parallelize
-from autopar.compiler.plan import Plan, ShardingSpec, StagePlan
 from autopar.errors import (
     AutoparError,
     BatchSizeError,
@@ -12,7 +10,8 @@ from autopar.errors import (
     PlanError,
     TraceError,
 )
-from autopar.loss_markers import grad, mark_pipeline_boundary, value_and_grad
+from autopar.frontend.plan_cache import PlanCacheWarning
+from autopar.ir.loss_markers import grad, mark_pipeline_boundary, value_and_grad
 from autopar.methods import (
     DataParallel,
     ManualStages,
@@ -21,9 +20,9 @@ from autopar.methods import (
     Zero2Parallel,
     Zero3Parallel,
 )
-from autopar.plan_cache import PlanCacheWarning
-
-__version__ = "0.1.0"
+from autopar.plan import Plan, ShardingSpec, StagePlan
+from autopar.runtime import distributed
+from autopar.version import __version__
 
 __all__ = [
     "AutoparError",

@@ -17,14 +17,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from autopar.compiler.mesh import ClusterSpec, load_cluster
-from autopar.compiler.plan import Plan
-from autopar.compiler.trace import TracedStep
-from autopar.distributed import global_devices, host_layout, same_plan_everywhere
+from autopar.cluster import ClusterSpec, load_cluster
+from autopar.compiler.graph.trace import TracedStep
 from autopar.errors import InvalidOptionError, PlanError
+from autopar.frontend.planning import bind_static_args, plan_train_step
 from autopar.methods import METHOD_TYPES, Method, PipeshardParallel
+from autopar.plan import Plan
+from autopar.runtime.distributed import global_devices, host_layout, same_plan_everywhere
 from autopar.runtime.shard import ShardedProgram
-from autopar.step_planning import bind_static_args, plan_train_step
 
 # Between the processes of a multi-process run data crosses sockets (gloo collectives, the
 # cross-host transfer server), an order of magnitude slower than inside one process: the
@@ -36,7 +36,7 @@ MULTIPROCESS_INTER_HOST = {"bandwidth_bytes_per_s": 1e9, "latency_s": 1e-4}
 def local_cluster(devices: Sequence[Any] | None = None) -> ClusterSpec:
     """A description of ``devices`` (default: every device of the run): one host per process
     holding some of them (``jax.distributed``: one host per process, devices per host = its
-    local devices), the devices host-major as :func:`autopar.distributed.global_devices`
+    local devices), the devices host-major as :func:`autopar.runtime.distributed.global_devices`
     lists them; a single-process run is one host."""
     devices = list(global_devices() if devices is None else devices)
     hosts, per_host = host_layout(devices)
@@ -77,7 +77,7 @@ class ParallelizedStep:
         plan: Plan | None = None,
         static_argnums: Sequence[int] = (),
         donate_argnums: Sequence[int] = (),
-        cache: Any = None,  # autopar.plan_cache.PlanCache, or None: no on-disk cache
+        cache: Any = None,  # autopar.frontend.plan_cache.PlanCache, or None: no on-disk cache
     ):
         if not callable(fn):
             raise InvalidOptionError(f"parallelize needs a function, got {type(fn).__name__}")
@@ -274,7 +274,7 @@ def parallelize(
     ``cache``: the on-disk plan cache: ``True`` (default: the user cache directory, or
     ``$AUTOPAR_CACHE_DIR``), a directory, or ``False`` to plan every time.
     """
-    from autopar.plan_cache import PlanCache, check_cache_dir
+    from autopar.frontend.plan_cache import PlanCache, check_cache_dir
 
     saved = Plan.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
     if saved is not None and not isinstance(saved, Plan):

@@ -43,7 +43,7 @@ class DistributedError(AutoparError):
 
 class HloParseError(AutoparError, ValueError):
     """Compiled HLO text holds a collective (or collective attributes) in a form that
-    ``autopar.hlo`` cannot parse; the message names the line."""
+    ``autopar.runtime.hlo`` cannot parse; the message names the line."""
 
 
 def choices_text(choices) -> str:

@@ -20,9 +20,10 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from autopar.bench.outputs import load_average, machine_text  # noqa: E402
-from autopar.compiler.intra_op import IntraOpOptions, solve_intra_op  # noqa: E402
-from autopar.compiler.mesh import LogicalMesh, load_cluster, parse_mesh_shape  # noqa: E402
-from autopar.compiler.trace import TracedStep, trace_step  # noqa: E402
+from autopar.cluster import load_cluster
+from autopar.compiler.cost.mesh import LogicalMesh, parse_mesh_shape  # noqa: E402
+from autopar.compiler.graph.trace import TracedStep, trace_step  # noqa: E402
+from autopar.compiler.intra_op.sharding_ilp import IntraOpOptions, solve_intra_op  # noqa: E402
 from autopar.models import get_model  # noqa: E402
 
 OUT_DIR = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"

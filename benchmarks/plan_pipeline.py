@@ -21,7 +21,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from autopar.bench.outputs import machine_text  # noqa: E402
 from autopar.bench.planning import full_search, planning_times  # noqa: E402
 from autopar.bench.suites import NO_MEMORY_LIMIT  # noqa: E402
-from autopar.compiler.mesh import load_cluster  # noqa: E402
+from autopar.compiler.cost.mesh import load_cluster  # noqa: E402
 from autopar.models import get_model  # noqa: E402
 
 OUT_DIR = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"

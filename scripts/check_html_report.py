@@ -44,9 +44,9 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-from autopar.html_report import render_html, section_ids  # noqa: E402
-from autopar.pictures import stage_colours  # noqa: E402
-from autopar.report import CompileReport  # noqa: E402
+from autopar.report.html import render_html, section_ids  # noqa: E402
+from autopar.report.pictures import stage_colours  # noqa: E402
+from autopar.report.text import CompileReport  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # Records each image's decoded size in the DOM that --dump-dom prints (check page only).
@@ -226,19 +226,19 @@ def build_report(method: str) -> CompileReport:
     """The compile report of GPT tiny under ``method`` (``shard`` or ``pipeshard``)."""
     import autopar
     from autopar.api import local_cluster
-    from autopar.compiler.trace import trace_step
+    from autopar.compiler.graph.trace import trace_step
     from autopar.models import get_model
 
     model = get_model("gpt", "tiny")
     traced = trace_step(model.train_step, model.abstract_inputs())
     if method == "shard":
-        from autopar.compiler.planner import plan_step
+        from autopar.compiler.planners.dispatch import plan_step
 
         method_ = autopar.ShardParallel(mesh_shape=(2, 4))
         plan = plan_step(traced, method_, local_cluster(), batch_argnums=(1,))
     else:
-        from autopar.compiler.pipeshard import plan_pipeshard
-        from autopar.pipeline_program import build_pipeline_program
+        from autopar.compiler.planners.pipeshard import plan_pipeshard
+        from autopar.ir.pipeline_program import build_pipeline_program
 
         marked = model.with_value_and_grad(autopar.value_and_grad)
         pp = build_pipeline_program(marked.train_step, marked.abstract_inputs(), (1,), 4)

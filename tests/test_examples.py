@@ -3,13 +3,13 @@ step's numbers: the loss printed on every line, and every leaf of the final stat
 
 import importlib.util
 import re
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+import repo_paths
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = repo_paths.REPO / "examples"
 
 
 def load(name: str):

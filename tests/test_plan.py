@@ -4,9 +4,16 @@ import json
 
 import pytest
 
-from autopar.compiler.collectives import CollectiveEstimate, CollectiveKind
-from autopar.compiler.plan import FORMAT_VERSION, InputSignature, Plan, ShardingSpec, StagePlan
 from autopar.errors import PlanError
+from autopar.plan import (
+    FORMAT_VERSION,
+    CollectiveEstimate,
+    CollectiveKind,
+    InputSignature,
+    Plan,
+    ShardingSpec,
+    StagePlan,
+)
 
 
 def make_plan() -> Plan:

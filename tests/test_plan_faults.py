@@ -15,8 +15,8 @@ import pytest
 from tanh_mlp import tanh_mlp_step
 
 import autopar
-from autopar.cli import main
 from autopar.errors import PlanError
+from autopar.frontend.cli.main import main
 
 OPT = optax.sgd(0.1)
 STEP = tanh_mlp_step(OPT)

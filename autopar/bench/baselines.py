@@ -11,14 +11,15 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from autopar.compiler.mesh import ClusterSpec, LogicalMesh
-from autopar.compiler.plan import Plan, ShardingSpec
-from autopar.compiler.stage_costs import LayerCostCache
-from autopar.compiler.stages import StagePartition
-from autopar.compiler.trace import TracedStep
+from autopar.cluster import ClusterSpec
+from autopar.compiler.cost.mesh import LogicalMesh
+from autopar.compiler.graph.trace import TracedStep
+from autopar.compiler.inter_op.layer_costs import LayerCostCache
+from autopar.compiler.inter_op.stages import StagePartition
 from autopar.errors import PlanError
+from autopar.ir.pipeline_program import PipelineProgram
 from autopar.methods import DataParallel, PipeshardParallel, ShardParallel
-from autopar.pipeline_program import PipelineProgram
+from autopar.plan import Plan, ShardingSpec
 
 # Megatron-LM's split of a transformer block (Shoeybi et al. 2019): the first matmul of each
 # pair is column-parallel (kernel split on its output dimension, bias split alike), the second
@@ -63,8 +64,8 @@ def plan_megatron(traced: TracedStep, cluster: ClusterSpec, time_limit_s: float 
     """A one-stage plan with every train-state leaf pinned to its Megatron spec (the ILP only
     places the batch and the intermediates). ``ShardParallel`` has no pinning option, so the
     compiler's intra-operator planner is called directly."""
-    from autopar.compiler.intra_op import IntraOpOptions
-    from autopar.compiler.shard_parallel import plan_shard_parallel
+    from autopar.compiler.intra_op.sharding_ilp import IntraOpOptions
+    from autopar.compiler.planners.shard import plan_shard_parallel
 
     mesh = megatron_mesh(cluster)
     graph = traced.graph
@@ -82,21 +83,21 @@ def plan_megatron(traced: TracedStep, cluster: ClusterSpec, time_limit_s: float 
 
 def plan_single_device(traced: TracedStep, cluster: ClusterSpec) -> Plan:
     """The step on one device of ``cluster`` (its compute time: nothing to communicate)."""
-    from autopar.compiler.planner import plan_step
+    from autopar.compiler.planners.dispatch import plan_step
 
     return plan_step(traced, DataParallel(), cluster.with_devices(1, 1))
 
 
 def plan_data_parallel(traced: TracedStep, cluster: ClusterSpec) -> Plan:
     """``autopar.DataParallel()`` over every device of ``cluster``."""
-    from autopar.compiler.planner import plan_step
+    from autopar.compiler.planners.dispatch import plan_step
 
     return plan_step(traced, DataParallel(), cluster)
 
 
 def plan_intra_op(traced: TracedStep, cluster: ClusterSpec, time_limit_s: float = 30.0) -> Plan:
     """``autopar.ShardParallel()``: the intra-operator ILP on one axis over every device."""
-    from autopar.compiler.planner import plan_step
+    from autopar.compiler.planners.dispatch import plan_step
 
     return plan_step(traced, ShardParallel(time_limit_s=time_limit_s), cluster)
 
@@ -116,7 +117,7 @@ def pipeline_splits(pp: PipelineProgram, method: PipeshardParallel, cluster: Clu
     DP chose one stage, two (a one-stage "split" is the DP's own plan); when that count does
     not split the layers and devices evenly, the nearest count that does (more stages first).
     ``cache``: the layer costs the full search solved, reused."""
-    from autopar.compiler.pipeshard import stage_baselines
+    from autopar.compiler.planners.pipeshard import stage_baselines
 
     wanted = max(2, dp_stages)
     counts = sorted(range(2, wanted + max_tries + 1), key=lambda c: (abs(c - wanted), -c))

@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autopar.compiler.plan import Plan
 from autopar.models import ZooModel
+from autopar.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ def measure_plan(step_fn: Callable, plan: Plan, inputs: LocalInputs, devices: Se
     """Run ``plan`` for ``step_fn(state, batch)`` on ``devices``: the step times, and for a
     one-program plan (data, shard) the collectives counted in its compiled HLO."""
     import autopar
-    from autopar.hlo import count_collectives
+    from autopar.runtime.hlo import count_collectives
 
     step = autopar.parallelize(step_fn, plan=plan, devices=list(devices), cache=False)
     first, times = time_calls(lambda: step(inputs.state, inputs.batch), warmup, repeats)

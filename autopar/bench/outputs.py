@@ -17,7 +17,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, TextIO
 
-from autopar.report import format_count
+from autopar.report.text import format_count
 
 Row = dict[str, Any]
 

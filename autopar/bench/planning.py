@@ -12,13 +12,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from autopar.compiler.mesh import ClusterSpec, format_mesh_shape
-from autopar.compiler.plan import Plan
-from autopar.compiler.stage_costs import LayerCostCache
-from autopar.compiler.stages import StagePartition
+from autopar.cluster import ClusterSpec, format_mesh_shape
+from autopar.compiler.inter_op.layer_costs import LayerCostCache
+from autopar.compiler.inter_op.stages import StagePartition
+from autopar.ir.pipeline_program import PipelineProgram
 from autopar.methods import PipeshardParallel
 from autopar.models import ZooModel
-from autopar.pipeline_program import PipelineProgram
+from autopar.plan import Plan
 
 
 @dataclass
@@ -38,8 +38,8 @@ def full_search(model: ZooModel, cluster: ClusterSpec, *, microbatches: int,
     """Trace ``model``'s train step (differentiated with ``autopar.value_and_grad``) at
     abstract shapes and plan it with ``PipeshardParallel`` on ``cluster``."""
     import autopar
-    from autopar.compiler.pipeshard import layer_cost_cache, plan_pipeshard
-    from autopar.pipeline_program import build_pipeline_program
+    from autopar.compiler.planners.pipeshard import layer_cost_cache, plan_pipeshard
+    from autopar.ir.pipeline_program import build_pipeline_program
 
     marked = model.with_value_and_grad(autopar.value_and_grad)
     method = autopar.PipeshardParallel(num_microbatches=microbatches, layers=pipeline_layers,

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autopar.pictures import figure_png_bytes, write_bytes_atomic
+from autopar.report.pictures import figure_png_bytes, write_bytes_atomic
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -35,10 +35,10 @@ from autopar.bench.suites import (
     ScalingAxis,
     ScalingPoint,
 )
-from autopar.compiler.mesh import ClusterSpec, load_cluster
-from autopar.compiler.plan import Plan
+from autopar.cluster import ClusterSpec, load_cluster
 from autopar.errors import AutoparError
 from autopar.models import ZooModel, get_model
+from autopar.plan import Plan
 
 Phase = Callable[[str], AbstractContextManager[None]]  # Progress.phase
 
@@ -93,7 +93,7 @@ def calibrated_cluster(options: RunOptions, devices: int) -> ClusterSpec | None:
 def run_case(case: BenchCase, options: RunOptions, phase: Phase) -> dict[str, Any]:
     """Plan ``case`` with the full search and its baselines (and run them, locally)."""
     import autopar
-    from autopar.compiler.trace import trace_step
+    from autopar.compiler.graph.trace import trace_step
 
     wall = time.perf_counter()
     model = get_model(case.model, case.size, **case.config_overrides())

@@ -6,7 +6,8 @@ all-to-all), one ``jax.shard_map`` program per message size is compiled once, wa
 ``repeats`` times; the median is kept. The other axis of a 2-D mesh is split too, so all its
 groups run their collective at the same time, as they do in a sharded step.
 
-Message sizes follow the cost model's full-tensor convention (:mod:`autopar.compiler.collectives`):
+Message sizes follow the cost model's full-tensor convention
+(:mod:`autopar.compiler.cost.collectives`):
 the buffer of an all-reduce, the input of a reduce-scatter, the gathered result of an all-gather,
 the whole logical tensor of an all-to-all; each is rounded so its blocks divide evenly.
 
@@ -20,7 +21,8 @@ Matmuls: ``m x m`` by ``m x m`` in each dtype, on one device alone and on every 
 (``shard_map`` of a local matmul); the fit uses the latter, since a step keeps every device busy
 (simulated CPU devices share the host's cores: with 8 of them busy each gets about an eighth).
 
-The fit (pure, no devices) is :mod:`autopar.compiler.calibration_fit`.
+The fit (pure, no devices) is :mod:`autopar.compiler.cost.calibration_fit`; ``autopar profile``
+(:func:`autopar.frontend.cli.profile.calibrate_profile`) joins the two.
 """
 
 from __future__ import annotations
@@ -39,22 +41,18 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from autopar.compiler.calibration_fit import (
+from autopar.cluster import (
     CALIBRATED_KINDS,
-    Calibration,
     CollectiveSample,
-    FitOptions,
     MatmulSample,
-    calibrate_cluster,
+    format_mesh_shape,
 )
-from autopar.compiler.mesh import ClusterSpec, format_mesh_shape, load_cluster
 from autopar.errors import InvalidOptionError, MeshError, choices_text
 
 __all__ = [
     "ACCELERATOR_MATMUL_SIZES",
     "CPU_MATMUL_SIZES",
     "ProfileOptions",
-    "calibrate_profile",
     "ProfileResult",
     "default_mesh_shapes",
     "profile_devices",
@@ -293,53 +291,3 @@ def profile_devices(options: ProfileOptions | None = None,
         memory_bytes=_memory_bytes(devices[0]), started=started,
         elapsed_s=time.perf_counter() - start, options=options,
     )
-
-
-def calibrate_profile(result: ProfileResult, base: ClusterSpec | None = None,
-                      options: FitOptions | None = None) -> Calibration:
-    """Fit ``result`` into a 1-host cluster named ``calibrated-PLATFORM-N``; what was not
-    measured comes from ``base`` (default: the shipped ``cpu-sim``)."""
-    base = base or load_cluster("cpu-sim")
-    meshes = ", ".join(format_mesh_shape(s) for s in result.mesh_shapes)
-    sizes = sorted({s.nbytes for s in result.collectives})
-    kind = "" if result.device_kind == result.platform else f" ({result.device_kind})"
-    source = (f"autopar profile, {result.started}: {result.num_devices} {result.platform} "
-              f"device(s){kind}; meshes {meshes}; "
-              f"{len(result.collectives)} collective samples of {_bytes_text(sizes[0])} to "
-              f"{_bytes_text(sizes[-1])}, median of the timed calls; {len(result.matmuls)} "
-              f"matmul samples; {result.elapsed_s:.0f} s")
-    measured = {
-        "platform": result.platform,
-        "device_kind": result.device_kind,
-        "mesh_shapes": [list(s) for s in result.mesh_shapes],
-        "empty_program_s": dict(result.empty_program_s),
-        "repeats": result.options.repeats,
-        "max_sample_s": result.options.max_sample_s,
-        "elapsed_s": result.elapsed_s,
-        "collective_samples": [
-            {"kind": s.kind, "axis": s.label, "group_size": s.group_size, "nbytes": s.nbytes,
-             "seconds": s.seconds} for s in result.collectives],
-        "matmul_samples": [
-            {"dtype": m.dtype, "m": m.m, "n": m.n, "k": m.k, "concurrent": m.concurrent,
-             "seconds": m.seconds, "flops_per_s": m.flops_per_s} for m in result.matmuls],
-    }
-    return calibrate_cluster(
-        result.collectives, result.matmuls, base, num_devices=result.num_devices,
-        name=f"calibrated-{result.platform}-{result.num_devices}",
-        device_name=_device_name(result), source=source,
-        memory_bytes=result.memory_bytes, options=options, measured=measured,
-    )
-
-
-def _device_name(result: ProfileResult) -> str:
-    if result.platform == "cpu":
-        return "CPU devices sharing the host's cores"
-    return f"{result.device_kind} ({result.platform})"
-
-
-def _bytes_text(nbytes: float) -> str:
-    """``4096`` -> ``"4 KiB"``."""
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= size:
-            return f"{nbytes / size:.3g} {unit}"
-    return f"{nbytes:.0f} B"

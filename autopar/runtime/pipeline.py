@@ -23,8 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from autopar.distributed import put
-from autopar.pipeline_program import (
+from autopar.ir.pipeline_program import (
     Piece,
     PipelineProgram,
     Segment,
@@ -33,10 +32,11 @@ from autopar.pipeline_program import (
     piece_roles,
     plan_segments,
 )
-from autopar.program import run_eqns
-from autopar.remat_loss import layer_function
+from autopar.ir.program import run_eqns
+from autopar.ir.remat_loss import layer_function
+from autopar.ir.schedules import Schedule, TaskKind, make_schedule
+from autopar.runtime.distributed import put
 from autopar.runtime.shard import partition_spec
-from autopar.schedules import Schedule, TaskKind, make_schedule
 
 
 @dataclass(frozen=True)

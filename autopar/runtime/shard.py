@@ -15,10 +15,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from autopar.compiler.plan import Plan, ShardingSpec, StagePlan
-from autopar.distributed import global_devices, put
 from autopar.errors import MeshError, PlanError
-from autopar.program import FlatProgram
+from autopar.ir.program import FlatProgram
+from autopar.plan import Plan, ShardingSpec, StagePlan
+from autopar.runtime.distributed import global_devices, put
 
 
 def partition_spec(spec: ShardingSpec) -> PartitionSpec:

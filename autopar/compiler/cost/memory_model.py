@@ -1,0 +1,286 @@
+"""Per-device memory of a one-stage plan: what each device holds at the step's peak.
+
+The peak is the step's inputs (parameters, optimizer and other state, the batch), its outputs
+that do not reuse an input's buffer (the updated state, unless the caller donates it), and the
+largest set of temporaries alive at once. Each tensor counts its per-device share under the
+plan's sharding.
+
+Temporaries follow XLA rather than the jaxpr: XLA fuses chains of elementwise, shape and
+slicing ops into loops, so their intermediates never exist in memory. A temporary is counted
+only where XLA has to write it out: results of ops it does not fuse into a loop (dots,
+convolutions, reductions, sorts, scatters, control flow), operands those ops read, values read
+by more than one op, and the step's outputs. Liveness then runs in program order.
+
+Which state leaves are parameters: the ones the forward and backward read. Pushing the batch
+split through the graph ends at the reduction points (where the batch dimension is summed
+away: the gradients, the loss mean); the nodes those depend on are the batch region, and a
+state leaf it reads is a parameter. Optimizer moments, counters and running statistics are
+only read after the reductions. The ZeRO planner shards by the same rule.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from autopar.compiler.graph.batch_split import (
+    SHAPE_PRESERVING,
+    BatchSplitResult,
+    propagate_batch_split,
+)
+from autopar.compiler.graph.opgraph import OpGraph
+
+# Ops XLA folds into the loop of their consumer (or that are free views).
+FUSED_OPS = SHAPE_PRESERVING | frozenset(
+    """
+    broadcast_in_dim reshape squeeze expand_dims transpose iota slice dynamic_slice
+    concatenate pad select_n clamp rev gather
+    """.split()
+)
+# Ops whose results are their operands' buffers (a barrier only orders the program).
+ALIASING_OPS = frozenset({"optimization_barrier"})
+# Ops that read their operands in place from the producer's loop (input fusion): reductions.
+READS_FUSED_OPERANDS = frozenset(
+    "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split()
+)
+
+# Elementwise ops XLA will not duplicate into several consumers' loops (too costly to redo);
+# a cheap one read by several consumers is recomputed in each instead of written out.
+EXPENSIVE_OPS = frozenset(
+    """
+    exp exp2 expm1 log log1p tanh logistic div rem pow sqrt rsqrt cbrt erf erf_inv atan2 sin
+    cos tan asin acos atan sinh cosh asinh acosh atanh lgamma digamma igamma
+    """.split()
+)
+
+BREAKDOWN_KEYS: tuple[str, ...] = (
+    "parameters", "optimizer_state", "batch", "updated_state", "activations",
+)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per device at the step's peak, by what holds them.
+
+    ``parameters`` / ``optimizer_state``: the state leaves the forward reads, and the rest of the
+    state (optimizer moments, counters, running statistics). ``batch``: the batch leaves.
+    ``updated_state``: outputs written to fresh buffers (0 when the state is donated).
+    ``activations``: the most temporaries alive at once (forward activations kept for the
+    backward, gradients, optimizer temporaries).
+    """
+
+    parameters: int
+    optimizer_state: int
+    batch: int
+    updated_state: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.breakdown().values())
+
+    def breakdown(self) -> dict[str, int]:
+        """The parts as a dict (the plan's ``memory_breakdown``)."""
+        return {k: int(getattr(self, k)) for k in BREAKDOWN_KEYS}
+
+    def dominant(self) -> str:
+        """The part holding the most bytes, in words."""
+        name = max(BREAKDOWN_KEYS, key=lambda k: getattr(self, k))
+        return name.replace("_", " ")
+
+
+def batch_region(graph: OpGraph, split: BatchSplitResult) -> set[int]:
+    """Ids of the nodes the batch split's reduction points depend on (the points included):
+    the loss forward and the backward, up to the summed gradients."""
+    region = {c.node for c in split.collectives}
+    for node in reversed(graph.nodes):
+        if node.id in region:
+            continue
+        if any(c in region for t in node.outputs for c in graph.consumers.get(t, ())):
+            region.add(node.id)
+    return region
+
+
+def classify_state(graph: OpGraph, state_ids: Iterable[int], region: set[int]) -> set[int]:
+    """Input tensor ids of the parameters: state leaves some batch-region node reads."""
+    return {t for t in state_ids if any(c in region for c in graph.consumers.get(t, ()))}
+
+
+def parameter_inputs(graph: OpGraph, batch_argnums: Iterable[int]) -> set[int]:
+    """Tensor ids of the state leaves the forward and backward read (see the module
+    docstring): the batch split, pushed through the graph, ends at the gradient reductions;
+    the nodes those depend on are the batch region; a state leaf it reads is a parameter."""
+    batch_args = set(batch_argnums)
+    batch = [io.tensor for io in graph.inputs if io.arg_index in batch_args
+             and graph.tensors[io.tensor].ndim > 0]
+    split = propagate_batch_split(graph, dict.fromkeys(batch, 0), 1)
+    state = [io.tensor for io in graph.inputs if io.arg_index not in batch_args]
+    return classify_state(graph, state, batch_region(graph, split))
+
+
+def materialized_temporaries(graph: OpGraph) -> set[int]:
+    """Intermediate tensors XLA writes to memory (see the module docstring)."""
+    consumers: dict[int, list[str]] = {}
+    for node in graph.nodes:
+        for t in set(node.inputs):
+            consumers.setdefault(t, []).append(node.primitive)
+    outputs = {io.tensor for io in graph.outputs}
+    kept = set()
+    for node in graph.nodes:
+        if node.primitive in ALIASING_OPS:
+            continue
+        fused_producer = node.primitive in FUSED_OPS
+        for t in node.outputs:
+            readers = consumers.get(t, [])
+            if (
+                not fused_producer
+                or t in outputs
+                or (len(readers) > 1 and node.primitive in EXPENSIVE_OPS)
+                or any(r not in FUSED_OPS and r not in READS_FUSED_OPERANDS for r in readers)
+            ):
+                kept.add(t)
+    return kept
+
+
+def estimate_memory(
+    graph: OpGraph,
+    *,
+    batch_argnums: Iterable[int],
+    shards: Mapping[int, int] | None = None,
+    resharded: Mapping[int, float] | None = None,
+    donated_state: bool = False,
+) -> MemoryEstimate:
+    """Per-device memory of ``graph`` when tensor ``t`` is split ``shards[t]`` ways (default:
+    whole). ``resharded[n]``: bytes of operand copies node ``n`` reads in another layout than
+    their producer's (XLA writes the resharded copy, alive while ``n`` runs).
+    ``donated_state``: the state's outputs reuse its input buffers."""
+    shards = dict(shards or {})
+    batch_args = set(batch_argnums)
+
+    def share(t: int) -> int:
+        return graph.tensors[t].nbytes // max(1, shards.get(t, 1))
+
+    params = parameter_inputs(graph, batch_args)
+    inputs = {io.tensor for io in graph.inputs}
+    batch = {io.tensor for io in graph.inputs if io.arg_index in batch_args}
+    state = inputs - batch
+    # an output that is an input passed through needs no buffer of its own
+    fresh_outputs = {io.tensor for io in graph.outputs} - inputs
+    temporaries = materialized_temporaries(graph) - fresh_outputs - inputs
+    # XLA gives the outputs buffers of their own and the temporaries a separate arena
+    updated = 0 if donated_state else sum(share(t) for t in fresh_outputs)
+    peak = updated + _peak_live(graph, temporaries, share, resharded or {})
+    return MemoryEstimate(
+        parameters=sum(share(t) for t in params),
+        optimizer_state=sum(share(t) for t in state - params),
+        batch=sum(share(t) for t in batch),
+        updated_state=updated,
+        activations=peak - updated,
+    )
+
+
+def resharded_operand_bytes(
+    graph: OpGraph,
+    operand_shards: Mapping[tuple[int, int], int],
+    shards: Mapping[int, int],
+) -> dict[int, float]:
+    """Per node, bytes of the operand copies it reads in a layout other than the producer's:
+    ``operand_shards[(n, k)]`` is how many ways node ``n`` needs operand ``k`` split,
+    ``shards[t]`` how many ways tensor ``t`` is."""
+    out: dict[int, float] = {}
+    for (n, k), ways in operand_shards.items():
+        t = graph.nodes[n].inputs[k]
+        if graph.tensors[t].kind == "literal" or ways == shards.get(t, 1):
+            continue
+        out[n] = out.get(n, 0.0) + graph.tensors[t].nbytes / max(1, ways)
+    return out
+
+
+def memory_greedy_order(graph: OpGraph, counted: set[int], share=None) -> list[int]:
+    """Node ids in a memory-greedy list schedule of the ``counted`` tensors.
+
+    XLA's scheduler reorders the program to keep memory low (an optimizer update runs as soon
+    as its gradient is ready, not after the whole backward as in the jaxpr), so among the ready
+    ops this runs the one that frees the most bytes of ``counted`` (ties: program order).
+    An ``optimization_barrier`` (it starts a rematerialised layer's recompute) waits until
+    nothing else is ready, as the recompute is meant to run only when the backward needs it.
+    """
+    share = share or (lambda t: graph.tensors[t].nbytes)
+    readers: dict[int, int] = {}
+    producer: dict[int, int] = {}
+    for node in graph.nodes:
+        for t in set(node.inputs):
+            readers[t] = readers.get(t, 0) + 1
+        for t in node.outputs:
+            producer[t] = node.id
+    dependents: dict[int, set[int]] = {}
+    waiting: dict[int, int] = {}
+    for node in graph.nodes:
+        before = {producer[t] for t in node.inputs if t in producer}
+        waiting[node.id] = len(before)
+        for p in before:
+            dependents.setdefault(p, set()).add(node.id)
+
+    def delta(n: int) -> tuple[int, int]:
+        node = graph.nodes[n]
+        grown = sum(share(t) for t in node.outputs if t in counted and t in readers)
+        freed = sum(share(t) for t in set(node.inputs) if t in counted and readers.get(t) == 1)
+        return (int(node.primitive == "optimization_barrier"), grown - freed)
+
+    ready = [(delta(n), n) for n, w in waiting.items() if w == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        d, n = heapq.heappop(ready)
+        now = delta(n)
+        if now != d and ready and (now, n) > ready[0]:
+            heapq.heappush(ready, (now, n))  # others' reads changed what it frees
+            continue
+        order.append(n)
+        for t in set(graph.nodes[n].inputs):
+            if t in readers:
+                readers[t] -= 1
+        for m in dependents.get(n, ()):
+            waiting[m] -= 1
+            if waiting[m] == 0:
+                heapq.heappush(ready, (delta(m), m))
+    return order
+
+
+def last_reads(graph: OpGraph, order: Sequence[int], counted: set[int]) -> dict[int, int]:
+    """Per tensor, the position in ``order`` of its last reader, where a value XLA fuses away
+    (not ``counted``, made by a fused op) is read through: its readers recompute it from the
+    producer's operands, which must stay alive until then (a ReLU's mask, say, is recomputed in
+    the backward from the pre-activation, so the pre-activation lives until the backward)."""
+    position = {n: i for i, n in enumerate(order)}
+    last: dict[int, int] = {}
+    for node in graph.nodes:
+        for t in node.inputs:
+            last[t] = max(last.get(t, -1), position[node.id])
+    for node in reversed(graph.nodes):  # consumers before producers
+        if node.primitive not in FUSED_OPS:
+            continue
+        fused = [last[t] for t in node.outputs if t not in counted and t in last]
+        if fused:
+            for u in node.inputs:
+                last[u] = max(last.get(u, -1), *fused)
+    return last
+
+
+def _peak_live(graph: OpGraph, counted: set[int], share, transient: Mapping[int, float]) -> int:
+    """Peak bytes of ``counted`` tensors alive at once in the memory-greedy order, with each
+    node's ``transient`` bytes alive while it runs."""
+    order = memory_greedy_order(graph, counted, share)
+    last_use = last_reads(graph, order, counted)
+    frees: dict[int, list[int]] = {}
+    live = peak = 0
+    for i, n in enumerate(order):
+        for t in graph.nodes[n].outputs:
+            if t in counted and t in last_use:
+                live += share(t)
+                frees.setdefault(last_use[t], []).append(t)
+        peak = max(peak, live + int(transient.get(n, 0)))
+        for t in frees.pop(i, []):
+            live -= share(t)
+    return peak

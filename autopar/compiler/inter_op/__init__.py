@@ -1,0 +1,8 @@
+"""The inter-operator pass: layer clustering (``layers``), per-layer ILP costs
+(``layer_costs``), submesh shapes and placement (``submesh``), the stage DP and its options
+(``stage_dp``, ``stage_options``, ``stages``), rematerialised stage candidates (``remat``).
+
+May import: ``autopar.compiler.graph``, ``autopar.compiler.cost``,
+``autopar.compiler.intra_op``, ``autopar.ir``, ``autopar.plan``, ``autopar.errors`` and this
+room.
+"""

@@ -1,0 +1,220 @@
+"""What a pipeline stage costs: its forward, backward and update as one graph, solved by the
+intra-operator ILP on a logical mesh.
+
+A piece of the loss forward becomes a small train step: the forward, ``jax.vjp`` back to its
+parameters and incoming activations, and a plain gradient step on the parameters (so the ILP
+sees that a replicated parameter's gradient must be reduced). Traced at microbatch shapes, the
+ILP's objective is the stage's time per microbatch; its choice for the piece's inputs is the
+stage's plan. Layers of the same structure are costed once (``LayerCostCache``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import jax
+
+from autopar.compiler.cost.mesh import LogicalMesh
+from autopar.compiler.graph.opgraph import OpGraph
+from autopar.compiler.graph.trace import build_graph
+from autopar.compiler.intra_op.sharding_ilp import IntraOpOptions, solve_intra_op
+from autopar.ir.pipeline_program import Piece, PieceRoles, PipelineProgram, piece_roles
+from autopar.ir.program import flatten_step, run_eqns
+from autopar.plan import ShardingSpec
+
+
+@dataclass(frozen=True)
+class PieceCost:
+    """One piece on one logical mesh: seconds per microbatch (forward + backward + the
+    gradient's reduction), per-device bytes that stay (parameters, gradients and optimizer
+    state, taken as 4x the parameters) and per in-flight microbatch (the forward's values kept
+    for the backward), and the spec of each piece input (forward value id -> spec)."""
+
+    time_s: float
+    compute_s: float
+    fixed_bytes: float
+    activation_bytes: float
+    # per microbatch when the piece is rematerialised: only its activation inputs are kept
+    boundary_bytes: float
+    input_specs: dict[int, ShardingSpec]
+    ilp_status: str
+
+
+def piece_train_graph(pp: PipelineProgram, piece: Piece) -> tuple[OpGraph, dict[str, int]]:
+    """The piece's train step as an OpGraph, and the forward value id of each graph input path
+    (``state/p/k`` parameters, ``state/c/k`` fixed inputs, ``batch/a/k`` activations,
+    ``batch/d/k`` microbatch data, ``batch/g/k`` cotangents arriving from later stages)."""
+    fwd = pp.forward
+    roles = piece_roles(pp, piece)
+    n_params = len(roles.params)
+
+    def sds(v: int) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(fwd.avals[v].shape, fwd.avals[v].dtype)
+
+    def piece_step(state: dict, batch: dict) -> Any:
+        def run(diff_vals: list[Any]) -> tuple[list[Any], list[Any]]:
+            env = dict(zip(roles.diff, diff_vals, strict=True))
+            env.update(zip(roles.fixed, state["c"], strict=True))
+            env.update(zip(roles.micro, batch["d"], strict=True))
+            run_eqns(fwd, piece.eqns, env)
+            return [env[v] for v in roles.float_outputs], [env[v] for v in roles.other_outputs]
+
+        outs, vjp_fn, others = jax.vjp(run, [*state["p"], *batch["a"]], has_aux=True)
+        (grads,) = vjp_fn(list(batch["g"]))
+        new_params = [p - g for p, g in zip(state["p"], grads[:n_params], strict=True)]
+        return {"p": new_params}, grads[n_params:], outs, others
+
+    state = {"p": [sds(v) for v in roles.params], "c": [sds(v) for v in roles.fixed]}
+    batch = {
+        "a": [sds(v) for v in roles.acts],
+        "d": [sds(v) for v in roles.micro],
+        "g": [sds(v) for v in roles.float_outputs],
+    }
+    program = flatten_step(piece_step, (state, batch))
+    paths = {}
+    for prefix, ids in (("state/p", roles.params), ("state/c", roles.fixed),
+                        ("batch/a", roles.acts), ("batch/d", roles.micro),
+                        ("batch/g", roles.float_outputs)):
+        for k, v in enumerate(ids):
+            paths[f"{prefix}/{k}"] = v
+    return build_graph(program), paths
+
+
+def piece_signature(pp: PipelineProgram, piece: Piece) -> str:
+    """Equal for pieces of the same structure (operations, parameters, shapes, wiring)."""
+    fwd = pp.forward
+    local: dict[int, int] = {}
+
+    def name(v: int) -> str:
+        aval = fwd.avals[v]
+        kind = f"{tuple(aval.shape)}{aval.dtype}"
+        if v in fwd.values:
+            return f"k{kind}"
+        local.setdefault(v, len(local))
+        return f"v{local[v]}:{kind}"
+
+    roles = piece_roles(pp, piece)
+    parts = [",".join(name(v) for v in group) for group in
+             (roles.params, roles.acts, roles.fixed, roles.micro)]
+    for i in piece.eqns:
+        e = fwd.eqns[i]
+        params = sorted((k, repr(p)) for k, p in e.params.items())
+        parts.append(f"{e.name}{params}({','.join(name(v) for v in e.inputs)})->"
+                     f"{','.join(name(v) for v in e.outputs)}")
+    parts.append(",".join(name(v) for v in piece.outputs))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+@dataclass
+class LayerCostCache:
+    """Piece costs by (structure, mesh): a repeated layer is solved once per mesh."""
+
+    options: IntraOpOptions
+    solved: dict[tuple, tuple[PieceCost, Piece]] = field(default_factory=dict)
+    ilp_solves: int = 0
+    # resharding costs per mesh, shared by every piece solved on it
+    reshard_costs: dict[tuple, dict] = field(default_factory=dict)
+    # each piece's structure hash, by its first and last equation
+    signatures: dict[tuple[int, int], str] = field(default_factory=dict)
+    # each piece's input and output roles, by its first and last equation
+    roles: dict[tuple[int, int], PieceRoles] = field(default_factory=dict)
+    # bytes of optimizer state per byte of parameters, read off the step once
+    state_per_parameter: float | None = None
+    # each structure's train graph, traced once for all meshes, and the piece it was traced
+    # from (its value ids are the ones the graph's paths name)
+    graphs: dict[str, tuple[OpGraph, dict[str, int], Piece]] = field(default_factory=dict)
+
+    def _roles(self, pp: PipelineProgram, piece: Piece) -> PieceRoles:
+        span = _span(piece)
+        if span not in self.roles:
+            self.roles[span] = piece_roles(pp, piece)
+        return self.roles[span]
+
+    def cost(self, pp: PipelineProgram, piece: Piece, mesh: LogicalMesh) -> PieceCost:
+        mesh_key = (tuple(mesh.shape), tuple(mesh.alpha), tuple(mesh.beta), mesh.peak_flops,
+                    mesh.compute_efficiency)
+        span = _span(piece)
+        if span not in self.signatures:
+            self.signatures[span] = piece_signature(pp, piece)
+        signature = self.signatures[span]
+        key = (signature, *mesh_key)
+        if key not in self.solved:
+            if signature not in self.graphs:
+                self.graphs[signature] = (*piece_train_graph(pp, piece), piece)
+            # an identical piece met first on another mesh traced the graph: solve as that
+            # piece (its ids match the graph's) and rename below like any cache hit
+            graph, paths, traced_from = self.graphs[signature]
+            shared = self.reshard_costs.setdefault(mesh_key, {})
+            if self.state_per_parameter is None:
+                self.state_per_parameter = optimizer_state_per_parameter(pp)
+            cost = _solve_piece(pp, traced_from, graph, paths, mesh, self.options, shared,
+                                self.state_per_parameter)
+            self.solved[key] = (cost, traced_from)
+            self.ilp_solves += 1
+        cost, first = self.solved[key]
+        if first is piece:
+            return cost
+        # the cached specs name the first piece's values: rename them for this one
+        a, b = self._roles(pp, first), self._roles(pp, piece)
+        mapping = dict(zip(a.params + a.acts + a.fixed + a.micro,
+                           b.params + b.acts + b.fixed + b.micro, strict=True))
+        specs = {mapping[v]: s for v, s in cost.input_specs.items() if v in mapping}
+        return replace(cost, input_specs=specs)
+
+
+def optimizer_state_per_parameter(pp: PipelineProgram) -> float:
+    """Bytes of the step's other state (optimizer moments, counters) per byte of parameters:
+    2 for Adam, 1 for momentum SGD, 0 for plain SGD. Parameters are the loss function's
+    differentiated inputs; the batch is what the pipeline splits into microbatches."""
+    outer = pp.outer
+    params = {pp.operand_of[f] for f in pp.diff_inputs}
+    batch = {pp.operand_of[f] for f in pp.split_inputs}
+    param_bytes = sum(_nbytes(outer.avals[v]) for v in params)
+    state_bytes = sum(_nbytes(outer.avals[v]) for v in outer.in_ids
+                      if v not in params and v not in batch)
+    return state_bytes / param_bytes if param_bytes else 0.0
+
+
+def _span(piece: Piece) -> tuple[int, int]:
+    return (piece.eqns[0], piece.eqns[-1]) if piece.eqns else (piece.index, -1)
+
+
+def _solve_piece(pp: PipelineProgram, piece: Piece, graph: OpGraph, paths: dict[str, int],
+                 mesh: LogicalMesh, options: IntraOpOptions, reshard_cache: dict,
+                 state_per_parameter: float) -> PieceCost:
+    result = solve_intra_op(graph, mesh, options, reshard_cache)
+    sizes = {a: mesh.axis_size(a) for a in mesh.axis_names}
+    by_path = {io.path: io.tensor for io in graph.inputs}
+    specs = {fid: result.input_spec[by_path[path]] for path, fid in paths.items()
+             if not path.startswith("batch/g")}
+    roles = piece_roles(pp, piece)
+    param_bytes = sum(
+        graph.tensors[by_path[f"state/p/{k}"]].nbytes / specs[v].num_shards(sizes)
+        for k, v in enumerate(roles.params)
+    )
+    # the forward's own results are kept for the backward; split like the piece's batch
+    fwd = pp.forward
+    kept = sum(_nbytes(fwd.avals[v]) for i in piece.eqns for v in fwd.eqns[i].outputs)
+    batch_split = max(
+        [specs[v].num_shards(sizes) for v in (*roles.acts, *roles.micro) if v in specs] or [1]
+    )
+    return PieceCost(
+        time_s=float(result.solution.objective),
+        compute_s=sum(st.compute_time_s for st in result.node_strategy.values()),
+        # the parameters, their gradient accumulators and their optimizer state
+        fixed_bytes=(2.0 + state_per_parameter) * param_bytes,
+        activation_bytes=kept / batch_split,
+        boundary_bytes=sum(_nbytes(fwd.avals[v]) for v in (*roles.acts, *roles.micro))
+        / batch_split,
+        input_specs=specs,
+        ilp_status=result.solution.status,
+    )
+
+
+def _nbytes(aval: Any) -> float:
+    size = 1
+    for d in aval.shape:
+        size *= int(d)
+    return float(size * aval.dtype.itemsize)

@@ -1,0 +1,365 @@
+"""Operator clustering: cut a forward OpGraph into layers for pipeline stages (Alpa §5.2).
+
+The forward computation of a loss function arrives as an OpGraph whose nodes are in program
+(topological) order. A *layer* is a contiguous run of nodes in that order, and a cut between two
+layers costs the bytes of every activation live across it: produced at or before the cut,
+consumed after it. Tensors no node produces (graph inputs, constants, literals) are not
+activations -- every stage can hold its own copy -- so they never count. A graph output that no
+later node reads does not cross a cut either (the stage that makes it returns it).
+
+``cluster_layers`` follows Alpa's layer-construction DP: every layer's flops stay within
+``(1 +/- tolerance) x`` the average, the largest cut is minimised, ties are broken by the sum of
+all cuts, then by flops imbalance (sum of squared layer flops). ``layers_from_boundaries`` turns
+explicit cut positions (from ``mark_pipeline_boundary()``) into the same result type.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from autopar.compiler.graph.opgraph import OpGraph
+from autopar.errors import PlanError
+
+DEFAULT_BALANCE_TOLERANCE = 0.25
+# Relative slack on the flops cap so that prefix-sum rounding never rejects an exact fit.
+_CAP_SLACK = 1e-12
+# Elements per band block in the tie-break DP: bounds memory to a few tens of MB.
+_BAND_BLOCK_ELEMENTS = 1 << 21
+
+
+@dataclass(frozen=True)
+class LayerClustering:
+    """Layers of a forward graph and what each cut between them costs.
+
+    ``layers[k]`` are the node ids of layer ``k`` in program order; ``positions[k]`` is the index
+    (in ``graph.nodes``) of the first node of layer ``k + 1``; ``cut_bytes[k]`` is the bytes of the
+    activations live across that cut. ``tolerance_used`` is the flops tolerance the clustering
+    satisfied (larger than ``balance_tolerance`` when the requested one was infeasible and had to
+    be relaxed); both are ``None`` for layers given by explicit boundaries.
+    """
+
+    layers: tuple[tuple[int, ...], ...]
+    flops: tuple[float, ...]
+    cut_bytes: tuple[int, ...]
+    positions: tuple[int, ...]
+    balance_tolerance: float | None = None
+    tolerance_used: float | None = None
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def max_cut_bytes(self) -> int:
+        return max(self.cut_bytes, default=0)
+
+    @property
+    def imbalance(self) -> float:
+        """Largest layer's flops over the average (1.0 is perfectly balanced)."""
+        total = sum(self.flops)
+        return max(self.flops) * len(self.flops) / total if total > 0 else 1.0
+
+    @property
+    def relaxed(self) -> bool:
+        """Whether the requested tolerance was infeasible and a looser one was used."""
+        return (
+            self.tolerance_used is not None
+            and self.balance_tolerance is not None
+            and self.tolerance_used > self.balance_tolerance
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready data."""
+        return {
+            "num_layers": self.num_layers,
+            "layers": [list(layer) for layer in self.layers],
+            "flops": list(self.flops),
+            "cut_bytes": list(self.cut_bytes),
+            "positions": list(self.positions),
+            "balance_tolerance": self.balance_tolerance,
+            "tolerance_used": self.tolerance_used,
+            "imbalance": self.imbalance,
+        }
+
+
+def cut_bytes_by_position(graph: OpGraph) -> np.ndarray:
+    """``out[p]`` = bytes live across the cut before node position ``p`` (``0 <= p <= N``).
+
+    One sweep: a tensor produced at position ``a`` and last read at ``b > a`` crosses the cuts
+    ``a + 1 .. b``, so it adds its bytes to a difference array at ``a + 1`` and removes them at
+    ``b + 1``. ``out[0]`` and ``out[N]`` are 0 (nothing is live before the first node or after
+    the last reader).
+    """
+    n = len(graph.nodes)
+    produced_at: dict[int, int] = {}
+    last_read: dict[int, int] = {}
+    for pos, node in enumerate(graph.nodes):
+        for t in node.inputs:
+            last_read[t] = pos
+        for t in node.outputs:
+            produced_at[t] = pos
+    diff = np.zeros(n + 2, dtype=np.int64)
+    for t, start in produced_at.items():
+        end = last_read.get(t, -1)
+        if end > start:
+            nbytes = graph.tensors[t].nbytes
+            diff[start + 1] += nbytes
+            diff[end + 1] -= nbytes
+    return np.cumsum(diff)[: n + 1]
+
+
+def layers_from_boundaries(graph: OpGraph, boundary_positions: tuple[int, ...]) -> LayerClustering:
+    """Layers cut before each of ``boundary_positions`` (indices into ``graph.nodes``).
+
+    Positions must be strictly increasing within ``1 .. N - 1`` so that no layer is empty;
+    raises PlanError otherwise.
+    """
+    n = len(graph.nodes)
+    positions = tuple(int(p) for p in boundary_positions)
+    if n == 0:
+        raise PlanError("cannot cut an empty graph (0 nodes) into layers")
+    bad = [p for p in positions if not 1 <= p <= n - 1]
+    if bad:
+        raise PlanError(
+            f"pipeline boundary position {bad[0]} is outside the graph's cut positions "
+            f"1..{n - 1} (graph has {n} nodes)"
+        )
+    if any(b <= a for a, b in itertools.pairwise(positions)):
+        raise PlanError(
+            f"pipeline boundary positions {list(positions)} must be strictly increasing "
+            f"(each layer needs at least one node)"
+        )
+    return _clustering(graph, positions, cut_bytes_by_position(graph), None, None)
+
+
+def cluster_layers(
+    graph: OpGraph, num_layers: int, *, balance_tolerance: float = DEFAULT_BALANCE_TOLERANCE
+) -> LayerClustering:
+    """Cut ``graph`` (nodes in program order) into ``num_layers`` contiguous layers.
+
+    Every layer's flops lie within ``(1 +/- tolerance) x`` the average; among such cuttings the
+    largest cut's bytes is minimised, then the sum of cut bytes, then the sum of squared layer
+    flops (flops imbalance). Zero-flop nodes never make a layer on their own: each layer holds
+    at least one flop-bearing node, and the zero-flop nodes between two flop-bearing ones join
+    whichever side gives the cheaper cut. If no cutting satisfies the tolerance it is doubled
+    until one does, and ``tolerance_used`` records the value used.
+
+    Raises PlanError if ``num_layers < 1``, exceeds the number of flop-bearing nodes, or
+    ``balance_tolerance`` is negative.
+    """
+    n = len(graph.nodes)
+    if num_layers < 1:
+        raise PlanError(f"num_layers must be at least 1, got {num_layers}")
+    if balance_tolerance < 0:
+        raise PlanError(f"balance_tolerance must be >= 0, got {balance_tolerance}")
+    if n == 0:
+        raise PlanError("cannot cut an empty graph (0 nodes) into layers")
+    node_flops = np.array([max(float(node.flops), 0.0) for node in graph.nodes])
+    flop_positions = np.flatnonzero(node_flops > 0)
+    num_heavy = len(flop_positions)
+    position_bytes = cut_bytes_by_position(graph)
+    if num_layers == 1:
+        return _clustering(graph, (), position_bytes, balance_tolerance, balance_tolerance)
+    if num_layers > num_heavy:
+        raise PlanError(
+            f"cannot cut {num_layers} layers from a graph with {num_heavy} flop-bearing nodes "
+            f"(of {n} nodes); ask for at most {num_heavy} layers"
+        )
+
+    # Reduction 1 (exact): a layer's flops only change when a cut moves past a flop-bearing
+    # node, so between two consecutive flop-bearing nodes every cut position gives the same layer
+    # flops and only its own bytes differ (a cut's bytes do not depend on the other cuts). Keep
+    # one candidate per gap, the cheapest position (earliest on ties, so zero-flop producers
+    # join the layer that reads them). Candidate m (1..H-1) cuts before flop-bearing node m.
+    gap_starts = flop_positions[:-1] + 1
+    gap_bytes = position_bytes[: flop_positions[-1] + 1]
+    best_bytes = np.minimum.reduceat(gap_bytes, gap_starts)
+    segment = np.repeat(np.arange(num_heavy - 1), np.diff(flop_positions))
+    hits = np.where(
+        gap_bytes[gap_starts[0] :] == best_bytes[segment],
+        np.arange(gap_starts[0], len(gap_bytes)),
+        len(gap_bytes),
+    )
+    best_position = np.minimum.reduceat(hits, gap_starts - gap_starts[0])
+
+    prefix = np.concatenate(([0.0], np.cumsum(node_flops[flop_positions])))
+    # Boundary index j in 0..H: 0 is the start, H the end, 1..H-1 the gap candidates.
+    boundary_bytes = np.concatenate(([0], best_bytes, [0])).astype(np.float64)
+
+    # Relax the tolerance only as far as needed: pass 1 is cheap and returns inf when no
+    # cutting fits the flops band. From tolerance 1 on there is no lower bound, and at
+    # num_layers - 1 the upper bound is the total, so the loop always ends.
+    tolerance = balance_tolerance
+    while True:
+        band = _flops_band(prefix[-1], num_layers, tolerance)
+        max_cut = _min_max_cut(prefix, boundary_bytes, num_layers, band)
+        if np.isfinite(max_cut):
+            break
+        tolerance = 2.0 * tolerance if tolerance > 0 else DEFAULT_BALANCE_TOLERANCE
+    chosen = _min_sum_cut(prefix, boundary_bytes, num_layers, band, max_cut)
+    positions = tuple(int(best_position[j - 1]) for j in chosen)
+    return _clustering(graph, positions, position_bytes, balance_tolerance, tolerance)
+
+
+def _flops_band(total: float, num_layers: int, tolerance: float) -> tuple[float, float]:
+    """Fewest and most flops one layer may hold: (1 -/+ tolerance) x average.
+
+    Alpa bounds layers only from above and relies on a minimum count of heavy ops per layer to
+    stop degenerate layers; here elementwise ops carry flops too, so an upper bound alone lets
+    the DP shave a cheap cut off with a one-op layer (seen on GPT: the final ``neg`` alone). The
+    lower bound keeps every layer a real share of the work. Both get a little rounding slack.
+    """
+    average = total / num_layers
+    low = (1.0 - tolerance) * average * (1.0 - _CAP_SLACK)
+    high = (1.0 + tolerance) * average * (1.0 + _CAP_SLACK)
+    return low, high
+
+
+def _windows(prefix: np.ndarray, band: tuple[float, float]) -> tuple[np.ndarray, np.ndarray]:
+    """For each boundary i, the boundaries j (a contiguous range ``lo[i] .. hi[i]``, empty when
+    ``hi < lo``) where a layer j..i may start: ``low <= prefix[i] - prefix[j] <= high``."""
+    low, high = band
+    lo = np.searchsorted(prefix, prefix - high, side="left")
+    hi = np.searchsorted(prefix, prefix - low, side="right") - 1
+    hi = np.minimum(hi, np.arange(len(prefix)) - 1)  # a layer holds at least one node
+    return lo, hi
+
+
+def _min_max_cut(
+    prefix: np.ndarray, bbytes: np.ndarray, num_layers: int, band: tuple[float, float]
+) -> float:
+    """Pass 1: the smallest achievable largest cut (a bottleneck DP); inf if none fits the band.
+
+    ``best_k[i]`` = smallest largest cut over cuttings of boundaries 0..i into k layers. Layer k
+    ends at i and starts at some j in the contiguous window ``lo[i] .. hi[i]``, so
+    ``best_k[i] = min over the window of max(best_{k-1}[j], bytes[j])``: a range minimum,
+    answered for all i at once from a sparse table -- O(H log H) per layer.
+    """
+    h = len(prefix) - 1
+    lo, hi = _windows(prefix, band)
+    best = np.where((lo == 0) & (hi >= 0), 0.0, np.inf)
+    for _ in range(2, num_layers + 1):
+        through = np.maximum(best, bbytes)
+        through[0] = through[h] = np.inf  # a middle cut is never at the start or the end
+        best = _range_min(through, lo, hi)
+    return float(best[h])
+
+
+def _range_min(values: np.ndarray, left: np.ndarray, right: np.ndarray) -> np.ndarray:
+    """``min(values[left[i] .. right[i]])`` for every i (inf where the range is empty)."""
+    table = [values]
+    width = 1
+    while 2 * width <= len(values):
+        prev = table[-1]
+        table.append(np.minimum(prev[:-width], prev[width:]))
+        width *= 2
+    empty = right < left
+    length = np.where(empty, 1, right - left + 1)
+    level = np.floor(np.log2(length)).astype(np.int64)
+    out = np.full(len(left), np.inf)
+    for lvl in np.unique(level[~empty]):
+        rows = np.flatnonzero((level == lvl) & ~empty)
+        span = 1 << int(lvl)
+        out[rows] = np.minimum(table[lvl][left[rows]], table[lvl][right[rows] - span + 1])
+    return out
+
+
+def _min_sum_cut(
+    prefix: np.ndarray,
+    bbytes: np.ndarray,
+    num_layers: int,
+    band: tuple[float, float],
+    max_cut: float,
+) -> list[int]:
+    """Pass 2: the cutting with every cut <= max_cut minimising (sum of cuts, sum of flops^2).
+
+    Both keys are sums over cuts/layers, so the lexicographic pair has optimal substructure and
+    the DP is exact. Reduction 2 (exact): only boundaries whose bytes are <= the optimal largest
+    cut can appear, so the DP runs over that compacted list; on real models these are the few
+    places where only the residual stream is live, which keeps the band below small. Each row i
+    scans its window of j (a band of width W, about (1 + 2 tol) x K / L) in blocks, so the work
+    is O(L x K x W) and memory stays bounded. Returns the chosen boundary indices (1..H-1).
+    """
+    h = len(prefix) - 1
+    allowed = np.flatnonzero(bbytes <= max_cut)
+    allowed = np.unique(np.concatenate(([0], allowed[(allowed > 0) & (allowed < h)], [h])))
+    pref = prefix[allowed]
+    cut = bbytes[allowed]
+    k_count = len(allowed)
+    lo, hi = _windows(pref, band)
+    width = max(int(np.max(hi - lo + 1)), 1)
+    sum_cost = np.where((lo == 0) & (hi >= 0), 0.0, np.inf)
+    sq_cost = np.where(np.isfinite(sum_cost), pref**2, np.inf)
+    parents: list[np.ndarray] = []
+    block = max(_BAND_BLOCK_ELEMENTS // width, 1)
+    offsets = np.arange(width)
+    low, high = band
+    remaining_flops = pref[-1] - pref
+    for layer in range(2, num_layers + 1):
+        through_sum = sum_cost + cut
+        through_sum[0] = through_sum[-1] = np.inf
+        new_sum = np.full(k_count, np.inf)
+        new_sq = np.full(k_count, np.inf)
+        parent = np.zeros(k_count, dtype=np.int64)
+        # Only rows that some finite state reaches and whose remaining flops the remaining
+        # layers can still hold are worth a band row: this skips most rows for middle layers.
+        reached = np.concatenate(([0], np.cumsum(np.isfinite(through_sum))))
+        left = num_layers - layer
+        live_rows = np.flatnonzero(
+            (reached[np.maximum(hi + 1, lo)] > reached[lo])
+            & (remaining_flops <= left * high)
+            & (remaining_flops >= left * low)
+        )
+        for start in range(0, len(live_rows), block):
+            rows = live_rows[start : start + block]
+            cols = lo[rows, None] + offsets[None, :]
+            valid = cols <= hi[rows, None]
+            cols = np.where(valid, cols, 0)
+            cand_sum = np.where(valid, through_sum[cols], np.inf)
+            layer_flops = pref[rows, None] - pref[cols]
+            cand_sq = np.where(valid, sq_cost[cols] + layer_flops**2, np.inf)
+            row_min = cand_sum.min(axis=1)
+            cand_sq = np.where(cand_sum == row_min[:, None], cand_sq, np.inf)
+            pick = cand_sq.argmin(axis=1)
+            line = np.arange(len(rows))
+            new_sum[rows] = row_min
+            new_sq[rows] = np.where(np.isfinite(row_min), cand_sq[line, pick], np.inf)
+            parent[rows] = cols[line, pick]
+        sum_cost, sq_cost = new_sum, new_sq
+        parents.append(parent)
+    if not np.isfinite(sum_cost[-1]):  # pass 1 proved a cutting exists under max_cut
+        raise AssertionError("layer clustering DP found no cutting under its own bound")
+    chosen: list[int] = []
+    at = k_count - 1
+    for parent in reversed(parents):
+        at = int(parent[at])
+        chosen.append(int(allowed[at]))
+    return chosen[::-1]
+
+
+def _clustering(
+    graph: OpGraph,
+    positions: tuple[int, ...],
+    position_bytes: np.ndarray,
+    balance_tolerance: float | None,
+    tolerance_used: float | None,
+) -> LayerClustering:
+    """Assemble the result for cuts before each of ``positions`` (strictly increasing)."""
+    edges = (0, *positions, len(graph.nodes))
+    nodes = graph.nodes
+    layers = tuple(tuple(node.id for node in nodes[a:b]) for a, b in itertools.pairwise(edges))
+    flops = tuple(
+        float(sum(node.flops for node in nodes[a:b])) for a, b in itertools.pairwise(edges)
+    )
+    return LayerClustering(
+        layers=layers,
+        flops=flops,
+        cut_bytes=tuple(int(position_bytes[p]) for p in positions),
+        positions=positions,
+        balance_tolerance=balance_tolerance,
+        tolerance_used=tolerance_used,
+    )

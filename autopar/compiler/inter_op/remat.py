@@ -1,0 +1,50 @@
+"""Rematerialisation in the stage search: a stage may keep only its layers' inputs for the
+backward and recompute the rest of each layer's forward there (``jax.checkpoint`` per layer in
+the runtime).
+
+A rematerialised candidate pays one more forward per microbatch (a third of a layer's
+forward-plus-backward compute, the usual 1:2 flop split) and holds, per in-flight microbatch,
+only the bytes of its layers' activation inputs instead of everything their forwards produce.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from autopar.compiler.inter_op.submesh import StageCandidate
+
+REMAT_SUFFIX = "+remat"
+# forward flops / (forward + backward flops) of a layer
+FORWARD_SHARE = 1.0 / 3.0
+
+
+def is_remat_key(key: str) -> bool:
+    """Whether a stage candidate's key names a rematerialised variant."""
+    return key.endswith(REMAT_SUFFIX)
+
+
+def remat_candidates(costs: Sequence[Any], shape: tuple[int, ...],
+                     mode: str) -> list[StageCandidate]:
+    """The stage candidates of layers with ``costs`` (``PieceCost``) on one logical mesh:
+    as they are (``mode`` "none" or "auto"), rematerialised ("layers" or "auto")."""
+    key = "x".join(map(str, shape))
+    fixed = sum(c.fixed_bytes for c in costs)
+    found = []
+    if mode != "layers":
+        found.append(StageCandidate(
+            time=sum(c.time_s for c in costs),
+            fixed_memory=fixed,
+            activation_memory_per_microbatch=sum(c.activation_bytes for c in costs),
+            logical_mesh_shape=shape,
+            key=key,
+        ))
+    if mode != "none":
+        found.append(StageCandidate(
+            time=sum(c.time_s + FORWARD_SHARE * c.compute_s for c in costs),
+            fixed_memory=fixed,
+            activation_memory_per_microbatch=sum(c.boundary_bytes for c in costs),
+            logical_mesh_shape=shape,
+            key=key + REMAT_SUFFIX,
+        ))
+    return found

@@ -1,0 +1,427 @@
+"""The stage-construction search: Alpa's inter-operator dynamic program over a cost table.
+
+:mod:`autopar.compiler.inter_op.stages` hands this module a :class:`StageCostTable` (one
+:class:`StageCandidate` per tried logical mesh of every (layer range, submesh) pair) and gets
+back the stages minimising the pipeline latency
+
+    total = sum_i t_i + (m - 1) * max_i t_i          (m microbatches)
+
+using all devices of the cluster, with every stage's per-device memory (fixed memory plus one
+set of activations per in-flight microbatch) within the budget.
+
+Search. For a cap ``t_max`` the DP ``F(s, k, d)`` (min sum of stage times covering layers
+``k..L-1`` with ``s`` stages on ``d`` devices, every stage time <= t_max, every stage within the
+memory budget with the in-flight microbatches of its position) is solved with numpy over all
+(k, e, d) at once per stage count. Rather than sweeping every distinct candidate time, the caps
+are searched by branch and bound: a DP answer at cap T with slowest stage M dominates every
+partition whose slowest stage lies in [M, T] (no smaller sum, no smaller max), and a range of
+caps [a, b] below a known answer of sum S can hold nothing better than S + (m - 1) a. The
+uncapped DP and a min-max DP (the smallest feasible cap) bound the range. This is exact; only
+after ``max_tmax_candidates`` DP runs are the caps still open thinned with Alpa's relative gap,
+and :class:`StageSearch` reports the gap (0 when exact).
+
+Stages here are (start, end, usable submesh j) index triples; turning them back into the
+table's submeshes and candidates is the caller's job. Pure Python + numpy; no devices, no JAX.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from autopar.compiler.inter_op.stage_options import StageDPOptions
+from autopar.compiler.inter_op.submesh import StageCostTable, always_packs
+from autopar.errors import PlanError, choices_text
+
+__all__ = [
+    "Combine",
+    "DPAnswer",
+    "StageDPProblem",
+    "StageSearch",
+    "backtrack",
+    "best_stage_count",
+    "branch_and_bound",
+    "no_fit_error",
+    "pipeline_time",
+    "prepare_problem",
+    "run_dp",
+    "search_stages",
+    "solve_capped",
+    "thin_caps",
+]
+
+
+def pipeline_time(stage_times: Sequence[float], num_microbatches: int) -> float:
+    """``sum(t_i) + (m - 1) * max(t_i)``: one iteration's latency through the pipeline."""
+    return float(sum(stage_times) + (num_microbatches - 1) * max(stage_times))
+
+
+# ----------------------------------------------------------------------------- the DP
+
+
+@dataclass(frozen=True)
+class StageDPProblem:
+    """The cost table as dense arrays over (start k, end e, usable submesh j[, candidate]).
+
+    ``best_time[f]`` is the fastest candidate's time among those fitting the budget with ``f``
+    microbatches in flight (inf if none), ``best_index[f]`` its position in the table entry, and
+    ``least_memory[f]`` the smallest memory any candidate needs with ``f`` in flight. Capping the
+    stage time at t_max only masks ``best_time``: the fastest fitting candidate either meets the
+    cap or no fitting candidate does.
+    """
+
+    num_layers: int
+    num_devices: int
+    table_index: tuple[int, ...]  # usable submesh j -> index in the table
+    sizes: np.ndarray  # devices of usable submesh j
+    top_stages: int  # largest stage count the DP builds
+    fixed_stages: int | None
+    in_flight: tuple[int, ...]  # in_flight[s] for s = 1..top_stages (index 0 unused)
+    best_time: Mapping[int, np.ndarray]
+    best_index: Mapping[int, np.ndarray]
+    least_memory: Mapping[int, np.ndarray]
+
+    def per_stage_count(self, by_in_flight: Mapping[int, np.ndarray]) -> list[np.ndarray]:
+        """``costs[s]`` for s = 1..top (``costs[0]`` is unused)."""
+        return [by_in_flight[self.in_flight[max(s, 1)]] for s in range(self.top_stages + 1)]
+
+
+def prepare_problem(
+    table: StageCostTable, num_hosts: int, per_host: int, options: StageDPOptions
+) -> StageDPProblem:
+    """Densify ``table`` for the DP on ``num_hosts`` x ``per_host`` devices.
+
+    Keeps only the submeshes that always pack onto the cluster. PlanError (one line) when none
+    does, or when ``options.num_stages`` exceeds the layers or devices.
+    """
+    layers, devices = table.num_layers, num_hosts * per_host
+    usable = tuple(
+        i for i, sm in enumerate(table.submeshes) if always_packs(sm, num_hosts, per_host)
+    )
+    if not usable:
+        raise PlanError(
+            f"no submesh of the cost table ({choices_text(table.submeshes)}) is usable on "
+            f"{num_hosts} hosts x {per_host} devices (whole hosts, or a power-of-two slice "
+            f"dividing {per_host})"
+        )
+    wanted = options.num_stages
+    if wanted is not None and (wanted > layers or wanted > devices):
+        raise PlanError(
+            f"num_stages={wanted} is more than the {layers} layers or the {devices} devices "
+            f"({num_hosts} hosts x {per_host}); choose at most {min(layers, devices)}"
+        )
+    top = wanted if wanted is not None else min(layers, devices)
+    entries = [
+        (k, e, j, table.candidates(k, e, i))
+        for k in range(layers)
+        for e in range(k + 1, layers + 1)
+        for j, i in enumerate(usable)
+    ]
+    width = max([1] + [len(found) for *_, found in entries])
+    shape = (layers, layers + 1, len(usable), width)
+    times, fixed, act = np.full(shape, np.inf), np.full(shape, np.inf), np.zeros(shape)
+    at = [(k, e, j, c) for k, e, j, found in entries for c in range(len(found))]
+    if at:
+        where = tuple(np.array(axis) for axis in zip(*at, strict=True))
+        chosen = [entry[3][c] for entry in entries for c in range(len(entry[3]))]
+        times[where] = [c.time for c in chosen]
+        fixed[where] = [c.fixed_memory for c in chosen]
+        act[where] = [c.activation_memory_per_microbatch for c in chosen]
+    in_flight = tuple(options.in_flight(max(s, 1)) for s in range(top + 1))
+    budget = np.inf if options.memory_budget_bytes is None else options.memory_budget_bytes
+    best_time, best_index, least_memory = {}, {}, {}
+    for f in sorted(set(in_flight[1:])):
+        need = fixed + f * act  # inf for padding slots: they never fit
+        fitting_times = np.where(need <= budget, times, np.inf)
+        index = np.argmin(fitting_times, axis=-1)
+        best_index[f] = index
+        best_time[f] = np.take_along_axis(fitting_times, index[..., None], axis=-1)[..., 0]
+        least_memory[f] = need.min(axis=-1)
+    return StageDPProblem(
+        num_layers=layers,
+        num_devices=devices,
+        table_index=usable,
+        sizes=np.array([table.submeshes[i].num_devices for i in usable]),
+        top_stages=top,
+        fixed_stages=wanted,
+        in_flight=in_flight,
+        best_time=best_time,
+        best_index=best_index,
+        least_memory=least_memory,
+    )
+
+
+Combine = Callable[..., np.ndarray]  # np.add (sum of stage times) or np.maximum (bottleneck)
+
+
+def run_dp(
+    problem: StageDPProblem, costs: Sequence[np.ndarray], combine: Combine
+) -> list[np.ndarray]:
+    """``tables[s][k, d]``: best value covering layers k..L-1 with s stages on d devices.
+
+    Built one stage count at a time: ``F(s, k, d) = min over e > k, j of
+    cost_s[k, e, j] (+ or max) F(s - 1, e, d - n_j)``, vectorised over k, e and d. Only stage
+    lengths up to the longest finite entry of each submesh are visited: under a low stage-time
+    cap, long ranges on small submeshes are all infinite, which shrinks the work several-fold.
+    """
+    layers, devices = problem.num_layers, problem.num_devices
+    lengths = np.arange(layers + 1)[None, :] - np.arange(layers)[:, None]  # e - k
+    bands: dict[int, np.ndarray] = {}  # id(cost array) -> longest finite stage per submesh
+    empty = np.full((layers + 1, devices + 1), np.inf)
+    empty[layers, 0] = 0.0  # zero stages cover zero layers on zero devices
+    tables = [empty]
+    for s in range(1, problem.top_stages + 1):
+        cost = costs[s]
+        if id(cost) not in bands:
+            bands[id(cost)] = np.where(np.isfinite(cost), lengths[..., None], 0).max(axis=(0, 1))
+        band = bands[id(cost)]
+        # Earlier stages need a layer each (when the count is fixed); later ones too.
+        k_low = 0 if problem.fixed_stages is None else problem.fixed_stages - s
+        k_high, e_high = layers - s, layers - s + 1
+        current = np.full((layers + 1, devices + 1), np.inf)
+        starts = np.arange(max(k_low, 0), k_high + 1)
+        if s == 1:
+            for j, size in enumerate(problem.sizes):
+                if size <= devices:
+                    column = combine(cost[starts, layers, j], 0.0)
+                    current[starts, size] = np.minimum(current[starts, size], column)
+        elif len(starts) and band.max() > 0:
+            reach = int(min(band.max(), e_high - starts[0]))
+            ends = starts[:, None] + np.arange(1, reach + 1)[None, :]  # (k, offset)
+            beyond = ends > e_high
+            ends = np.minimum(ends, e_high)
+            rest = tables[-1][ends]  # (k, offset, d): the best of the stages after this one
+            stage_costs = np.where(beyond[..., None], np.inf, cost[starts[:, None], ends])
+            best = np.full((len(starts), devices + 1), np.inf)
+            scratch = np.empty_like(rest)
+            for j, size in enumerate(problem.sizes):
+                width = int(min(band[j], reach))
+                if size > devices or width == 0:
+                    continue
+                view = scratch[:, :width]
+                view[:, :, :size] = np.inf
+                combine(
+                    stage_costs[:, :width, j, None],
+                    rest[:, :width, : devices + 1 - size],
+                    out=view[:, :, size:],
+                )
+                np.minimum(best, view.min(axis=1), out=best)
+            current[starts] = best
+        tables.append(current)
+        if not np.isfinite(current).any():
+            break  # more stages cannot do better than none
+    return tables
+
+
+def best_stage_count(problem: StageDPProblem, tables: Sequence[np.ndarray]) -> tuple[int, float]:
+    """(stage count, value) of the best answer for all layers on all devices."""
+    counts = [problem.fixed_stages] if problem.fixed_stages is not None else range(1, len(tables))
+    values = [(tables[s][0, problem.num_devices], s) for s in counts if s < len(tables)]
+    value, count = min(values, default=(np.inf, 0))
+    return count, float(value)
+
+
+def backtrack(
+    problem: StageDPProblem,
+    tables: Sequence[np.ndarray],
+    costs: Sequence[np.ndarray],
+    combine: Combine,
+    count: int,
+) -> list[tuple[int, int, int]]:
+    """The (start, end, submesh j) stages of the answer with ``count`` stages.
+
+    Recomputes the DP step only along the answer's path: the value at each state equals, bit
+    for bit, the combine of its chosen predecessor, so the first exact match is a valid choice.
+    """
+    layers, d, k = problem.num_layers, problem.num_devices, 0
+    stages = []
+    for s in range(count, 0, -1):
+        target = tables[s][k, d]
+        ends = np.arange(k + 1, layers + 1)
+        left = d - problem.sizes
+        ok = left >= 0
+        rest = np.full((len(ends), len(problem.sizes)), np.inf)
+        rest[:, ok] = tables[s - 1][ends][:, left[ok]]
+        values = combine(costs[s][k, k + 1 :], rest)
+        e_pos, j = np.argwhere(values == target)[0]
+        stages.append((k, int(ends[e_pos]), int(j)))
+        k, d = int(ends[e_pos]), int(left[j])
+    return stages
+
+
+# ----------------------------------------------------------------------------- the search
+
+
+@dataclass(frozen=True)
+class DPAnswer:
+    """One DP answer: stages as (start, end, usable submesh j, in-flight count)."""
+
+    stages: tuple[tuple[int, int, int, int], ...]
+    times: tuple[float, ...]
+    stage_sum: float
+    max_time: float
+    total: float
+
+
+def solve_capped(problem: StageDPProblem, t_max: float, num_microbatches: int) -> DPAnswer | None:
+    """Min-sum stages with every stage time <= ``t_max``; None if there are none."""
+    capped = problem.best_time
+    if math.isfinite(t_max):
+        capped = {f: np.where(t <= t_max, t, np.inf) for f, t in problem.best_time.items()}
+    costs = problem.per_stage_count(capped)
+    tables = run_dp(problem, costs, np.add)
+    count, value = best_stage_count(problem, tables)
+    if not math.isfinite(value):
+        return None
+    path = backtrack(problem, tables, costs, np.add, count)
+    stages = tuple((k, e, j, problem.in_flight[count - i]) for i, (k, e, j) in enumerate(path))
+    times = tuple(float(problem.best_time[f][k, e, j]) for k, e, j, f in stages)
+    total = pipeline_time(times, num_microbatches)
+    return DPAnswer(stages, times, float(sum(times)), max(times), total)
+
+
+def thin_caps(caps_descending: np.ndarray, limit: int) -> tuple[np.ndarray, float]:
+    """At most ``limit`` caps, each at least a relative ``gap`` below the previous kept one."""
+    positive = caps_descending[caps_descending > 0]
+    spread = positive[0] / positive[-1] if len(positive) else 1.0
+    gap = max(spread ** (1.0 / limit) - 1.0, 1e-9)
+    while True:
+        kept = [caps_descending[0]]
+        for cap in caps_descending[1:]:
+            if cap * (1.0 + gap) <= kept[-1]:
+                kept.append(cap)
+        if len(kept) <= limit:
+            return np.array(kept), gap
+        gap *= 1.5
+
+
+def no_fit_error(
+    problem: StageDPProblem, num_hosts: int, per_host: int, options: StageDPOptions
+) -> PlanError:
+    """Why no stage assignment exists: missing candidates, or memory (with the least needed)."""
+    tables = run_dp(problem, problem.per_stage_count(problem.least_memory), np.maximum)
+    _, need = best_stage_count(problem, tables)
+    where = f"{problem.num_layers} layers on {num_hosts} hosts x {per_host} devices"
+    if options.num_stages is not None:
+        where += f" in {options.num_stages} stages"
+    if not math.isfinite(need):
+        return PlanError(f"no stage partition of {where} has a candidate for every stage")
+    budget = options.memory_budget_bytes
+    return PlanError(
+        f"no stage assignment of {where} fits in {budget:.0f} bytes "
+        f"({budget / 2**30:.2f} GiB) per device: the smallest needs {need:.0f} bytes "
+        f"({need / 2**30:.2f} GiB) per device (schedule {options.schedule}, "
+        f"{options.num_microbatches} microbatches)"
+    )
+
+
+def branch_and_bound(
+    attempt: Callable[[float], DPAnswer],
+    best_total: Callable[[], float],
+    caps: np.ndarray,
+    sum_floor: float,
+    m: int,
+    limit: int,
+) -> float:
+    """Visit the stage-time caps that may hold a better pipeline; return the thinning gap.
+
+    ``caps`` (ascending) are the distinct stage times strictly between the smallest feasible
+    cap and the uncapped answer's slowest stage. An interval ``[lo, hi]`` of caps stands for
+    the partitions whose slowest stage is in ``[caps[lo], caps[hi]]``; each has a sum of at
+    least ``sum_above`` (the DP answer of a cap above the interval), so none can beat
+    ``sum_above + (m - 1) * caps[lo]``. Intervals are opened best bound first; the DP at the
+    middle cap removes the partitions it dominates (slowest stage in [its max, cap]) and
+    splits the rest in two. After ``limit`` DP runs the remaining caps are thinned.
+    """
+    heap: list[tuple[float, int, int, float]] = []
+
+    def push(lo: int, hi: int, sum_above: float) -> None:
+        # Reads ``caps`` at call time: after thinning it is the thinned array.
+        best = best_total()
+        if m > 1:
+            # A partition whose slowest stage is t totals at least sum_floor + (m - 1) t.
+            too_slow = int(np.searchsorted(caps, (best - sum_floor) / (m - 1), side="left"))
+            hi = min(hi, too_slow - 1)
+        bound = sum_above + (m - 1) * float(caps[lo]) if lo <= hi else math.inf
+        if bound < best:
+            heapq.heappush(heap, (bound, lo, hi, sum_above))
+
+    push(0, len(caps) - 1, sum_floor)
+    gap, runs = 0.0, 0
+    while heap:
+        bound, lo, hi, sum_above = heapq.heappop(heap)
+        if bound >= best_total():
+            break  # every interval left is bounded at least as high
+        if gap == 0.0 and runs >= limit:
+            # Too many DP runs for an exact search: keep a thinned subset of the open caps.
+            open_caps = np.unique(
+                np.concatenate([caps[lo : hi + 1]] + [caps[i : j + 1] for _, i, j, _ in heap])
+            )
+            thinned, gap = thin_caps(open_caps[::-1], limit)
+            thinned = thinned[::-1]
+            intervals = [(lo, hi, sum_above)] + [(i, j, above) for _, i, j, above in heap]
+            old_caps, caps, heap = caps, thinned, []
+            for i, j, above in intervals:
+                new_lo = int(np.searchsorted(caps, old_caps[i], side="left"))
+                new_hi = int(np.searchsorted(caps, old_caps[j], side="right")) - 1
+                push(new_lo, new_hi, above)
+            continue
+        middle = (lo + hi) // 2
+        answer = attempt(float(caps[middle]))
+        runs += 1
+        below = int(np.searchsorted(caps, answer.max_time, side="left")) - 1
+        push(lo, min(below, middle - 1), answer.stage_sum)
+        push(middle + 1, hi, sum_above)
+    return gap
+
+
+@dataclass(frozen=True)
+class StageSearch:
+    """The search's outcome: the best answer, the thinning gap (0.0: exact), the DP runs."""
+
+    best: DPAnswer
+    gap: float
+    num_tried: int
+
+
+def search_stages(
+    problem: StageDPProblem, num_hosts: int, per_host: int, options: StageDPOptions
+) -> StageSearch:
+    """The answer minimising ``sum(t_i) + (m - 1) * max(t_i)`` over all stage-time caps.
+
+    Raises :func:`no_fit_error`'s PlanError when no assignment exists at any cap.
+    """
+    m = options.num_microbatches
+    # The smallest t_max for which any assignment exists: a min-max DP over the same table.
+    bottleneck = run_dp(problem, problem.per_stage_count(problem.best_time), np.maximum)
+    _, t_low = best_stage_count(problem, bottleneck)
+    if not math.isfinite(t_low):
+        raise no_fit_error(problem, num_hosts, per_host, options)
+
+    answers: list[DPAnswer] = []
+
+    def attempt(t_max: float) -> DPAnswer:
+        answer = solve_capped(problem, t_max, m)
+        assert answer is not None, "t_max >= the smallest feasible cap always has an answer"
+        answers.append(answer)
+        return answer
+
+    def best_total() -> float:
+        return min(answer.total for answer in answers)
+
+    unlimited = attempt(math.inf)
+    if t_low < unlimited.max_time:
+        attempt(t_low)  # often the winner when m is large; tightens the bounds below early
+    # Every stage time the DP can pick is a cap worth trying; caps at or above the uncapped
+    # answer's slowest stage return that answer again, caps at t_low or below were handled.
+    distinct = np.unique(np.concatenate([t[np.isfinite(t)] for t in problem.best_time.values()]))
+    caps = distinct[(distinct > t_low) & (distinct < unlimited.max_time)]
+    gap = branch_and_bound(
+        attempt, best_total, caps, unlimited.stage_sum, m, options.max_tmax_candidates
+    )
+    best = min(answers, key=lambda a: a.total)
+    return StageSearch(best=best, gap=float(gap), num_tried=len(answers))

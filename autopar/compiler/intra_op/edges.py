@@ -1,0 +1,153 @@
+"""Edges of the intra-operator ILP: resharding cost between the variables at both ends of
+every data use, and between a new-state output and the input leaf it replaces.
+
+Each use of a tensor gets a matrix [producer choice][consumer choice] of resharding seconds.
+Uses between two variables add up into one edge; a use inside one variable (producer and
+consumer merged by following or tying) can only take the diagonal, which goes into that
+variable's own costs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+
+import numpy as np
+
+from autopar.compiler.cost.resharding import ReshardCost, reshard_cost
+from autopar.compiler.graph.opgraph import OpGraph, TensorInfo
+from autopar.compiler.intra_op.problem import ProblemEdge
+from autopar.compiler.intra_op.strategies.base import Strategy
+from autopar.compiler.intra_op.variables import DecisionVariables, Variable
+from autopar.plan import ShardingSpec
+
+# how many use notes an edge keeps for --dump-ilp readers
+_NOTES_PER_EDGE = 4
+
+
+def state_ties(graph: OpGraph, tensor_home: dict[int, tuple[int, int]]) -> list[tuple[int, int]]:
+    """(output tensor, input tensor) pairs of new-state leaves and the leaves they replace:
+    outputs whose path after the result index equals an input's path after the argument
+    name (``out/0/params/w`` replaces ``state/params/w``) with the same shape and dtype.
+
+    Only outputs with a home in ``tensor_home`` (produced by an op or an input) count."""
+    by_suffix: dict[str, int] = {}
+    for io in graph.inputs:
+        suffix = io.path.split("/", 1)[1] if "/" in io.path else ""
+        if io.arg_index == 0:
+            by_suffix[suffix] = io.tensor
+    ties = []
+    for io in graph.outputs:
+        parts = io.path.split("/", 2)
+        if len(parts) < 3 or parts[1] != "0":
+            continue
+        in_t = by_suffix.get(parts[2])
+        if in_t is None or io.tensor not in tensor_home:
+            continue
+        a, b = graph.tensors[io.tensor], graph.tensors[in_t]
+        if (a.shape, a.dtype) == (b.shape, b.dtype):
+            ties.append((io.tensor, in_t))
+    return ties
+
+
+def _input_needs(strategies: list[Strategy], k: int) -> list[ShardingSpec | None]:
+    return [s.input_specs[k] for s in strategies]
+
+
+def _output_specs(strategies: list[Strategy]) -> list[ShardingSpec]:
+    return [s.output_specs[0] for s in strategies]
+
+
+class ReshardingEdges:
+    """Resharding costs on ``table``'s variables, cached by what they depend on.
+
+    ``cost`` is also how the read-back of a solution prices the reshards it keeps."""
+
+    def __init__(
+        self, table: DecisionVariables, cost_cache: dict[tuple, ReshardCost] | None = None
+    ):
+        self.table = table
+        # may be shared by builds on the same mesh (costs depend on specs, type and mesh only)
+        self._cost_cache: dict[tuple, ReshardCost] = {} if cost_cache is None else cost_cache
+        self._matrix_cache: dict[tuple, np.ndarray] = {}
+
+    def cost(self, src: ShardingSpec, dst: ShardingSpec, info: TensorInfo) -> ReshardCost:
+        """Resharding ``info``-typed data from ``src`` to ``dst`` on the table's mesh."""
+        key = (src, dst, info.shape, info.dtype)
+        found = self._cost_cache.get(key)
+        if found is None:
+            found = reshard_cost(src, dst, info, self.table.mesh)
+            self._cost_cache[key] = found
+        return found
+
+    def use_matrix(
+        self, tensor: int, needs: Callable[[], Sequence[ShardingSpec | None]], key: tuple
+    ) -> np.ndarray:
+        """Resharding seconds [producer choice][consumer choice] for one use of ``tensor``;
+        ``needs()[j]`` is the spec the use needs under the consumer's choice j.
+
+        Cached by the producer's and consumer's strategy lists: the same op of every tied
+        layer reuses one matrix."""
+        home, out = self.table.tensor_home[tensor]
+        src_list = self.table.variable_of(home).members[home]
+        info = self.table.graph.tensors[tensor]
+        full_key = (id(src_list), out, key, info.shape, info.dtype)
+        found = self._matrix_cache.get(full_key)
+        if found is None:
+            needs = needs()
+            # many strategies share a spec: price each distinct (producer, consumer) pair once
+            src_index: dict[ShardingSpec, int] = {}
+            rows = [src_index.setdefault(s.output_specs[out], len(src_index)) for s in src_list]
+            need_index: dict[ShardingSpec, int] = {}
+            cols = [-1 if n is None else need_index.setdefault(n, len(need_index)) for n in needs]
+            small = np.zeros((len(src_index), len(need_index) + 1))  # last column: no need
+            for a, spec in enumerate(src_index):
+                for b, need in enumerate(need_index):
+                    small[a, b] = self.cost(spec, need, info).time_s
+            found = small[np.ix_(rows, cols)]
+            self._matrix_cache[full_key] = found
+        return found
+
+    def edges(self, ties: Sequence[tuple[int, int]]) -> list[ProblemEdge]:
+        """Every nonzero edge: operand uses, then the state ``ties`` (see ``state_ties``).
+
+        Adds the diagonal of uses within one variable to that variable's costs, in place."""
+        table = self.table
+        matrices: dict[tuple[int, int], np.ndarray] = {}
+        notes: dict[tuple[int, int], list[str]] = {}
+
+        def add_use(tensor: int, dst_var: Variable, needs, key: tuple, note: str) -> None:
+            src_var = table.home_variable(tensor)
+            matrix = self.use_matrix(tensor, needs, key)
+            if src_var.index == dst_var.index:
+                # one decision at both ends: only the diagonal can happen
+                src_var.costs = list(np.asarray(src_var.costs) + np.diagonal(matrix))
+                return
+            pair = (src_var.index, dst_var.index)
+            if pair in matrices:
+                matrices[pair] = matrices[pair] + matrix
+            else:
+                matrices[pair] = matrix
+            notes.setdefault(pair, []).append(note)
+
+        for node in table.graph.nodes:
+            var = table.variable_of(node.id)
+            strategies = var.members[node.id]
+            for k, t in enumerate(node.inputs):
+                if t not in table.tensor_home:
+                    continue  # literal or constant: every device holds it whole
+                needs = partial(_input_needs, strategies, k)
+                add_use(t, var, needs, ("use", id(strategies), k), f"t{t}->n{node.id}.{k}")
+        for out_t, in_t in ties:
+            in_member = table.tensor_home[in_t][0]
+            in_var = table.variable_of(in_member)
+            in_list = in_var.members[in_member]
+            needs = partial(_output_specs, in_list)
+            add_use(out_t, in_var, needs, ("tie", id(in_list)), f"tie t{out_t}=t{in_t}")
+        return [
+            ProblemEdge(
+                src, dst, matrix.tolist(), note="; ".join(notes[(src, dst)][:_NOTES_PER_EDGE])
+            )
+            for (src, dst), matrix in matrices.items()
+            if matrix.any()
+        ]

@@ -1,0 +1,196 @@
+"""The intra-operator sharding ILP as plain data, its solution, and ``solve``.
+
+Each node picks one strategy; an edge (u, v) costs ``costs[i][j]`` when u picks i and v picks j;
+the objective is the sum of chosen node and edge costs, optionally under a per-device memory
+budget over live sets. Nothing here knows about JAX: the builder in ``intra_op.py`` makes the
+problem, ``solve`` answers it (exact presolve in ``ilp_presolve.py``, the MIP and its solvers
+in ``ilp_mip.py``). The ``--dump-ilp`` JSON format is described in docs/ilp-format.md.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from autopar.compiler.intra_op.mip import (
+    MIP_REL_GAP,
+    SOLVERS,
+    build_mip,
+    lp_rounding,
+    resolve_auto,
+    run_mip,
+    solver_name,
+)
+from autopar.compiler.intra_op.presolve import complete_choices, local_search
+from autopar.compiler.intra_op.presolve import presolve as reduce_problem
+from autopar.compiler.intra_op.problem import (
+    InfeasibleMemoryError,
+    IntraOpProblem,
+    IntraOpSolution,
+)
+from autopar.errors import AutoparError, InvalidOptionError
+
+__all__ = ["SOLVERS"]  # re-exported: the CLI and options list the valid solver names
+# A gap this loose or looser is first tried by rounding the LP relaxation (a proof when the
+# rounded plan is within the gap of the LP's bound); tighter gaps go straight to the MIP.
+LP_ROUNDING_MIN_GAP = 1e-4
+WARM_START = True  # hand the greedy plan to the solver (a switch for measurements)
+
+
+# ---------------------------------------------------------------- evaluation ----------------
+
+def _check(problem: IntraOpProblem) -> None:
+    """Malformed problems are the builder's bug: a plain ValueError naming the culprit."""
+    n, sizes = len(problem.nodes), [len(nd.costs) for nd in problem.nodes]
+    for u, nd in enumerate(problem.nodes):
+        if not sizes[u] or len(nd.strategy_names) != sizes[u] or not np.all(np.isfinite(
+                nd.costs)) or (nd.memory is not None and len(nd.memory) != sizes[u]):
+            raise ValueError(f"node {u} ({nd.name}): needs >= 1 strategy, finite costs and "
+                             "equally long costs, strategy_names and memory")
+    for e in problem.edges:
+        if not (0 <= e.src < n and 0 <= e.dst < n) or np.shape(e.costs) != (
+                sizes[e.src], sizes[e.dst]) or not np.all(np.isfinite(e.costs)):
+            raise ValueError(f"edge {e.src}->{e.dst}: needs node indices in range and finite "
+                             "costs of shape [src strategies][dst strategies]")
+    if any(not 0 <= u < n for s in problem.live_sets for u in s):
+        raise ValueError("live set: node index out of range")
+
+
+def _check_choices(problem: IntraOpProblem, choices: Sequence[int]) -> None:
+    if len(choices) != len(problem.nodes) or any(
+            not 0 <= c < len(nd.costs) for c, nd in zip(choices, problem.nodes, strict=True)):
+        raise ValueError("choices: need one valid strategy index per node")
+
+
+def evaluate(problem: IntraOpProblem, choices: Sequence[int]) -> float:
+    """Objective (seconds) of ``choices``: chosen node costs plus chosen edge costs."""
+    _check_choices(problem, choices)
+    total = math.fsum(nd.costs[c] for nd, c in zip(problem.nodes, choices, strict=True))
+    return total + math.fsum(e.costs[choices[e.src]][choices[e.dst]] for e in problem.edges)
+
+
+def peak_memory(problem: IntraOpProblem, choices: Sequence[int]) -> float:
+    """Largest per-device memory over the live sets (each a set of nodes) for ``choices``."""
+    _check_choices(problem, choices)
+    mem = [0.0 if nd.memory is None else nd.memory[c]
+           for nd, c in zip(problem.nodes, choices, strict=True)]
+    return max((math.fsum(mem[u] for u in set(s)) for s in problem.live_sets), default=0.0)
+
+
+def least_memory_choices(problem: IntraOpProblem) -> list[int]:
+    """Every node at its least-memory strategy: the plan of least peak memory."""
+    return [0 if nd.memory is None else int(np.argmin(nd.memory)) for nd in problem.nodes]
+
+
+def min_peak_memory(problem: IntraOpProblem, *, solver: str = "auto",
+                    time_limit_s: float = 30.0) -> float:
+    """Smallest peak memory any plan has. Exact and solver-free: every live-set sum grows with
+    each node's own memory, so each node at its least-memory strategy minimises all of them at
+    once. ``solver``/``time_limit_s`` are only checked, for a uniform signature."""
+    solver_name(solver)
+    return peak_memory(problem, least_memory_choices(problem))
+
+
+def brute_force(problem: IntraOpProblem) -> tuple[list[int], float]:
+    """Best choices within the memory budget by enumerating every combination (for tests)."""
+    _check(problem)
+    shape = [len(nd.costs) for nd in problem.nodes]
+    if math.prod(shape) > 1_000_000:
+        raise ValueError(f"brute_force: {math.prod(shape)} combinations is too many")
+    if not shape:
+        return [], 0.0
+    grid = np.indices(shape).reshape(len(shape), -1)  # grid[u]: u's pick in each combination
+    total = np.zeros(grid.shape[1])
+    for u, nd in enumerate(problem.nodes):
+        total += np.asarray(nd.costs)[grid[u]]
+    for e in problem.edges:
+        total += np.asarray(e.costs)[grid[e.src], grid[e.dst]]
+    if problem.memory_budget is not None:
+        for s in problem.live_sets:
+            load = np.zeros(grid.shape[1])
+            for u in set(s):
+                if problem.nodes[u].memory is not None:
+                    load += np.asarray(problem.nodes[u].memory)[grid[u]]
+            total[load > problem.memory_budget] = np.inf
+    best = int(np.argmin(total))
+    if not np.isfinite(total[best]):
+        raise InfeasibleMemoryError(problem.memory_budget, min_peak_memory(problem))
+    choices = [int(c) for c in grid[:, best]]
+    return choices, evaluate(problem, choices)
+
+
+def solve(problem: IntraOpProblem, *, solver: str = "auto", time_limit_s: float = 30.0,
+          presolve: bool = True, relative_gap: float = MIP_REL_GAP) -> IntraOpSolution:
+    """Cheapest choices within the memory budget.
+
+    The solver gets what is left of ``time_limit_s`` after presolve and model building (at least
+    0.05 s); PuLP's hand-over to it and CBC's overshoot come on top (docs/ilp-format.md). On the
+    limit, the better of the solver's incumbent and the greedy start plan comes back with status
+    "time_limit". Raises ``InfeasibleMemoryError`` when no plan fits the budget.
+    ``presolve=False`` keeps every node in the MIP (for tests and measurements).
+    ``relative_gap``: the solver stops once its incumbent is within this fraction of its bound
+    (default 1e-9: optimal up to solver tolerances; a looser gap "optimal" means within it).
+    """
+    t0 = time.perf_counter()
+    name = solver_name(solver)
+    if not time_limit_s > 0:
+        raise InvalidOptionError(f"time_limit_s must be positive, got {time_limit_s}")
+    _check(problem)
+    n, budget = len(problem.nodes), problem.memory_budget
+    if budget is not None and (need := min_peak_memory(problem)) > budget:
+        raise InfeasibleMemoryError(budget, need)
+    if all(len(nd.costs) == 1 for nd in problem.nodes):
+        return IntraOpSolution([0] * n, evaluate(problem, [0] * n), "trivial", True, 0.0,
+                               "trivial", 0, 0, time.perf_counter() - t0, 0.0)
+    r = reduce_problem(problem, presolve)
+    if not r.cost:  # presolve decided every node exactly
+        choices = complete_choices(r, n, {})
+        return IntraOpSolution(choices, evaluate(problem, choices), "optimal", True, 0.0,
+                               "presolve", 0, 0, time.perf_counter() - t0, 0.0)
+    if name == "auto":
+        name = resolve_auto()
+    # Greedy plans from the cheapest and from the least-memory choices (the latter always fits:
+    # the budget was checked): the solver's warm start, and the answer if it finds no better.
+    cheap = {u: int(np.argmin(c)) for u, c in r.cost.items()}
+    lean = {**cheap, **{u: int(np.argmin(d)) for terms, _ in r.rows for u, d in terms}}
+    greedy = [g for g in (local_search(r, cheap), local_search(r, lean) if r.rows else None)
+              if g is not None]
+    plans = [complete_choices(r, n, g) for g in greedy]
+    best = min(range(len(plans)), key=lambda i: evaluate(problem, plans[i]))
+    model = build_mip(r, greedy[best] if WARM_START else None)
+    if name == "highs" and relative_gap >= LP_ROUNDING_MIN_GAP:
+        # The LP relaxation is tight on these problems but fractional: its rounding, polished,
+        # is often within the gap of the LP's bound, which proves it without a MIP search.
+        bound, rounded = lp_rounding(model, max(time_limit_s - (time.perf_counter() - t0), 0.05))
+        start = local_search(r, rounded) if rounded else None
+        if start is not None:
+            plan = complete_choices(r, n, start)
+            value, lower = evaluate(problem, plan), r.const + model.scale * bound
+            if value - lower <= relative_gap * abs(value):
+                t1 = time.perf_counter()
+                return IntraOpSolution(
+                    plan, value, "optimal", True, max(0.0, value - lower) / abs(value) if value
+                    else 0.0, "highs-lp", model.num_columns, model.num_rows, t1 - t0, 0.0,
+                    len(r.cost), sum(len(a) for a in r.adj.values()) // 2)
+            plans.append(plan)
+    t1 = time.perf_counter()
+    result = run_mip(model, name, max(time_limit_s - (t1 - t0), 0.05), relative_gap)
+    t2 = time.perf_counter()
+    if result.status != "none":
+        plans.append(complete_choices(r, n, result.core))
+    plans = [p for p in plans if budget is None or peak_memory(problem, p) <= budget * (1 + 1e-9)]
+    if not plans:  # unreachable while the least-memory plan fits; kept as a guard
+        raise AutoparError(f"the ILP solver found no plan within time_limit_s={time_limit_s:g}; "
+                           "raise the time limit")
+    choices = min(plans, key=lambda p: evaluate(problem, p))
+    optimal = result.status == "optimal"
+    objective, gap = evaluate(problem, choices), (0.0 if optimal else None)
+    if result.bound is not None and objective:  # in original units: constant + scaled MIP's
+        gap = max(0.0, objective - (r.const + model.scale * result.bound)) / abs(objective)
+    return IntraOpSolution(
+        choices, objective, "optimal" if optimal else "time_limit", optimal, gap, name,
+        model.num_columns, model.num_rows, t1 - t0, t2 - t1, len(r.cost),
+        sum(len(a) for a in r.adj.values()) // 2)

@@ -1,0 +1,62 @@
+"""Memory rows of the intra-operator ILP: per-device bytes of each choice, and live sets.
+
+The rows follow ``memory_model``: a variable's memory under choice ``i`` is the per-device size
+of the tensors its members produce that XLA writes to memory (temporaries it does not fuse
+away, and the step's outputs; inputs: their own tensor) in the specs of choice ``i``. A live
+set is the variables whose tensors are alive at one sampled point of the memory-greedy order,
+plus every input and output (they hold their buffers for the whole step); the ILP keeps each
+set's sum under the budget.
+"""
+
+from __future__ import annotations
+
+from autopar.compiler.cost.memory_model import (
+    last_reads,
+    materialized_temporaries,
+    memory_greedy_order,
+)
+from autopar.compiler.intra_op.variables import DecisionVariables, input_key
+
+
+def memory_vectors(table: DecisionVariables) -> list[list[float]]:
+    """Per-device bytes of each variable's tensors, one entry per choice."""
+    sizes = {a: table.mesh.axis_size(a) for a in table.mesh.axis_names}
+    tensors = table.graph.tensors
+    written = materialized_temporaries(table.graph) | {io.tensor for io in table.graph.outputs}
+    vectors = []
+    for var in table.variables:
+        vec = [0.0] * var.size
+        for member, strategies in var.members.items():
+            outs = table.member_outputs(member)
+            for i, s in enumerate(strategies):
+                for t, spec in zip(outs, s.output_specs, strict=True):
+                    if member >= 0 and t not in written:
+                        continue
+                    vec[i] += tensors[t].nbytes / spec.num_shards(sizes)
+        vectors.append(vec)
+    return vectors
+
+
+def live_sets(table: DecisionVariables, max_live_sets: int) -> list[list[int]]:
+    """Variables whose tensors are alive at about ``max_live_sets`` evenly spaced program
+    points (graph inputs are alive at all of them)."""
+    graph = table.graph
+    outputs = {io.tensor for io in graph.outputs}
+    counted = materialized_temporaries(graph) - outputs
+    order = memory_greedy_order(graph, counted)
+    last_use = last_reads(graph, order, counted)
+    always = {table.var_of[input_key(p)] for p in range(len(graph.inputs))}
+    always |= {table.var_of[table.tensor_home[t][0]] for t in outputs if t in table.tensor_home}
+    step = max(1, len(order) // max_live_sets)
+    live: dict[int, int] = {}  # tensor -> position of its last reader
+    sets: list[list[int]] = []
+    for i, n in enumerate(order):
+        for t in graph.nodes[n].outputs:
+            if t in counted and t in last_use:
+                live[t] = last_use[t]
+        if i % step == 0:
+            current = {table.var_of[table.tensor_home[t][0]] for t in live}
+            sets.append(sorted(current | always))
+        for t in [t for t, end in live.items() if end <= i]:
+            del live[t]
+    return sets

@@ -1,0 +1,156 @@
+"""The intra-operator sharding ILP as plain data (nodes, edges, memory budget and live sets),
+its solution, and the ``--dump-ilp`` JSON form (docs/ilp-format.md). Nothing here solves:
+``ilp.solve`` does, with ``presolve`` and ``mip``; all three read these types.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from autopar.errors import AutoparError, PlanError
+
+FORMAT_VERSION = 1
+
+
+@dataclass
+class ProblemNode:
+    """One ILP decision: a node (with what follows it) and its candidate strategies."""
+
+    name: str
+    costs: list[float]
+    strategy_names: list[str]
+    memory: list[float] | None = None
+    follow_note: str = ""
+
+
+@dataclass
+class ProblemEdge:
+    """Resharding cost ``costs[i][j]`` when ``src`` picks strategy i and ``dst`` picks j."""
+
+    src: int
+    dst: int
+    costs: list[list[float]]
+    note: str = ""
+
+
+@dataclass
+class IntraOpProblem:
+    """The whole ILP: nodes, edges, optional per-device memory budget and its live sets."""
+
+    nodes: list[ProblemNode]
+    edges: list[ProblemEdge]
+    memory_budget: float | None = None
+    live_sets: list[list[int]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``--dump-ilp`` problem section (format version 1)."""
+        budget = self.memory_budget
+        return {"format": "autopar-ilp", "version": FORMAT_VERSION,
+                "memory_budget": None if budget is None else float(budget),
+                "nodes": [{"name": n.name, "strategies": list(n.strategy_names),
+                           "costs": [float(c) for c in n.costs],
+                           "memory": None if n.memory is None else [float(m) for m in n.memory],
+                           "follow_note": n.follow_note} for n in self.nodes],
+                "edges": [{"src": e.src, "dst": e.dst, "note": e.note,
+                           "costs": [[float(c) for c in row] for row in e.costs]}
+                          for e in self.edges],
+                "live_sets": [[int(u) for u in s] for s in self.live_sets]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> IntraOpProblem:
+        """Inverse of ``to_dict``; ignores a ``solution`` section."""
+        if d.get("format") != "autopar-ilp" or d.get("version") != FORMAT_VERSION:
+            raise PlanError(f"not an autopar ILP dump of format version {FORMAT_VERSION}: "
+                            f"format={d.get('format')!r} version={d.get('version')!r}")
+        nodes = [ProblemNode(n["name"], [float(c) for c in n["costs"]], list(n["strategies"]),
+                             None if n.get("memory") is None else [float(m) for m in n["memory"]],
+                             n.get("follow_note", "")) for n in d["nodes"]]
+        edges = [ProblemEdge(int(e["src"]), int(e["dst"]),
+                             [[float(c) for c in row] for row in e["costs"]], e.get("note", ""))
+                 for e in d["edges"]]
+        budget = d.get("memory_budget")
+        return cls(nodes, edges, None if budget is None else float(budget),
+                   [[int(u) for u in s] for s in d.get("live_sets", [])])
+
+    def to_json(self) -> str:
+        """JSON text of ``to_dict()`` (strict JSON: costs are finite)."""
+        return problem_to_json(self)
+
+    @classmethod
+    def from_json(cls, text: str) -> IntraOpProblem:
+        """Inverse of ``to_json`` / ``problem_to_json``."""
+        return cls.from_dict(json.loads(text))
+
+
+@dataclass
+class IntraOpSolution:
+    """A chosen strategy per node and how the solver got there."""
+
+    choices: list[int]
+    objective: float
+    status: str  # "optimal" | "time_limit" (feasible, not proven optimal) | "trivial"
+    proven_optimal: bool
+    gap: float | None
+    solver: str  # "highs" | "cbc" | "presolve" (solved exactly without a MIP) | "trivial"
+    num_variables: int
+    num_constraints: int
+    build_time_s: float
+    solve_time_s: float
+    ilp_nodes: int = 0  # nodes / edges left for the MIP after presolve
+    ilp_edges: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able stats: every field but ``choices`` (what goes in ``Plan.solver``)."""
+        d = asdict(self)
+        del d["choices"]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> IntraOpSolution:
+        """From a dump's ``solution`` section (``to_dict()`` plus ``choices``)."""
+        names = [f for f in cls.__dataclass_fields__ if f in d]
+        return cls(**{f: d[f] for f in names})
+
+
+class InfeasibleMemoryError(AutoparError, ValueError):
+    """No choice of strategies fits the per-device memory budget."""
+
+    def __init__(self, budget: float, min_peak_bytes: float, dominant: str = ""):
+        self.budget = budget
+        self.min_peak_bytes = min_peak_bytes
+        self.dominant = dominant
+        have, need = _fmt_bytes(budget), _fmt_bytes(min_peak_bytes)
+        if have == need:  # rounding hid the difference: show exact bytes
+            have, need = f"{budget:.0f} bytes", f"{min_peak_bytes:.0f} bytes"
+        most = f", most of it {dominant}" if dominant else ""
+        super().__init__(f"no sharding plan fits in {have} per device; the smallest per-device "
+                         f"memory any plan needs is {need}{most}")
+
+
+def _fmt_bytes(b: float) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(b) >= size:
+            return f"{b / size:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
+def problem_to_json(problem: IntraOpProblem, solution: IntraOpSolution | None = None) -> str:
+    """The ``--dump-ilp`` text: the problem and, when given, the solution with its stats."""
+    d = problem.to_dict()
+    if solution is not None:
+        d["solution"] = {
+            "choices": list(solution.choices),
+            "strategies": [n.strategy_names[c] for n, c in zip(problem.nodes, solution.choices,
+                                                                strict=True)],
+            **solution.to_dict(),
+        }
+    # One node / edge / live set per line: greppable and diffable, yet compact.
+    parts = []
+    for key, value in d.items():
+        text = json.dumps(value, allow_nan=False)
+        if isinstance(value, list) and value:
+            text = "[\n  " + ",\n  ".join(json.dumps(x, allow_nan=False) for x in value) + "\n ]"
+        parts.append(f"{json.dumps(key)}: {text}")
+    return "{\n " + ",\n ".join(parts) + "\n}\n"

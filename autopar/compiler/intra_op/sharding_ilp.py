@@ -1,0 +1,233 @@
+"""The intra-operator pass: choose every tensor's sharding on one logical mesh with an ILP.
+
+Steps: (1) one decision variable per graph input (its spec) and per operator (its strategy);
+cheap nodes (elementwise, casts, reshapes) *follow* an operand: they take, for each strategy of
+the operand's variable, their cheapest strategy that reads the operand as it comes, and ride on
+that variable instead of getting one of their own (``intra_op_variables.py``); the same op of
+structurally identical layers shares one variable (``intra_op_tying.py``); (2) every data edge
+between two variables gets a resharding-cost matrix; a new-state output is tied to the input
+leaf it replaces, so the state keeps one layout from step to step (``intra_op_edges.py``);
+with a memory budget, per-choice bytes and live sets bound the peak (``intra_op_memory.py``);
+(3) the ILP picks one strategy per variable; (4) the choice is read back as specs per tensor
+and per operand use.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from autopar.compiler.cost.memory_model import estimate_memory
+from autopar.compiler.cost.mesh import LogicalMesh
+from autopar.compiler.graph.opgraph import OpGraph
+from autopar.compiler.intra_op.edges import ReshardingEdges, state_ties
+from autopar.compiler.intra_op.ilp import least_memory_choices, solve
+from autopar.compiler.intra_op.memory_rows import live_sets, memory_vectors
+from autopar.compiler.intra_op.problem import (
+    InfeasibleMemoryError,
+    IntraOpProblem,
+    IntraOpSolution,
+    ProblemNode,
+)
+from autopar.compiler.intra_op.strategies.base import Strategy
+from autopar.compiler.intra_op.tying import tie_identical_variables
+from autopar.compiler.intra_op.variables import (
+    FOLLOWERS,
+    MEMORY_TIE_BREAK_S_PER_BYTE,
+    DecisionVariables,
+    Variable,
+)
+from autopar.plan import CollectiveEstimate, ShardingSpec
+
+# re-exported: the pass's public vocabulary lives in this module
+__all__ = [
+    "FOLLOWERS",
+    "MEMORY_TIE_BREAK_S_PER_BYTE",
+    "IntraOpOptions",
+    "IntraOpResult",
+    "ProblemParts",
+    "Variable",
+    "build_problem",
+    "read_solution",
+    "solve_intra_op",
+]
+
+
+@dataclass(frozen=True)
+class IntraOpOptions:
+    """Options of the intra-operator ILP."""
+
+    memory_budget_bytes: float | None = None
+    solver: str = "auto"
+    time_limit_s: float = 30.0
+    # the MIP stops within this relative gap (1e-9: optimal up to solver tolerances)
+    relative_gap: float = 1e-9
+    max_live_sets: int = 200
+    batch_argnums: tuple[int, ...] = (1,)
+    # input leaf path -> the spec it must take (the ILP chooses everything else)
+    pinned_inputs: dict[str, ShardingSpec] = field(default_factory=dict)
+    # hops of wiring that must match for two ops to count as the same op of identical layers
+    # (and share one decision); 0 turns the tying off
+    tie_rounds: int = 4
+
+
+@dataclass
+class IntraOpResult:
+    """The pass's answer: a strategy per op node, a spec per graph input, and the ILP."""
+
+    node_strategy: dict[int, Strategy]
+    input_spec: dict[int, ShardingSpec]  # graph-input tensor id -> spec
+    operand_specs: dict[tuple[int, int], ShardingSpec]  # (node id, operand) -> required spec
+    tensor_spec: dict[int, ShardingSpec]  # every produced or input tensor -> its spec
+    reshard_collectives: list[CollectiveEstimate]
+    problem: IntraOpProblem
+    solution: IntraOpSolution
+    variables: list[Variable]
+    build_time_s: float
+    ties: list[tuple[int, int]] = field(default_factory=list)  # (new-state output, input) pairs
+
+
+@dataclass
+class ProblemParts:
+    """What ``build_problem`` keeps besides the problem, to read a solution back."""
+
+    table: DecisionVariables
+    edges: ReshardingEdges
+    ties: list[tuple[int, int]]  # (new-state output, input it replaces) tensor pairs
+
+    @property
+    def variables(self) -> list[Variable]:
+        return self.table.variables
+
+
+def build_problem(
+    graph: OpGraph,
+    mesh: LogicalMesh,
+    options: IntraOpOptions,
+    reshard_cache: dict[tuple, Any] | None = None,
+) -> tuple[IntraOpProblem, ProblemParts]:
+    """Variables, costs and edges of the sharding ILP for ``graph`` on ``mesh``.
+
+    ``reshard_cache``: resharding costs to reuse, shared by builds on this same mesh."""
+    table = DecisionVariables(graph, mesh)
+    table.add_inputs(options.batch_argnums, options.pinned_inputs)
+    table.add_nodes()
+    if options.tie_rounds > 0:
+        tie_identical_variables(table, options.batch_argnums, options.tie_rounds)
+    parts = ProblemParts(
+        table, ReshardingEdges(table, reshard_cache), state_ties(graph, table.tensor_home)
+    )
+    edges = parts.edges.edges(parts.ties)  # before the nodes: adds in-variable uses to costs
+    budget = options.memory_budget_bytes
+    memory = memory_vectors(table) if budget is not None else [None] * len(table.variables)
+    nodes = []
+    for var, mem in zip(table.variables, memory, strict=True):
+        root = var.members[var.root]
+        name = (
+            f"input:{graph.inputs[-var.root - 1].path}"
+            if var.root < 0
+            else f"{graph.nodes[var.root].primitive}#{var.root}"
+        )
+        followers = [m for m in var.members if m != var.root]
+        nodes.append(
+            ProblemNode(
+                name=name,
+                costs=list(var.costs),
+                strategy_names=[s.name for s in root],
+                memory=mem,
+                follow_note=f"followed by {len(followers)} node(s)" if followers else "",
+            )
+        )
+    problem = IntraOpProblem(
+        nodes=nodes,
+        edges=edges,
+        memory_budget=budget,
+        live_sets=live_sets(table, options.max_live_sets) if budget is not None else [],
+    )
+    return problem, parts
+
+
+def read_solution(
+    parts: ProblemParts, choices: Sequence[int]
+) -> tuple[dict, dict, dict, dict, list]:
+    """Per-node strategies, per-input specs, per-use operand specs, per-tensor specs and the
+    resharding collectives the chosen plan implies."""
+    graph = parts.table.graph
+    node_strategy: dict[int, Strategy] = {}
+    input_spec: dict[int, ShardingSpec] = {}
+    tensor_spec: dict[int, ShardingSpec] = {}
+    for var, choice in zip(parts.variables, choices, strict=True):
+        for member, strategies in var.members.items():
+            strategy = strategies[choice]
+            if member < 0:
+                io = graph.inputs[-member - 1]
+                input_spec[io.tensor] = strategy.output_specs[0]
+                tensor_spec.setdefault(io.tensor, strategy.output_specs[0])
+            else:
+                node_strategy[member] = strategy
+                for t, spec in zip(graph.nodes[member].outputs, strategy.output_specs, strict=True):
+                    tensor_spec[t] = spec
+    operand_specs: dict[tuple[int, int], ShardingSpec] = {}
+    collectives: list[CollectiveEstimate] = []
+    for node in graph.nodes:
+        strategy = node_strategy[node.id]
+        for k, t in enumerate(node.inputs):
+            need = strategy.input_specs[k]
+            have = tensor_spec.get(t)
+            if need is None or have is None or need == have:
+                continue
+            operand_specs[(node.id, k)] = need
+            collectives.extend(parts.edges.cost(have, need, graph.tensors[t]).collectives)
+    for out_t, in_t in parts.ties:
+        have, need = tensor_spec[out_t], input_spec[in_t]
+        if have != need:
+            collectives.extend(parts.edges.cost(have, need, graph.tensors[out_t]).collectives)
+    return node_strategy, input_spec, operand_specs, tensor_spec, collectives
+
+
+def _dominant_part(parts: ProblemParts, problem: IntraOpProblem, options: IntraOpOptions) -> str:
+    """What holds most of the memory in the least-memory plan (for the infeasibility error).
+    Its layouts disagree from op to op; the copies that would cost are left out, as they are
+    an artefact of picking each op's least memory on its own."""
+    _, _, _, tensor_spec, _ = read_solution(parts, least_memory_choices(problem))
+    mesh = parts.table.mesh
+    sizes = {a: mesh.axis_size(a) for a in mesh.axis_names}
+    shards = {t: spec.num_shards(sizes) for t, spec in tensor_spec.items()}
+    return estimate_memory(parts.table.graph, batch_argnums=options.batch_argnums,
+                           shards=shards).dominant()
+
+
+def solve_intra_op(
+    graph: OpGraph,
+    mesh: LogicalMesh,
+    options: IntraOpOptions,
+    reshard_cache: dict[tuple, Any] | None = None,
+) -> IntraOpResult:
+    """Build and solve the sharding ILP of ``graph`` on ``mesh`` (``reshard_cache``: see
+    ``build_problem``)."""
+    start = time.perf_counter()
+    problem, parts = build_problem(graph, mesh, options, reshard_cache)
+    build_time = time.perf_counter() - start
+    try:
+        solution = solve(problem, solver=options.solver, time_limit_s=options.time_limit_s,
+                         relative_gap=options.relative_gap)
+    except InfeasibleMemoryError as error:
+        raise InfeasibleMemoryError(error.budget, error.min_peak_bytes,
+                                    _dominant_part(parts, problem, options)) from None
+    node_strategy, input_spec, operand_specs, tensor_spec, collectives = read_solution(
+        parts, solution.choices
+    )
+    return IntraOpResult(
+        node_strategy=node_strategy,
+        input_spec=input_spec,
+        operand_specs=operand_specs,
+        tensor_spec=tensor_spec,
+        reshard_collectives=collectives,
+        problem=problem,
+        solution=solution,
+        variables=parts.variables,
+        build_time_s=build_time,
+        ties=list(parts.ties),
+    )

@@ -1,0 +1,82 @@
+"""Identical-layer tying: the same op of structurally identical layers makes one decision.
+
+Ops are labelled Weisfeiler-Lehman style: a node's label starts as its strategy signature
+(primitive, params, types) and is refined ``rounds`` times with the labels of its operands and
+users. Variables whose root and followers carry equal labels and whose strategy lists agree are
+merged, so where the model repeats a layer the ILP solves it once.
+"""
+
+from __future__ import annotations
+
+from autopar.compiler.graph.opgraph import OpGraph
+from autopar.compiler.intra_op.variables import DecisionVariables, Variable, input_key
+
+
+def structural_labels(
+    graph: OpGraph, batch_argnums: tuple[int, ...], rounds: int, signatures: dict[int, tuple]
+) -> dict[int, int]:
+    """Weisfeiler-Lehman labels of ops (by id) and inputs (by -1 - position) after ``rounds``
+    refinements over operand and user wiring. Equal labels: alike within ``rounds`` hops.
+
+    ``signatures`` maps every op node id to its strategy signature (``node_signature``)."""
+    producer: dict[int, int] = {io.tensor: input_key(p) for p, io in enumerate(graph.inputs)}
+    producer.update(graph.producer)
+    label: dict[int, int] = {}
+    for p, io in enumerate(graph.inputs):
+        info = graph.tensors[io.tensor]
+        label[input_key(p)] = hash(
+            ("input", info.shape, info.dtype, io.arg_index in batch_argnums)
+        )
+    for node in graph.nodes:
+        label[node.id] = hash(signatures[node.id])
+    operands: dict[int, list[tuple[int, int]]] = {k: [] for k in label}
+    users: dict[int, list[tuple[int, int]]] = {k: [] for k in label}
+    for node in graph.nodes:
+        for k, t in enumerate(node.inputs):
+            src = producer.get(t)
+            if src is not None:
+                operands[node.id].append((k, src))
+                users[src].append((k, node.id))
+    for _ in range(rounds):
+        label = {
+            key: hash(
+                (
+                    lab,
+                    tuple((k, label[src]) for k, src in operands[key]),
+                    tuple(sorted((k, label[dst]) for k, dst in users[key])),
+                )
+            )
+            for key, lab in label.items()
+        }
+    return label
+
+
+def tie_identical_variables(
+    table: DecisionVariables, batch_argnums: tuple[int, ...], rounds: int
+) -> None:
+    """Merge the variables of ``table`` whose roots look alike within ``rounds`` hops (same
+    ops, shapes and wiring), in place: merged variables make one choice together and their
+    costs add up. Variable indices are renumbered in order of first appearance."""
+    labels = structural_labels(table.graph, batch_argnums, rounds, table.signatures)
+    classes: dict[tuple, int] = {}
+    merged: list[Variable] = []
+    remap: dict[int, int] = {}
+    for var in table.variables:
+        members = sorted(var.members)
+        signature = (
+            labels[var.root],
+            tuple(labels[m] for m in members if m != var.root),
+            tuple(s.name for s in var.members[var.root]),
+        )
+        target = classes.get(signature)
+        if target is None:
+            target = len(merged)
+            classes[signature] = target
+            merged.append(Variable(target, var.root, dict(var.members), list(var.costs)))
+        else:
+            into = merged[target]
+            into.members.update(var.members)
+            into.costs = [a + b for a, b in zip(into.costs, var.costs, strict=True)]
+        remap[var.index] = target
+    table.variables = merged
+    table.var_of = {m: remap[v] for m, v in table.var_of.items()}

@@ -1,0 +1,240 @@
+"""The intra-operator ILP's decision variables: one per graph input and per operator, with
+cheap operators *following* an operand's variable instead of getting their own.
+
+A follower (elementwise, cast, reshape...) takes, for each strategy of the variable it follows,
+its cheapest strategy that reads the operand as it comes; it then rides on that variable. The
+table also records where each tensor is produced (its *home*), which the edges, the memory rows
+and the read-back of the solution all look up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from autopar.compiler.cost.mesh import LogicalMesh
+from autopar.compiler.graph.op_costs import ELEMENTWISE
+from autopar.compiler.graph.opgraph import OpGraph, OpNode, TensorInfo
+from autopar.compiler.intra_op.strategies import strategies_for
+from autopar.compiler.intra_op.strategies.base import Strategy, StrategyContext, specs_on_mesh
+from autopar.plan import ShardingSpec
+
+# Nodes whose layout is best decided by an operand's: merged into that operand's variable.
+FOLLOWERS = ELEMENTWISE | frozenset(
+    {
+        "convert_element_type",
+        "reduce_precision",
+        "copy",
+        "copy_p",
+        "reshape",
+        "transpose",
+        "squeeze",
+        "stop_gradient",
+    }
+)
+# Producers a follower should not follow when another operand is available: their own layout
+# is a free choice that should adapt to the consumer, not dictate it.
+_WEAK_PRODUCERS = frozenset({"broadcast_in_dim", "iota"})
+# Followers that may change rank: any operand can lead them.
+_RANK_CHANGING = frozenset({"reshape", "transpose", "squeeze"})
+
+# Weight of per-device state bytes in the objective: breaks ties towards less memory without
+# ever outweighing a real cost (1 GiB per device adds about a nanosecond).
+MEMORY_TIE_BREAK_S_PER_BYTE = 1e-18
+
+
+@dataclass
+class Variable:
+    """One ILP decision: a root (graph input or operator) and the followers riding on it.
+
+    ``members[m][i]`` is the strategy of member ``m`` when the variable takes choice ``i``.
+    """
+
+    index: int
+    root: int  # op node id, or -(1 + input position) for a graph input
+    members: dict[int, list[Strategy]] = field(default_factory=dict)
+    costs: list[float] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return len(self.costs)
+
+
+def input_key(position: int) -> int:
+    """The member key of graph input ``position`` (op nodes use their non-negative ids)."""
+    return -(1 + position)
+
+
+def node_signature(graph: OpGraph, node: OpNode) -> tuple:
+    """What a node's strategies depend on: primitive, parameters, operand and result types."""
+    params = tuple(sorted((k, repr(v)) for k, v in node.params.items()))
+    types = tuple(
+        (graph.tensors[t].shape, graph.tensors[t].dtype) for t in (*node.inputs, *node.outputs)
+    )
+    return (node.primitive, params, types, len(node.inputs))
+
+
+def input_strategies(
+    info: TensorInfo, mesh: LogicalMesh, is_batch: bool, pinned: ShardingSpec | None
+) -> list[Strategy]:
+    """The specs a graph input may take, and what each costs per step.
+
+    A batch leaf is fed anew every step: each device receives its share over its own link, so a
+    split batch costs less to feed than a replicated one. State stays on the devices; its specs
+    differ only in memory, which breaks ties.
+    """
+    if pinned is not None:
+        specs = [pinned]
+    else:
+        specs = list(specs_on_mesh(info.shape, mesh)) if info.ndim else [ShardingSpec(())]
+    sizes = {a: mesh.axis_size(a) for a in mesh.axis_names}
+    feed_beta = min(mesh.beta) if mesh.beta else 0.0
+    out = []
+    for spec in specs:
+        share = info.nbytes / spec.num_shards(sizes)
+        cost = share * (feed_beta if is_batch else MEMORY_TIE_BREAK_S_PER_BYTE)
+        out.append(Strategy(spec.to_string(), (spec,), (), compute_time_s=cost))
+    return out
+
+
+class DecisionVariables:
+    """The variables of one graph on one mesh, which variable each member rides on, and
+    where each tensor is produced.
+
+    Strategy lists are cached by what they depend on, so the same op of every repeated layer
+    shares one list object; later stages (tying, edge matrices) key their caches on that.
+    """
+
+    def __init__(self, graph: OpGraph, mesh: LogicalMesh):
+        self.graph = graph
+        self.mesh = mesh
+        self.variables: list[Variable] = []
+        self.var_of: dict[int, int] = {}  # member key -> variable index
+        self.tensor_home: dict[int, tuple[int, int]] = {}  # tensor -> (member key, output idx)
+        self.signatures: dict[int, tuple] = {}  # node id -> node_signature
+        self._strategy_cache: dict[tuple, list[Strategy]] = {}
+        self._interned: dict[tuple, list[Strategy]] = {}
+        self._by_spec_cache: dict[tuple, dict] = {}
+        self._follow_cache: dict[tuple, list[Strategy] | None] = {}
+
+    # -- lookups -----------------------------------------------------------------------------
+
+    def variable_of(self, member: int) -> Variable:
+        """The variable ``member`` (an op node id or an input key) rides on."""
+        return self.variables[self.var_of[member]]
+
+    def home_variable(self, tensor: int) -> Variable:
+        """The variable deciding the layout of ``tensor`` (which must have a home)."""
+        return self.variable_of(self.tensor_home[tensor][0])
+
+    def member_outputs(self, member: int) -> list[int]:
+        """The tensors a member produces: a graph input's own tensor, or an op's outputs."""
+        if member < 0:
+            return [self.graph.inputs[-member - 1].tensor]
+        return list(self.graph.nodes[member].outputs)
+
+    # -- building ----------------------------------------------------------------------------
+
+    def new_variable(self, key: int, strategies: list[Strategy]) -> None:
+        var = Variable(len(self.variables), key, {key: strategies}, [s.cost for s in strategies])
+        self.variables.append(var)
+        self.var_of[key] = var.index
+
+    def add_inputs(
+        self, batch_argnums: tuple[int, ...], pinned_inputs: Mapping[str, ShardingSpec]
+    ) -> None:
+        """One variable per graph input; ``pinned_inputs`` (by leaf path) leave one choice."""
+        for position, io in enumerate(self.graph.inputs):
+            key = input_key(position)
+            info = self.graph.tensors[io.tensor]
+            is_batch = io.arg_index in batch_argnums
+            pinned = pinned_inputs.get(io.path)
+            # inputs of one shape and role share one list (and so their cached matrices)
+            list_key = ("input", info.shape, info.dtype, is_batch, pinned)
+            strategies = self._strategy_cache.get(list_key)
+            if strategies is None:
+                strategies = input_strategies(info, self.mesh, is_batch, pinned)
+                self._strategy_cache[list_key] = strategies
+            self.new_variable(key, strategies)
+            self.tensor_home.setdefault(io.tensor, (key, 0))
+
+    def add_nodes(self) -> None:
+        """A variable per operator, except followers that can ride on an operand's."""
+        for node in self.graph.nodes:
+            strategies = self.node_strategies(node)
+            followed = node.primitive in FOLLOWERS and self.try_follow(node, strategies)
+            if not followed:
+                self.new_variable(node.id, strategies)
+            for out_index, t in enumerate(node.outputs):
+                self.tensor_home[t] = (node.id, out_index)
+
+    def node_strategies(self, node: OpNode) -> list[Strategy]:
+        """Strategies depend only on the op's kind, params and shapes: identical ops of
+        repeated layers share one generated list."""
+        key = self.signatures[node.id] = node_signature(self.graph, node)
+        found = self._strategy_cache.get(key)
+        if found is None:
+            found = strategies_for(StrategyContext(node=node, graph=self.graph, mesh=self.mesh))
+            self._strategy_cache[key] = found
+        return found
+
+    # -- following ---------------------------------------------------------------------------
+
+    def followed_operand(self, node: OpNode) -> int | None:
+        """Operand position a follower rides on: same rank as the output, largest, and not
+        produced by a weak producer when a better one exists."""
+        out_rank = self.graph.tensors[node.outputs[0]].ndim if node.outputs else -1
+        best: tuple | None = None
+        for k, t in enumerate(node.inputs):
+            info = self.graph.tensors[t]
+            if t not in self.tensor_home or info.ndim == 0:
+                continue
+            if node.primitive not in _RANK_CHANGING and info.ndim != out_rank:
+                continue
+            producer = self.graph.producer.get(t)
+            weak = producer is not None and self.graph.nodes[producer].primitive in _WEAK_PRODUCERS
+            rank = (not weak, info.size, -k)
+            if best is None or rank > best[0]:
+                best = (rank, k)
+        return None if best is None else best[1]
+
+    def _cheapest_by_input_spec(
+        self, strategies: list[Strategy], k: int
+    ) -> dict[ShardingSpec | None, Strategy]:
+        key = (id(strategies), k)
+        found = self._by_spec_cache.get(key)
+        if found is None:
+            found = {}
+            for s in strategies:
+                spec = s.input_specs[k]
+                if spec not in found or s.cost < found[spec].cost:
+                    found[spec] = s
+            self._by_spec_cache[key] = found
+        return found
+
+    def try_follow(self, node: OpNode, strategies: list[Strategy]) -> bool:
+        """Make ``node`` ride on its followed operand's variable; False when some choice of
+        that variable leaves the node no strategy reading the operand as it comes."""
+        k = self.followed_operand(node)
+        if k is None:
+            return False
+        home_member, out = self.tensor_home[node.inputs[k]]
+        var = self.variable_of(home_member)
+        src_list = var.members[home_member]
+        # The answer depends only on the producer's and this op's strategy lists, which tied
+        # layers share: look each combination up once.
+        key = (id(src_list), out, id(strategies), k)
+        if key not in self._follow_cache:
+            by_spec = self._cheapest_by_input_spec(strategies, k)
+            found = [by_spec.get(s.output_specs[out]) for s in src_list]
+            # the same follower of every tied layer shares one list (and its cached matrices)
+            self._follow_cache[key] = (
+                None if None in found else self._interned.setdefault(tuple(found), found)
+            )
+        chosen = self._follow_cache[key]
+        if chosen is None:
+            return False
+        var.members[node.id] = chosen
+        var.costs = [c + s.cost for c, s in zip(var.costs, chosen, strict=True)]
+        self.var_of[node.id] = var.index
+        return True

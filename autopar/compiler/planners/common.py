@@ -1,0 +1,69 @@
+"""Pieces every planning method needs to turn its choices into a Plan."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autopar.compiler.cost.mesh import LogicalMesh
+from autopar.compiler.graph.opgraph import OpGraph
+from autopar.plan import InputSignature, Plan, StagePlan
+
+
+def signature_of(graph: OpGraph) -> list[InputSignature]:
+    """Path, shape and dtype of every input leaf: what the plan is valid for."""
+    return [
+        InputSignature(io.path, graph.tensors[io.tensor].shape, graph.tensors[io.tensor].dtype)
+        for io in graph.inputs
+    ]
+
+
+def submesh_shape(mesh: LogicalMesh, devices_per_host: int) -> tuple[int, int]:
+    """(hosts, devices per host) that the mesh's devices occupy."""
+    hosts = {d // devices_per_host for d in mesh.device_ids}
+    return (len(hosts), mesh.num_devices // len(hosts))
+
+
+def whole_mesh_plan(
+    method: str,
+    mesh: LogicalMesh,
+    graph: OpGraph,
+    *,
+    cluster_name: str,
+    devices_per_host: int,
+    batch_argnums: tuple[int, ...],
+    compute_s: float,
+    comm_s: float,
+    memory: dict[str, int],
+    axis_names: tuple[str, ...] | None = None,
+    solver: dict[str, Any] | None = None,
+    notes: list[str] | None = None,
+    **stage_fields: Any,
+) -> Plan:
+    """A one-stage plan over the whole ``mesh``: the stage's timing and memory from the
+    method's estimates, its shardings and collectives from ``stage_fields``."""
+    stage = StagePlan(
+        index=0,
+        layers=(0,),
+        submesh_shape=submesh_shape(mesh, devices_per_host),
+        logical_mesh_shape=tuple(mesh.shape),
+        axis_names=tuple(axis_names if axis_names is not None else mesh.axis_names),
+        device_ids=tuple(mesh.device_ids),
+        est_time_s=compute_s + comm_s,
+        est_compute_time_s=compute_s,
+        est_communication_time_s=comm_s,
+        peak_memory_bytes=sum(memory.values()),
+        memory_breakdown=memory,
+        **stage_fields,
+    )
+    return Plan(
+        method=method,
+        mesh_shape=tuple(mesh.shape),
+        cluster=cluster_name,
+        stages=[stage],
+        est_step_time_s=stage.est_time_s,
+        total_flops=graph.total_flops,
+        signature=signature_of(graph),
+        batch_argnums=tuple(batch_argnums),
+        solver=solver,
+        notes=list(notes or []),
+    )

@@ -1,0 +1,104 @@
+"""ShardParallel planning: the intra-operator ILP's choice, written as a Plan."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from autopar.compiler.cost.estimate import summarize_collectives
+from autopar.compiler.cost.memory_model import estimate_memory, resharded_operand_bytes
+from autopar.compiler.cost.mesh import LogicalMesh
+from autopar.compiler.graph.trace import TracedStep
+from autopar.compiler.intra_op.sharding_ilp import IntraOpOptions, IntraOpResult, solve_intra_op
+from autopar.compiler.planners.common import whole_mesh_plan
+from autopar.plan import Plan, ShardingSpec
+
+
+def _collectives(result: IntraOpResult, mesh: LogicalMesh):
+    """Every predicted collective: the chosen strategies' own and the resharding ones, grouped
+    per (kind, axes) into one estimate each."""
+    found = [c for s in result.node_strategy.values() for c in s.collectives]
+    found += result.reshard_collectives
+    by_axes: dict[tuple[int, ...], list] = {}
+    for c in found:
+        by_axes.setdefault(c.axes, []).append(c)
+    out = []
+    for axes, items in sorted(by_axes.items()):
+        grouped = summarize_collectives(
+            ((c.kind, c.nbytes) for c in items for _ in range(c.count)), mesh, axes
+        )
+        out.extend(grouped)
+    return out
+
+
+def plan_shard_parallel(
+    traced: TracedStep,
+    mesh: LogicalMesh,
+    options: IntraOpOptions,
+    *,
+    batch_argnums: tuple[int, ...],
+    cluster_name: str,
+    devices_per_host: int,
+    ilp_observer: Callable[[Any, Any], None] | None = None,
+) -> Plan:
+    """Solve the sharding ILP for ``traced`` on ``mesh`` and return the plan."""
+    graph = traced.graph
+    result = solve_intra_op(graph, mesh, options)
+    if ilp_observer is not None:
+        ilp_observer(result.problem, result.solution)
+    sizes = {a: mesh.axis_size(a) for a in mesh.axis_names}
+    input_specs = {io.path: result.input_spec[io.tensor] for io in graph.inputs}
+    ties = dict(result.ties)
+    output_specs: dict[str, ShardingSpec] = {}
+    for io in graph.outputs:
+        spec = result.input_spec.get(ties.get(io.tensor, -1)) or result.tensor_spec.get(io.tensor)
+        output_specs[io.path] = spec or ShardingSpec.replicated(graph.tensors[io.tensor].ndim)
+    tensor_specs = {
+        t: spec
+        for node in graph.nodes
+        for t, spec in zip(node.outputs, result.node_strategy[node.id].output_specs, strict=True)
+        if graph.tensors[t].ndim > 0
+    }
+    collectives = _collectives(result, mesh)
+    compute_s = sum(s.compute_time_s for s in result.node_strategy.values())
+    comm_s = sum(c.time_s for c in collectives)
+    shard_count = {t: spec.num_shards(sizes) for t, spec in result.tensor_spec.items()}
+    resharded = resharded_operand_bytes(
+        graph, {use: spec.num_shards(sizes) for use, spec in result.operand_specs.items()},
+        shard_count)
+    memory = estimate_memory(graph, batch_argnums=batch_argnums, shards=shard_count,
+                             resharded=resharded).breakdown()
+    solution = result.solution
+    solver_stats = solution.to_dict() | {
+        "build_time_s": result.build_time_s + solution.build_time_s,
+        "variables_before_merging": graph.num_nodes + len(graph.inputs),
+        "decision_variables": len(result.variables),
+    }
+    notes = []
+    used = {a for spec in result.tensor_spec.values() for axes in spec.dims for a in axes}
+    for axis, size in zip(mesh.axis_names, mesh.shape, strict=True):
+        if size > 1 and axis not in used:
+            notes.append(
+                f"mesh axis '{axis}' (size {size}) splits no tensor: no dimension it divides "
+                "was worth splitting, so its devices hold replicas"
+            )
+    if not solution.proven_optimal and solution.status != "trivial":
+        notes.append(f"ILP stopped at its time limit ({solution.status}): not proven optimal")
+    return whole_mesh_plan(
+        "shard",
+        mesh,
+        graph,
+        cluster_name=cluster_name,
+        devices_per_host=devices_per_host,
+        batch_argnums=tuple(batch_argnums),
+        compute_s=compute_s,
+        comm_s=comm_s,
+        memory=memory,
+        solver=solver_stats,
+        notes=notes,
+        input_shardings=input_specs,
+        output_shardings=output_specs,
+        tensor_shardings=tensor_specs,
+        operand_shardings=dict(result.operand_specs),
+        collectives=collectives,
+    )

@@ -1,0 +1,284 @@
+"""From a train step and its arguments to a Plan: the one path shared by the decorator and the CLI.
+
+``plan_train_step`` traces the step (for pipelining: the pipeline cut of it), then takes the plan
+from the saved plan it was given, or from the on-disk cache, or from the planner, in that order.
+It touches no devices: the caller builds the executable (``runtime/``) from what it returns.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from autopar.cluster import ClusterSpec
+from autopar.compiler.graph.trace import TracedStep, build_graph, trace_step
+from autopar.compiler.planners.dispatch import plan_step
+from autopar.errors import BatchSizeError, InvalidOptionError, NoLossFunctionError, PlanError
+from autopar.methods import Method, PipeshardParallel, ShardParallel
+from autopar.plan import Plan
+
+# Primitives that draw random bits: a pipelined forward draws them per microbatch shape.
+RANDOM_DRAWS = frozenset({"random_bits", "threefry2x32", "rng_bit_generator", "rng_uniform"})
+
+
+@dataclass
+class PlannedStep:
+    """A traced step and its plan; ``pipeline`` is the pipeline cut when the plan is pipelined."""
+
+    traced: TracedStep
+    plan: Plan
+    pipeline: Any = None  # autopar.ir.pipeline_program.PipelineProgram
+    from_cache: bool = False
+
+
+@dataclass(frozen=True)
+class StaticBinding:
+    """A step with its static arguments bound: ``fn(*dynamic)`` is ``step(*all arguments)``."""
+
+    fn: Callable
+    dynamic_args: tuple[Any, ...]
+    batch_argnums: tuple[int, ...]  # positions among the dynamic arguments
+
+
+def bind_static_args(
+    step: Callable, args: Sequence[Any], static_argnums: Sequence[int],
+    batch_argnums: Sequence[int],
+) -> StaticBinding:
+    """Close ``step`` over the arguments at ``static_argnums`` (their values are part of the
+    input signature, as with ``jax.jit``); the bound function keeps the names of the dynamic
+    parameters, so plans still name leaves ``state/params/w``."""
+    static = set(static_argnums)
+    for i in static_argnums:
+        if i >= len(args):
+            raise InvalidOptionError(f"static_argnums names argument {i} but the step was "
+                                     f"called with {len(args)} argument(s)")
+    if static & set(batch_argnums):
+        raise InvalidOptionError(f"argument(s) {sorted(static & set(batch_argnums))} are in both "
+                                 "static_argnums and batch_argnums; a batch must be arrays")
+    if not static:
+        return StaticBinding(step, tuple(args), tuple(batch_argnums))
+    dynamic_positions = [i for i in range(len(args)) if i not in static]
+    fixed = {i: args[i] for i in static}
+
+    def bound(*dynamic: Any) -> Any:
+        merged = dict(zip(dynamic_positions, dynamic, strict=True)) | fixed
+        return step(*(merged[i] for i in range(len(args))))
+
+    bound.__name__ = getattr(step, "__name__", "train_step")
+    try:
+        params = list(inspect.signature(step).parameters.values())
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        kept = [positional[i] for i in dynamic_positions if i < len(positional)]
+        bound.__signature__ = inspect.Signature(kept)  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        pass  # no signature: leaves are named arg0, arg1, ...
+    remap = {old: new for new, old in enumerate(dynamic_positions)}
+    return StaticBinding(bound, tuple(args[i] for i in dynamic_positions),
+                         tuple(remap[i] for i in batch_argnums))
+
+
+def plan_train_step(
+    fn: Callable,
+    args: Sequence[Any],
+    method: Method,
+    cluster: ClusterSpec,
+    *,
+    batch_argnums: tuple[int, ...],
+    fall_back_to_shard: bool = False,
+    saved_plan: Plan | None = None,
+    cache: Any = None,
+) -> PlannedStep:
+    """Trace ``fn(*args)`` and plan it with ``method`` on ``cluster``.
+
+    ``fall_back_to_shard``: when the method is the default full search and the step cannot be
+    pipelined (no ``autopar.value_and_grad``, or a batch the microbatches do not divide), plan
+    one stage with the intra-operator pass instead, with a note in the plan.
+    ``saved_plan``: use this plan (checked against the trace) instead of planning.
+    ``cache``: an ``autopar.frontend.plan_cache.PlanCache`` to take the plan from, keyed by the
+    traced program, method, cluster and batch arguments, and to store a new plan in.
+    """
+    if saved_plan is not None:
+        return _with_saved_plan(fn, args, saved_plan, batch_argnums)
+    if isinstance(method, PipeshardParallel):
+        from autopar.compiler.planners.pipeshard import plan_pipeshard
+        from autopar.ir.pipeline_program import build_pipeline_program
+
+        try:
+            pp = build_pipeline_program(fn, args, batch_argnums, method.num_microbatches)
+        except (NoLossFunctionError, BatchSizeError) as err:
+            if not fall_back_to_shard:
+                raise
+            shard = ShardParallel(memory_budget_bytes=method.memory_budget_bytes,
+                                  solver=method.solver, time_limit_s=method.time_limit_s)
+            planned = plan_train_step(fn, args, shard, cluster, batch_argnums=batch_argnums,
+                                      cache=cache)
+            planned.plan.notes.append(f"one stage, no pipeline: {err}")
+            return planned
+        traced = TracedStep(pp.outer, build_graph(pp.outer))
+        # the outer trace holds the loss function as one equation: the microbatch forward's
+        # own trace is what tells two loss functions apart
+        key = _cache_key(cache, (pp.outer, pp.forward), method, cluster, batch_argnums)
+        cached = _cached_plan(cache, key, traced)
+        if cached is not None:
+            return PlannedStep(traced, cached, pp, from_cache=True)
+        plan = plan_pipeshard(pp, method, cluster)
+        plan.batch_argnums = tuple(batch_argnums)
+        if any(eqn.name in RANDOM_DRAWS for eqn in pp.forward.eqns):
+            plan.notes.append(
+                "the loss function draws random numbers (dropout?): each microbatch draws its "
+                "own, so the masks differ from an unpipelined step's (same distribution)")
+        _store(cache, key, plan)
+        return PlannedStep(traced, plan, pp)
+    traced = trace_step(fn, args)
+    key = _cache_key(cache, (traced.program,), method, cluster, batch_argnums)
+    cached = _cached_plan(cache, key, traced)
+    if cached is not None:
+        return PlannedStep(_retraced(fn, args, cached, traced), cached, from_cache=True)
+    remat = getattr(method, "remat", "none")
+    plan = None
+    if remat != "layers":
+        plan = plan_step(traced, method, cluster, batch_argnums=tuple(batch_argnums))
+    if remat != "none" and (plan is None or not _fits(plan, method, cluster)):
+        traced, plan = _plan_rematerialised(fn, args, method, cluster, batch_argnums,
+                                            traced, plan)
+    _store(cache, key, plan)
+    return PlannedStep(traced, plan)
+
+
+def _fits(plan: Plan, method: Method, cluster: ClusterSpec) -> bool:
+    budget = getattr(method, "memory_budget_bytes", None) or cluster.device.memory_bytes
+    return plan.peak_memory_bytes <= budget
+
+
+def _plan_rematerialised(fn: Callable, args: Sequence[Any], method: Method,
+                         cluster: ClusterSpec, batch_argnums: tuple[int, ...],
+                         traced: TracedStep, plan: Plan | None) -> tuple[TracedStep, Plan]:
+    """Trace again with the loss function's layers under ``jax.checkpoint`` and plan that;
+    for ``remat="auto"`` keep it only if it needs less memory than ``plan``."""
+    from autopar.compiler.planners.pipeshard import remat_layer_positions
+    from autopar.ir.pipeline_program import build_pipeline_program
+
+    try:
+        pp = build_pipeline_program(fn, args, batch_argnums, 1)
+    except NoLossFunctionError as err:
+        if plan is None:
+            raise InvalidOptionError(f"remat='layers' needs the step's gradient from "
+                                     f"autopar.value_and_grad or autopar.grad: {err}") from None
+        plan.notes.append("remat='auto' left off: the step has no autopar.value_and_grad")
+        return traced, plan
+    positions = remat_layer_positions(pp, build_graph(pp.forward))
+    remat_traced = trace_step(fn, args, remat_positions=positions)
+    remat_plan = plan_step(remat_traced, method, cluster, batch_argnums=tuple(batch_argnums))
+    if plan is not None and remat_plan.peak_memory_bytes >= plan.peak_memory_bytes:
+        plan.notes.append("remat='auto' tried the layers under jax.checkpoint: no memory saved")
+        return traced, plan
+    remat_plan.options["remat_positions"] = list(positions)
+    remat_plan.notes.append(
+        f"rematerialised: the loss function's {len(positions) + 1} layers run under "
+        "jax.checkpoint (the backward recomputes them)")
+    return remat_traced, remat_plan
+
+
+def _retraced(fn: Callable, args: Sequence[Any], plan: Plan, traced: TracedStep) -> TracedStep:
+    """The trace a plan's tensor ids refer to: again with its rematerialised layers, if any."""
+    positions = plan.options.get("remat_positions")
+    return traced if positions is None else trace_step(fn, args, remat_positions=positions)
+
+
+def _cache_key(cache: Any, programs: tuple[Any, ...], method: Method, cluster: ClusterSpec,
+               batch_argnums: tuple[int, ...]) -> str | None:
+    if cache is None:
+        return None
+    from autopar.frontend.plan_cache import cache_key, program_fingerprint
+
+    fingerprint = "+".join(program_fingerprint(p) for p in programs)
+    return cache_key(fingerprint, method=method, cluster=cluster,
+                     batch_argnums=tuple(batch_argnums), devices=None)
+
+
+def _cached_plan(cache: Any, key: str | None, traced: TracedStep) -> Plan | None:
+    if key is None:
+        return None
+    plan = cache.get(key)
+    if plan is None:
+        return None
+    try:  # a hash collision or a hand-edited entry must not run a foreign plan
+        check_signature(plan, traced)
+    except PlanError:
+        return None
+    return plan
+
+
+def _store(cache: Any, key: str | None, plan: Plan) -> None:
+    if key is not None:
+        cache.put(key, plan)
+
+
+def _with_saved_plan(
+    fn: Callable, args: Sequence[Any], plan: Plan, batch_argnums: tuple[int, ...]
+) -> PlannedStep:
+    plan.check()  # a Plan built in code gets the checks a loaded one had
+    if plan.method == "pipeshard":
+        from autopar.ir.pipeline_program import build_pipeline_program
+
+        shapes = [getattr(leaf, "shape", ()) for i in batch_argnums if i < len(args)
+                  for leaf in jax.tree_util.tree_leaves(args[i])]
+        sizes = {int(shape[0]) for shape in shapes if shape}
+        if len(sizes) == 1 and min(sizes) % plan.num_microbatches:
+            raise PlanError(f"plan field num_microbatches={plan.num_microbatches} does not "
+                            f"divide this step's batch size {min(sizes)}")
+        pp = build_pipeline_program(fn, args, batch_argnums, plan.num_microbatches)
+        traced = TracedStep(pp.outer, build_graph(pp.outer))
+        check_signature(plan, traced)
+        _check_spec_ranks(plan, pp.forward)  # a pipeline stage's value ids are the forward's
+        return PlannedStep(traced, plan, pp)
+    traced = trace_step(fn, args)
+    check_signature(plan, traced)
+    traced = _retraced(fn, args, plan, traced)
+    _check_spec_ranks(plan, traced.program)
+    return PlannedStep(traced, plan)
+
+
+def _check_spec_ranks(plan: Plan, program: Any) -> None:
+    """A spec of a value the program has must have one entry per dimension of that value:
+    ``PlanError`` naming the field otherwise (a hand-edited plan), not an error from JAX."""
+    outputs = dict(zip(program.out_paths, program.out_ids, strict=True))
+
+    def check(where: str, vid: int | None, spec: Any) -> None:
+        aval = program.avals.get(vid) if vid is not None else None
+        shape = getattr(aval, "shape", None)
+        if shape is not None and len(shape) != spec.ndim:
+            raise PlanError(f"plan field {where} has {spec.ndim} dimension(s) but the value it "
+                            f"shards has the shape {list(shape)}")
+
+    for i, stage in enumerate(plan.stages):
+        for vid, spec in stage.tensor_shardings.items():
+            check(f"stages[{i}].tensor_shardings['{vid}']", vid, spec)
+        if plan.method == "pipeshard":
+            continue  # the runner places outputs and operands without these
+        for path, spec in stage.output_shardings.items():
+            check(f"stages[{i}].output_shardings[{path!r}]", outputs.get(path), spec)
+        for (node, operand), spec in stage.operand_shardings.items():
+            inputs = program.eqns[node].inputs if 0 <= node < len(program.eqns) else ()
+            vid = inputs[operand] if 0 <= operand < len(inputs) else None
+            check(f"stages[{i}].operand_shardings['{node}:{operand}']", vid, spec)
+
+
+def check_signature(plan: Plan, traced: TracedStep) -> None:
+    """A saved plan names tensors of one trace: the step's inputs must be the plan's."""
+    graph = traced.graph
+    have = [(io.path, graph.tensors[io.tensor].shape, graph.tensors[io.tensor].dtype)
+            for io in graph.inputs]
+    want = [(s.path, tuple(s.shape), s.dtype) for s in plan.signature]
+    if have == want:
+        return
+    if len(have) != len(want):
+        raise PlanError(f"the plan does not match this step: it was made for {len(want)} input "
+                        f"leaves, the step has {len(have)}")
+    (hp, hs, hd), (wp, ws, wd) = next((h, w) for h, w in zip(have, want, strict=True) if h != w)
+    raise PlanError(f"the plan does not match this step: input {hp!r} is {hd}{list(hs)} here "
+                    f"but the plan has {wp!r} as {wd}{list(ws)}")

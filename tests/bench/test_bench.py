@@ -1,0 +1,201 @@
+"""``autopar bench``: the smoke suite end to end (every output file exists and parses, nothing
+timed), the Megatron specs on GPT's parameter paths, and one clear line for bad input."""
+
+import json
+import math
+
+import jax
+import pytest
+from matplotlib.image import imread
+
+from autopar.bench import SUITE_NAMES, get_suite
+from autopar.bench.baselines import megatron_mesh, megatron_specs, plan_megatron
+from autopar.bench.harness import output_prefix
+from autopar.bench.outputs import cpu_model
+from autopar.cluster import load_cluster
+from autopar.compiler.graph.trace import trace_step
+from autopar.errors import InvalidOptionError
+from autopar.frontend.cli.main import main
+from autopar.models import get_model
+from autopar.plan import ShardingSpec
+
+SMOKE = get_suite("smoke")
+PREFIX = output_prefix(SMOKE)
+PLOTS = ("planning-vs-layers", "planning-vs-devices", "estimated-vs-measured", "baselines")
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """One run of the smoke suite, with a calibrated description of the local devices (the
+    shipped cpu-sim at half its flops) so that path runs too."""
+    out = tmp_path_factory.mktemp("bench")
+    calibrated = load_cluster("cpu-sim").to_dict()
+    calibrated["name"] = "cpu-sim-calibrated"
+    calibrated["device"]["peak_flops"] = {
+        k: v / 2 for k, v in calibrated["device"]["peak_flops"].items()}
+    cal_path = out / "calibrated.json"
+    cal_path.write_text(json.dumps(calibrated))
+    code = main(["bench", "--suite", "smoke", "--out", str(out), "--calibrated", str(cal_path)])
+    rows = [json.loads(line) for line in (out / f"{PREFIX}.jsonl").read_text().splitlines()]
+    return code, out, rows
+
+
+def test_smoke_suite_exits_zero_and_writes_every_file(smoke):
+    code, out, rows = smoke
+    assert code == 0
+    written = {p.name for p in out.iterdir()} - {"calibrated.json"}
+    assert written == {f"{PREFIX}.jsonl", f"{PREFIX}.md"} | {f"{PREFIX}-{p}.png" for p in PLOTS}
+    assert len(rows) == len(SMOKE.cases) + len(SMOKE.scaling)
+    assert all(r["suite"] == "smoke" for r in rows)
+
+
+def _cases(rows):
+    return [r for r in rows if r["kind"] == "case"]
+
+
+def test_every_case_row_has_planning_phases_estimates_plan_and_baselines(smoke):
+    _, _, rows = smoke
+    cases = _cases(rows)
+    assert [r["case"] for r in cases] == [c.name for c in SMOKE.cases]
+    for row, case in zip(cases, SMOKE.cases, strict=True):
+        assert "error" not in row
+        planning = row["planning"]
+        assert {"trace_s", "ilp_s", "dp_s", "other_s", "total_s"} <= set(planning)
+        assert all(math.isfinite(v) and v >= 0 for v in planning.values())
+        assert row["ilp_solves"] >= 1 and row["flops_per_step"] > 0
+        assert row["est_step_time_s"] > 0 and row["est_tflops_per_device"] > 0
+        plan = row["plan"]
+        assert plan["method"] == "pipeshard" and plan["num_stages"] == len(plan["stages"]) >= 1
+        for stage in plan["stages"]:
+            assert {"layers", "submesh", "logical_mesh", "devices", "est_time_s"} <= set(stage)
+        assert row["predicted_communication"]["time_s"] >= 0
+        assert [b["name"] for b in row["baselines"]] == [b.value for b in case.baselines]
+        for b in row["baselines"]:
+            assert b["error"] is None, b
+            assert b["est_step_time_s"] > 0 and b["est_ratio"] > 0
+            assert b["plan"]["num_stages"] >= 1
+
+
+def test_local_rows_have_measured_times_hlo_counts_and_cost_model_ratios(smoke):
+    _, _, rows = smoke
+    local = [r for r in _cases(rows) if r["where"] == "local"]
+    assert local
+    for row in local:
+        measured = row["measured"]
+        assert measured["step_time_s"] > 0 and len(measured["step_times_s"]) == 3
+        assert measured["tflops_per_device"] > 0
+        model = row["cost_model"]
+        assert model["measured_over_default"] > 0 and model["measured_over_calibrated"] > 0
+        assert model["est_calibrated_s"] > model["est_default_s"]  # half the flops: slower
+        timed = {b["name"]: b for b in row["baselines"] if b["measured_step_time_s"]}
+        assert {"single-device", "data-parallel"} <= set(timed)
+        for b in timed.values():
+            assert b["measured_ratio"] > 0 and b["cost_model"]["measured_over_default"] > 0
+        # two devices: the gradient is all-reduced, in the plan and in the compiled program
+        dp = timed["data-parallel"]
+        assert dp["hlo_collectives"]["all-reduce"]["count"] >= 1
+        assert dp["predicted_communication"]["collectives"]["all-reduce"]["count"] >= 1
+        assert row["baselines"][-1]["name"] == "equal-layer"
+        assert row["baselines"][-1]["measured_step_time_s"] is None  # estimated only
+
+
+def test_what_if_row_sits_beside_the_published_figure(smoke):
+    _, _, rows = smoke
+    (row,) = [r for r in _cases(rows) if r["what_if"]]
+    assert row["where"] == "described" and row["cluster"] == "aws-p3.16xlarge"
+    what_if = row["what_if"]
+    assert what_if["published_tflops_per_device"] == 37.01
+    # Alpa counts the recomputed forward; without it, 72/96 of the layers' flops remain
+    assert 0.75 * 37.01 < what_if["published_tflops_per_device_without_recompute"] < 37.01
+    assert what_if["est_tflops_per_device_alpa_formula"] > 0 and what_if["est_over_published"] > 0
+    assert what_if["comparable"] is False  # the smoke case is a 1-layer copy
+    megatron = next(b for b in row["baselines"] if b["name"] == "megatron")
+    assert megatron["plan"]["stages"][0]["logical_mesh"] == "8"
+
+
+def test_scaling_rows_cover_both_axes(smoke):
+    _, _, rows = smoke
+    points = [r for r in rows if r["kind"] == "scaling"]
+    assert {r["axis"] for r in points} == {"layers", "devices"}
+    for r in points:
+        assert r["planning"]["total_s"] > 0 and r["ilp_solves"] >= 1 and r["x"] >= 1
+
+
+def test_markdown_has_a_row_per_case_and_describes_the_machine(smoke):
+    _, out, rows = smoke
+    text = (out / f"{PREFIX}.md").read_text()
+    for row in _cases(rows):
+        assert f"| {row['case']} |" in text
+    assert cpu_model() in text and "cores" in text and f"jax {jax.__version__}" in text
+    assert "autopar bench --suite smoke" in text and "UTC" in text
+    for plot in PLOTS:
+        assert f"]({PREFIX}-{plot}.png)" in text
+
+
+@pytest.mark.parametrize("plot", PLOTS)
+def test_plots_decode(smoke, plot):
+    _, out, _ = smoke
+    image = imread(out / f"{PREFIX}-{plot}.png")
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+
+
+def P(*dims):
+    """A spec in PartitionSpec notation: ``P(None, "y")``."""
+    return ShardingSpec(tuple(() if d is None else (d,) for d in dims))
+
+
+@pytest.fixture(scope="module")
+def gpt_tiny():
+    model = get_model("gpt", "tiny")
+    return trace_step(model.train_step, model.abstract_inputs())
+
+
+def test_megatron_specs_on_gpt_tiny_paths(gpt_tiny):
+    graph = gpt_tiny.graph
+    leaves = [(io.path, graph.tensors[io.tensor].ndim) for io in graph.inputs]
+    specs = megatron_specs(leaves, "y")
+    column, row = P(None, "y"), P("y", None)
+    for prefix in ("state/params", "state/opt_state/0/mu", "state/opt_state/0/nu"):
+        block = f"{prefix}/blocks/1"
+        for name in ("attn/q", "attn/k", "attn/v", "mlp/fc_in"):
+            assert specs[f"{block}/{name}/kernel"] == column
+        for name in ("attn/q", "attn/v", "mlp/fc_in"):
+            assert specs[f"{block}/{name}/bias"] == P("y")
+        for name in ("attn/out", "mlp/fc_out"):
+            assert specs[f"{block}/{name}/kernel"] == row
+            assert specs[f"{block}/{name}/bias"] == P(None)
+        assert specs[f"{block}/ln1/scale"] == P(None)
+        assert specs[f"{prefix}/wte"] == P(None, None)
+    assert specs["state/opt_state/0/count"] == ShardingSpec(())
+    state = {path for path, _ in leaves if path.startswith("state/")}
+    assert set(specs) == state  # every state leaf, no batch leaf
+
+
+def test_megatron_mesh_is_tensor_parallel_inside_a_host():
+    assert megatron_mesh(load_cluster("aws-p3.16xlarge")).shape == (8,)
+    assert megatron_mesh(load_cluster("aws-p3.16xlarge-8nodes")).shape == (8, 8)
+
+
+def test_megatron_plan_keeps_the_pinned_specs(gpt_tiny):
+    plan = plan_megatron(gpt_tiny, load_cluster("aws-p3.16xlarge-8nodes"))
+    specs = plan.stages[0].input_shardings
+    assert specs["state/params/blocks/0/attn/q/kernel"] == P(None, "y")
+    assert specs["state/params/blocks/0/mlp/fc_out/kernel"] == P("y", None)
+    assert plan.options["baseline"] == "megatron" and plan.est_step_time_s > 0
+
+
+def test_unknown_suite_is_one_line_and_exit_2(capsys):
+    assert main(["bench", "--suite", "nope", "--out", "unused"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("autopar: error:") and "smoke" in err
+    with pytest.raises(InvalidOptionError, match="valid suites: " + ", ".join(SUITE_NAMES)):
+        get_suite("nope")
+
+
+def test_missing_calibrated_file_is_one_line_and_exit_2(capsys, tmp_path):
+    missing = tmp_path / "nope.json"
+    assert main(["bench", "--suite", "smoke", "--out", str(tmp_path),
+                 "--calibrated", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nope.json" in err
+    assert not list(tmp_path.glob("bench-*"))  # nothing ran

@@ -1,0 +1,407 @@
+"""Stage-construction DP: equals brute force, submesh shapes/placement, baselines, errors."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from autopar.compiler.inter_op.stages import (
+    SCHEDULES,
+    StageCandidate,
+    StageCostTable,
+    StageDPOptions,
+    SubmeshShape,
+    in_flight_microbatches,
+    manual_stages,
+    pipeline_time,
+    place_submeshes,
+    solve_stages,
+    submesh_shapes,
+    uniform_stages,
+)
+from autopar.errors import InvalidOptionError, PlanError
+
+CLUSTERS = [(1, 8), (2, 4), (1, 4), (2, 2), (1, 2), (4, 2)]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def random_table(rng: np.random.Generator, layers: int, hosts: int, per_host: int):
+    """Random candidates per (range, submesh); some entries empty, times on a coarse grid so
+    that ties happen."""
+    weights = rng.integers(1, 6, size=layers)
+    entries = {}
+    for shape_index, shape in enumerate(submesh_shapes(hosts, per_host)):
+        for start in range(layers):
+            for end in range(start + 1, layers + 1):
+                found = []
+                for _ in range(rng.integers(0, 4)):
+                    # Work shrinks with devices, a per-stage overhead does not: more stages
+                    # lower the slowest stage but raise the sum, the trade-off t_max explores.
+                    speedup = shape.num_devices ** rng.uniform(0.3, 1.0)
+                    work = float(weights[start:end].sum()) * rng.uniform(0.7, 1.3) / speedup
+                    time = round(work + rng.uniform(0.0, 2.0), 1)
+                    found.append(
+                        StageCandidate(
+                            time=time,
+                            fixed_memory=float(rng.integers(1, 10) * (end - start)),
+                            activation_memory_per_microbatch=float(rng.integers(0, 4)),
+                            logical_mesh_shape=(shape.num_devices,),
+                            key=f"{start}:{end}:{shape}:{len(found)}",
+                        )
+                    )
+                entries[(start, end, shape_index)] = found
+    shapes = submesh_shapes(hosts, per_host)
+    return StageCostTable.build(layers, shapes, lambda s, e, sm: entries[(s, e, shapes.index(sm))])
+
+
+def compositions(layers: int):
+    """Every split of 0..layers-1 into contiguous non-empty ranges."""
+    for mask in range(2 ** (layers - 1)):
+        cuts = [i + 1 for i in range(layers - 1) if mask >> i & 1]
+        bounds = [0, *cuts, layers]
+        yield list(itertools.pairwise(bounds))
+
+
+@dataclass
+class Exhaustive:
+    """What enumerating every assignment found (inf where no assignment exists)."""
+
+    best: float = math.inf  # least total time
+    least_memory: float = math.inf  # least per-device memory any assignment needs
+    least_sum: float = math.inf  # least sum of stage times
+    least_max: float = math.inf  # least slowest stage
+    best_sum_and_max: tuple[float, float] = (math.inf, math.inf)
+
+
+def brute_force(table, hosts, per_host, options) -> Exhaustive:
+    """Every contiguous partition x every submesh per stage (devices summing to the cluster) x
+    every candidate per stage, with the DP's objective and memory rule."""
+    devices = hosts * per_host
+    m = options.num_microbatches
+    found_all = Exhaustive()
+    for ranges in compositions(table.num_layers):
+        count = len(ranges)
+        if options.num_stages is not None and count != options.num_stages:
+            continue
+        for shape_ids in itertools.product(range(len(table.submeshes)), repeat=count):
+            shapes = [table.submeshes[i] for i in shape_ids]
+            if sum(s.num_devices for s in shapes) != devices:
+                continue
+            if not all(s.fits(hosts, per_host) for s in shapes):
+                continue
+            per_stage, memory_needs = [], []
+            for position, ((start, end), index) in enumerate(zip(ranges, shape_ids, strict=True)):
+                in_flight = options.in_flight(count - position)
+                found = table.candidates(start, end, index)
+                memory_needs.append(min((c.memory(in_flight) for c in found), default=math.inf))
+                per_stage.append([c for c in found if options.fits(c.memory(in_flight))])
+            found_all.least_memory = min(found_all.least_memory, max(memory_needs))
+            for choice in itertools.product(*per_stage):
+                times = [c.time for c in choice]
+                total = pipeline_time(times, m)
+                found_all.least_sum = min(found_all.least_sum, sum(times))
+                found_all.least_max = min(found_all.least_max, max(times))
+                if total < found_all.best:
+                    found_all.best = total
+                    found_all.best_sum_and_max = (sum(times), max(times))
+    return found_all
+
+
+def check_partition(partition, table, hosts, per_host, options):
+    """The answer is a valid assignment whose reported total matches its stages."""
+    stages = partition.stages
+    assert stages[0].start == 0 and stages[-1].end == table.num_layers
+    assert all(a.end == b.start for a, b in itertools.pairwise(stages))
+    assert sum(s.submesh.num_devices for s in stages) == hosts * per_host
+    for position, stage in enumerate(stages):
+        index = table.submesh_index(stage.submesh)
+        assert stage.candidate in table.candidates(stage.start, stage.end, index)
+        assert options.fits(stage.candidate.memory(options.in_flight(len(stages) - position)))
+    times = [s.candidate.time for s in stages]
+    assert partition.total_time == pytest.approx(pipeline_time(times, options.num_microbatches))
+    assert partition.max_stage_time == max(times)
+    place_submeshes(partition.submeshes, hosts, per_host)
+    json.dumps(partition.to_dict())
+
+
+def random_options(rng, table, hosts, per_host, with_budget: bool) -> StageDPOptions:
+    devices = hosts * per_host
+    fixed = None
+    if rng.random() < 0.3:
+        fixed = int(rng.integers(1, min(table.num_layers, devices) + 1))
+    budget = None
+    if with_budget:
+        budget = float(rng.integers(4, 30))
+    return StageDPOptions(
+        num_microbatches=int(rng.choice([1, 2, 4, 8, 16, 32])),
+        schedule=str(rng.choice(SCHEDULES)),
+        memory_budget_bytes=budget,
+        num_stages=fixed,
+    )
+
+
+# ----------------------------------------------------------------------------- the DP
+
+
+@pytest.mark.parametrize("seed", range(50))
+def test_dp_equals_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    hosts, per_host = CLUSTERS[seed % len(CLUSTERS)]
+    layers = int(rng.integers(1, 7))
+    table = random_table(rng, layers, hosts, per_host)
+    options = random_options(rng, table, hosts, per_host, with_budget=seed % 3 != 0)
+    exhaustive = brute_force(table, hosts, per_host, options)
+    expected, least_memory = exhaustive.best, exhaustive.least_memory
+    if math.isinf(expected):
+        with pytest.raises(PlanError) as raised:
+            solve_stages(table, hosts, per_host, options)
+        message = str(raised.value)
+        assert "\n" not in message
+        if math.isfinite(least_memory):
+            assert f"the smallest needs {least_memory:.0f} bytes" in message
+        return
+    partition = solve_stages(table, hosts, per_host, options)
+    assert partition.exact
+    assert partition.total_time == pytest.approx(expected, rel=1e-12)
+    check_partition(partition, table, hosts, per_host, options)
+
+
+def pipeline_like_table(rng, layers, hosts, per_host):
+    """Times that shrink sub-linearly with devices plus a small per-stage overhead: the best
+    pipeline is often neither the least-sum nor the least-max assignment, so the search has to
+    walk the stage-time caps in between."""
+    weights = rng.uniform(0.5, 3.0, size=layers)
+    shapes = submesh_shapes(hosts, per_host)
+    entries = {}
+    for index, shape in enumerate(shapes):
+        for start in range(layers):
+            for end in range(start + 1, layers + 1):
+                entries[(start, end, index)] = [
+                    StageCandidate(
+                        float(
+                            weights[start:end].sum()
+                            * rng.uniform(0.8, 1.2)
+                            / shape.num_devices ** rng.uniform(0.6, 1.0)
+                            + rng.uniform(0.0, 0.3)
+                        ),
+                        0.0,
+                        0.0,
+                        (shape.num_devices,),
+                    )
+                    for _ in range(rng.integers(1, 3))
+                ]
+    return StageCostTable.build(layers, shapes, lambda s, e, sm: entries[(s, e, shapes.index(sm))])
+
+
+def test_tmax_search_equals_brute_force():
+    in_between = 0
+    for seed in range(24):
+        rng = np.random.default_rng(1000 + seed)
+        hosts, per_host = [(1, 8), (2, 4)][seed % 2]
+        table = pipeline_like_table(rng, 6, hosts, per_host)
+        options = StageDPOptions(num_microbatches=int(rng.choice([2, 3, 4, 6, 8])))
+        exhaustive = brute_force(table, hosts, per_host, options)
+        partition = solve_stages(table, hosts, per_host, options)
+        assert partition.exact
+        assert partition.total_time == pytest.approx(exhaustive.best, rel=1e-12)
+        check_partition(partition, table, hosts, per_host, options)
+        best_sum, best_max = exhaustive.best_sum_and_max
+        in_between += best_sum > exhaustive.least_sum and best_max > exhaustive.least_max
+    assert in_between >= 3  # the instances do exercise caps strictly inside the range
+
+
+def test_memory_rules_some_candidates_out():
+    """The fast candidate of a layer needs 4 + 3 f bytes with f microbatches in flight, the slow
+    one 1 + 2.5 f, the budget is 9: under 1F1B the first stage (f = 2) must run slow and the
+    last (f = 1) can run fast; under GPipe (f = 4 everywhere) nothing fits, and the least any
+    assignment needs is 11 bytes (the slow candidate)."""
+    fast = StageCandidate(1.0, 4.0, 3.0, (1,), "fast")
+    slow = StageCandidate(3.0, 1.0, 2.5, (1,), "slow")
+
+    def candidates(start, end, shape):
+        if shape.num_devices != 1:
+            return []
+        return [fast, slow] if end - start == 1 else [StageCandidate(5.0, 9.0, 9.0, (1,))]
+
+    table = StageCostTable.build(2, submesh_shapes(1, 2), candidates)
+    one_f_one_b = StageDPOptions(num_microbatches=4, schedule="1f1b", memory_budget_bytes=9.0)
+    partition = solve_stages(table, 1, 2, one_f_one_b)
+    assert [s.candidate.key for s in partition.stages] == ["slow", "fast"]
+    assert partition.total_time == pytest.approx(3.0 + 1.0 + 3 * 3.0)
+    with pytest.raises(PlanError, match=r"smallest needs 11 bytes .*schedule gpipe"):
+        solve_stages(table, 1, 2, StageDPOptions(4, "gpipe", memory_budget_bytes=9.0))
+
+
+def test_heavy_layer_beats_uniform():
+    """One layer 8x heavier than the other seven, and data parallelism costs log2(n) per stage:
+    equal stages put the heavy layer with others; the DP gives it a stage of its own."""
+    weights = [8.0] + [1.0] * 7
+
+    def candidates(start, end, shape):
+        devices = shape.num_devices
+        time = sum(weights[start:end]) / devices + math.log2(devices) + 0.1
+        return [StageCandidate(time, 1.0, 1.0, (devices,))]
+
+    table = StageCostTable.build(8, submesh_shapes(1, 8), candidates)
+    options = StageDPOptions(num_microbatches=16)
+    best = solve_stages(table, 1, 8, options)
+    for count in (1, 2, 4, 8):
+        assert best.total_time < uniform_stages(table, count, 1, 8, options).total_time
+    assert [(s.start, s.end) for s in best.stages] == [(0, 1), (1, 8)]
+    # The DP's own stages, re-evaluated as a manual partition, give the same total.
+    ranges = [(s.start, s.end) for s in best.stages]
+    again = manual_stages(table, ranges, best.submeshes, 1, 8, options)
+    assert again.total_time == pytest.approx(best.total_time)
+
+
+def test_thinning_reports_inexact_and_stays_valid():
+    seen_inexact = False
+    for seed in range(12):
+        rng = np.random.default_rng(100 + seed)
+        table = random_table(rng, 6, 1, 8)
+        options = StageDPOptions(num_microbatches=3, max_tmax_candidates=1)
+        expected = brute_force(table, 1, 8, options).best
+        if math.isinf(expected):
+            continue
+        partition = solve_stages(table, 1, 8, options)
+        check_partition(partition, table, 1, 8, options)
+        assert partition.total_time >= expected - 1e-9
+        assert partition.exact == (partition.tmax_relative_gap == 0.0)
+        seen_inexact |= not partition.exact
+    assert seen_inexact
+
+
+def test_stage_count_errors():
+    table = StageCostTable.build(
+        3, submesh_shapes(1, 4), lambda s, e, sm: [StageCandidate(1.0, 0.0, 0.0, (1,))]
+    )
+    with pytest.raises(PlanError, match=r"num_stages=4 is more than the 3 layers"):
+        solve_stages(table, 1, 4, StageDPOptions(num_stages=4))
+    with pytest.raises(PlanError, match=r"candidate for every stage"):
+        empty = StageCostTable.build(2, submesh_shapes(1, 2), lambda s, e, sm: [])
+        solve_stages(empty, 1, 2, StageDPOptions())
+
+
+# ----------------------------------------------------------------------------- table, options
+
+
+def test_build_calls_fn_once_per_entry():
+    calls = []
+    shapes = submesh_shapes(2, 4)
+    table = StageCostTable.build(5, shapes, lambda s, e, sm: calls.append((s, e, sm)) or [])
+    assert len(calls) == 5 * 6 // 2 * len(shapes) == table.num_entries
+    assert len(set(calls)) == len(calls)
+    table.candidates(0, 5, 0)
+    assert len(calls) == table.num_entries
+
+
+def test_in_flight_and_options():
+    assert in_flight_microbatches("gpipe", 1, 8) == 8
+    for schedule in ("1f1b", "interleaved-1f1b", "zb-h1"):
+        assert in_flight_microbatches(schedule, 3, 8) == 3
+        assert in_flight_microbatches(schedule, 5, 2) == 2
+    with pytest.raises(InvalidOptionError, match="choices: gpipe, 1f1b"):
+        in_flight_microbatches("pipedream", 1, 4)
+    options = StageDPOptions(8, "zb-h1", 1e9, 3, 64)
+    assert StageDPOptions.from_dict(json.loads(json.dumps(options.to_dict()))) == options
+    with pytest.raises(InvalidOptionError, match="num_microbatches"):
+        StageDPOptions(num_microbatches=0)
+    with pytest.raises(InvalidOptionError, match="unknown stage DP option"):
+        StageDPOptions.from_dict({"microbatches": 2})
+
+
+# ----------------------------------------------------------------------------- submeshes
+
+
+def test_submesh_shapes():
+    def as_pairs(shapes):
+        return [(s.num_hosts, s.devices_per_host) for s in shapes]
+
+    assert as_pairs(submesh_shapes(1, 8)) == [(1, 1), (1, 2), (1, 4), (1, 8)]
+    assert as_pairs(submesh_shapes(3, 4)) == [(1, 1), (1, 2), (1, 4), (2, 4), (3, 4)]
+    assert as_pairs(submesh_shapes(2, 6)) == [(1, 1), (1, 2), (1, 6), (2, 6)]  # 4 does not pack
+    assert as_pairs(submesh_shapes(1, 1)) == [(1, 1)]
+    assert SubmeshShape(2, 4).num_devices == 8
+    with pytest.raises(InvalidOptionError):
+        submesh_shapes(0, 4)
+
+
+def test_place_submeshes_keeps_stages_inside_hosts():
+    assert place_submeshes([SubmeshShape(1, 2), SubmeshShape(1, 2), SubmeshShape(1, 4)], 2, 4) == [
+        [0, 1],
+        [2, 3],
+        [4, 5, 6, 7],
+    ]
+    rng = np.random.default_rng(7)
+    for hosts, per_host in [(2, 4), (4, 8), (3, 2)]:
+        shapes = submesh_shapes(hosts, per_host)
+        for _ in range(40):
+            chosen, left = [], hosts * per_host
+            while left:
+                shape = rng.choice([s for s in shapes if s.num_devices <= left])
+                chosen.append(shape)
+                left -= shape.num_devices
+            placed = place_submeshes(chosen, hosts, per_host)
+            flat = [d for ids in placed for d in ids]
+            assert sorted(flat) == list(range(hosts * per_host))
+            for shape, ids in zip(chosen, placed, strict=True):
+                assert ids == list(range(ids[0], ids[0] + shape.num_devices))
+                if shape.num_hosts == 1 and shape.devices_per_host < per_host:
+                    assert ids[0] // per_host == ids[-1] // per_host
+                else:
+                    assert ids[0] % per_host == 0
+
+
+def test_dp_skips_slices_that_cannot_always_be_placed():
+    """On hosts of 6, three 1x4 stages sum to 12 devices but do not fit in 2 hosts; the DP must
+    not use the 1x4 slice even when it is the fastest."""
+    shapes = [SubmeshShape(1, 2), SubmeshShape(1, 4), SubmeshShape(1, 6), SubmeshShape(2, 6)]
+
+    def candidates(start, end, shape):
+        speed = 100.0 if shape.devices_per_host == 4 else shape.num_devices
+        return [StageCandidate((end - start) / speed, 0.0, 0.0, (shape.num_devices,))]
+
+    table = StageCostTable.build(3, shapes, candidates)
+    partition = solve_stages(table, 2, 6, StageDPOptions(num_microbatches=4))
+    assert SubmeshShape(1, 4) not in partition.submeshes
+    place_submeshes(partition.submeshes, 2, 6)
+    only_four = StageCostTable.build(3, [SubmeshShape(1, 4)], candidates)
+    with pytest.raises(PlanError, match="power-of-two slice dividing 6"):
+        solve_stages(only_four, 2, 6, StageDPOptions())
+
+
+def test_place_submeshes_errors():
+    with pytest.raises(PlanError, match=r"\[1x4, 1x4, 1x4\] \(12 devices\) on 2 hosts x 6"):
+        place_submeshes([SubmeshShape(1, 4)] * 3, 2, 6)
+    with pytest.raises(PlanError, match="need 10 devices but the cluster has 8"):
+        place_submeshes([SubmeshShape(2, 4), SubmeshShape(1, 2)], 2, 4)
+    with pytest.raises(PlanError, match="submesh 2x2 does not exist"):
+        place_submeshes([SubmeshShape(2, 2)], 2, 4)
+
+
+# ----------------------------------------------------------------------------- baselines
+
+
+def test_uniform_and_manual_validation():
+    table = StageCostTable.build(
+        6, submesh_shapes(1, 8), lambda s, e, sm: [StageCandidate(1.0, 0.0, 0.0, (1,))]
+    )
+    options = StageDPOptions(num_microbatches=2)
+    with pytest.raises(PlanError, match=r"4 stages do not split 6 layers and 8 devices.*: 1, 2$"):
+        uniform_stages(table, 4, 1, 8, options)
+    two = uniform_stages(table, 2, 1, 8, options)
+    assert [(s.start, s.end, str(s.submesh)) for s in two.stages] == [(0, 3, "1x4"), (3, 6, "1x4")]
+    four = SubmeshShape(1, 4)
+    with pytest.raises(PlanError, match=r"range \[2, 6\) should start at 3"):
+        manual_stages(table, [(0, 3), (2, 6)], [four, four], 1, 8, options)
+    with pytest.raises(PlanError, match="end at layer 5 but the model has 6 layers"):
+        manual_stages(table, [(0, 3), (3, 5)], [four, four], 1, 8, options)
+    with pytest.raises(PlanError, match="use 12 devices but the cluster has 8"):
+        manual_stages(table, [(0, 3), (3, 6)], [four, SubmeshShape(1, 8)], 1, 8, options)

@@ -1,0 +1,144 @@
+"""The house rules, checked on the source: no import cycles, and each room imports only what
+its ``__init__`` docstring allows (the compiler is pure, the runtime reads only the plan and the
+program forms, the program forms read nothing of either half)."""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import networkx as nx
+import pytest
+import repo_paths
+
+PACKAGE = repo_paths.REPO / "autopar"
+
+# room -> the autopar modules and packages it may import (besides itself)
+ALLOWED: dict[str, tuple[str, ...]] = {
+    "autopar.ir": ("autopar.errors",),
+    "autopar.compiler": ("autopar.plan", "autopar.methods", "autopar.errors", "autopar.cluster",
+                         "autopar.ir"),
+    "autopar.runtime": ("autopar.plan", "autopar.ir", "autopar.cluster", "autopar.errors"),
+    "autopar.report": ("autopar.plan", "autopar.ir", "autopar.cluster", "autopar.compiler",
+                       "autopar.errors"),
+}
+MAX_TOP_LEVEL_MODULES = 12
+
+
+@dataclass(frozen=True)
+class ImportEdge:
+    source: str
+    target: str
+    line: int
+
+
+def module_name(root: Path, path: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def import_edges(root: Path) -> tuple[set[str], list[ImportEdge]]:
+    """Every module under ``root`` and every import between them, wherever it stands (module
+    level, inside a function, under ``TYPE_CHECKING``): a cycle through a lazy import is still
+    a cycle of meaning. ``from pkg import sub`` with ``sub`` a module imports ``pkg.sub``."""
+    files = {module_name(root, p): p for p in root.rglob("*.py")}
+    modules = set(files)
+    edges = []
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules]
+                targets = subs if len(subs) == len(node.names) else [base, *subs]
+            for target in targets:
+                while target and target not in modules:  # `import a.b.c` of a non-module name
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    edges.append(ImportEdge(name, target, node.lineno))
+    return modules, edges
+
+
+def cycles(edges: list[ImportEdge]) -> list[list[str]]:
+    graph = nx.DiGraph((e.source, e.target) for e in edges)
+    return [sorted(c) for c in nx.strongly_connected_components(graph) if len(c) > 1]
+
+
+def room_violations(edges: list[ImportEdge]) -> list[str]:
+    def inside(module: str, prefix: str) -> bool:
+        return module == prefix or module.startswith(prefix + ".")
+
+    found = []
+    for e in edges:
+        for room, allowed in ALLOWED.items():
+            if inside(e.source, room) and not inside(e.target, room) and not any(
+                    inside(e.target, a) for a in allowed):
+                found.append(f"{e.source}:{e.line} imports {e.target}")
+    return found
+
+
+def test_the_package_has_no_import_cycle():
+    _, edges = import_edges(PACKAGE)
+    assert cycles(edges) == []
+
+
+def test_each_room_imports_only_what_it_may():
+    _, edges = import_edges(PACKAGE)
+    assert room_violations(edges) == []
+
+
+def test_the_top_level_is_a_short_list_and_the_compiler_is_in_rooms():
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, top
+    loose = sorted(p.name for p in (PACKAGE / "compiler").glob("*.py") if p.name != "__init__.py")
+    assert loose == []
+    for room in ("ir", "compiler", "runtime", "frontend", "report"):
+        assert ast.get_docstring(ast.parse((PACKAGE / room / "__init__.py").read_text())), room
+
+
+# ---- the checker itself can fail: a toy package with each kind of fault --------------------
+
+
+def _toy(tmp_path: Path, files: dict[str, str]) -> Path:
+    root = tmp_path / "autopar"
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_the_checker_finds_a_cycle(tmp_path, lazy):
+    later = "def f():\n    from autopar.a import x\n" if lazy else "from autopar.a import x\n"
+    root = _toy(tmp_path, {"__init__.py": "", "a.py": "from autopar.b import y\nx = 1\n",
+                           "b.py": later + "y = 2\n"})
+    assert cycles(import_edges(root)[1]) == [["autopar.a", "autopar.b"]]
+
+
+def test_the_checker_reads_a_submodule_import_as_that_module(tmp_path):
+    root = _toy(tmp_path, {"__init__.py": "from autopar import b\n", "a.py": "",
+                           "b.py": "from autopar import a\n"})
+    assert cycles(import_edges(root)[1]) == []
+
+
+@pytest.mark.parametrize("target", ["autopar.runtime.shard", "autopar.frontend.planning",
+                                    "autopar.report.text"])
+def test_the_checker_finds_the_compiler_importing_a_room_above_it(tmp_path, target):
+    root = _toy(tmp_path, {
+        "__init__.py": "", "compiler/__init__.py": "", "runtime/__init__.py": "",
+        "frontend/__init__.py": "", "report/__init__.py": "",
+        "runtime/shard.py": "", "frontend/planning.py": "", "report/text.py": "",
+        "compiler/planner.py": f"def plan():\n    import {target}\n",
+    })
+    assert room_violations(import_edges(root)[1]) == [
+        f"autopar.compiler.planner:2 imports {target}"]
