@@ -46,6 +46,18 @@ def local_cluster(devices: Sequence[Any] | None = None) -> ClusterSpec:
     return ClusterSpec.from_dict(fields).with_devices(hosts, per_host)
 
 
+@dataclass(frozen=True)
+class RunStatistics:
+    """What running a plan measured (kept on the step, not in the plan, which stays as the
+    compiler made it): ``compile_time_s`` (trace, plan or cache look-up, and building the
+    executable), ``plan_from_cache``, and for pipelined steps the idle fraction measured by
+    the last :meth:`ParallelizedStep.timed_call` (None before one)."""
+
+    compile_time_s: float
+    plan_from_cache: bool
+    measured_idle_fraction: float | None = None
+
+
 @dataclass
 class CompiledStep:
     """Everything made for one input signature: the trace, the plan, the executable."""
@@ -57,6 +69,7 @@ class CompiledStep:
     dynamic_argnums: tuple[int, ...]  # the positional arguments the executable takes
     donated_leaves: tuple[bool, ...]  # per flat input leaf of those arguments
     from_cache: bool = False
+    measured_idle_fraction: float | None = None
 
 
 def _check_argnums(name: str, argnums: Sequence[int]) -> tuple[int, ...]:
@@ -171,8 +184,6 @@ class ParallelizedStep:
             executable = ShardedProgram(planned.traced.program, plan, devices,
                                         donated=donated)
         elapsed = time.perf_counter() - start
-        if self.saved_plan is None and not planned.from_cache:
-            plan.options["compile_time_s"] = elapsed  # a saved plan stays as it was loaded
         return CompiledStep(planned.traced, plan, executable, elapsed, dynamic, donated,
                             planned.from_cache)
 
@@ -188,8 +199,8 @@ class ParallelizedStep:
 
     def timed_call(self, *args: Any) -> tuple[Any, list[Any]]:
         """Run one step of a pipelined step with every task waited for and timed; returns the
-        outputs and the task records (stage, kind, microbatch, start, end), and stores the
-        measured idle fraction in the plan (``options["measured_idle_fraction"]``)."""
+        outputs and the task records (stage, kind, microbatch, start, end); the measured idle
+        fraction is then in :meth:`run_statistics`."""
         compiled = self._compiled(args)
         runner = compiled.executable
         if not hasattr(runner, "records"):
@@ -201,13 +212,19 @@ class ParallelizedStep:
         out = runner(flat, record=True)
         _release_donated(flat, compiled.donated_leaves, out)
         records = list(runner.records)
-        compiled.plan.options["measured_idle_fraction"] = measured_idle_fraction(
+        compiled.measured_idle_fraction = measured_idle_fraction(
             records, len(compiled.plan.stages))
         return jax.tree_util.tree_unflatten(compiled.traced.program.out_tree, out), records
 
     def get_plan(self, *args: Any) -> Plan:
         """The plan for these arguments (arrays or ``jax.ShapeDtypeStruct``)."""
         return self._compiled(args).plan
+
+    def run_statistics(self, *args: Any) -> RunStatistics:
+        """What was measured for these arguments' signature (see :class:`RunStatistics`)."""
+        compiled = self._compiled(args)
+        return RunStatistics(compiled.compile_time_s, compiled.from_cache,
+                             compiled.measured_idle_fraction)
 
     def plan_was_cached(self, *args: Any) -> bool:
         """Whether the plan for these arguments came from the on-disk cache."""

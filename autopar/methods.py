@@ -6,10 +6,33 @@ Each method is a frozen dataclass of options; the planner for it lives in ``auto
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from autopar.errors import InvalidOptionError, choices_text
+from autopar.ir.schedules import ScheduleName, schedule_name
+from autopar.plan import MethodName
 
-SOLVERS: tuple[str, ...] = ("auto", "highs", "cbc")
+
+class Solver(StrEnum):
+    """The intra-operator ILP's solvers (``AUTO``: HiGHS when installed, else CBC). Members
+    equal their strings, so options take ``"highs"`` as well as ``Solver.HIGHS``."""
+
+    AUTO = "auto"
+    HIGHS = "highs"
+    CBC = "cbc"
+
+
+def check_solver(value: object) -> None:
+    """Raise ``InvalidOptionError`` (one line, naming the choices) unless ``value`` is a
+    solver name."""
+    try:
+        Solver(value)
+    except ValueError:
+        raise InvalidOptionError(
+            f"unknown solver '{value}'; valid solvers: {choices_text(Solver)}"
+        ) from None
+
+
 REMAT_MODES: tuple[str, ...] = ("none", "layers", "auto")
 
 
@@ -33,7 +56,7 @@ class DataParallel:
     mesh_shape: tuple[int, ...] | None = None
     remat: str = "none"
 
-    name = "data"
+    name = MethodName.DATA
 
     def __post_init__(self) -> None:
         check_remat(self.remat)
@@ -64,14 +87,11 @@ class ShardParallel:
     prefer_reduce_scatter: bool = False
     remat: str = "none"
 
-    name = "shard"
+    name = MethodName.SHARD
 
     def __post_init__(self) -> None:
         check_remat(self.remat)
-        if self.solver not in SOLVERS:
-            raise InvalidOptionError(
-                f"unknown solver '{self.solver}'; valid solvers: {choices_text(SOLVERS)}"
-            )
+        check_solver(self.solver)
         if self.time_limit_s <= 0:
             raise InvalidOptionError(f"time_limit_s must be positive, got {self.time_limit_s}")
         if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
@@ -92,7 +112,7 @@ class Zero2Parallel:
 
     mesh_shape: tuple[int, ...] | None = None
 
-    name = "zero2"
+    name = MethodName.ZERO2
 
 
 @dataclass(frozen=True)
@@ -105,10 +125,9 @@ class Zero3Parallel:
 
     mesh_shape: tuple[int, ...] | None = None
 
-    name = "zero3"
+    name = MethodName.ZERO3
 
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 STAGE_MODES: tuple[str, ...] = ("auto", "uniform")
 
 
@@ -159,7 +178,7 @@ class PipeshardParallel:
     time_limit_s: float = 30.0
     remat: str = "none"
 
-    name = "pipeshard"
+    name = MethodName.PIPESHARD
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_microbatches, int) or self.num_microbatches < 1:
@@ -167,9 +186,10 @@ class PipeshardParallel:
                 f"num_microbatches must be a positive integer, got {self.num_microbatches!r}"
             )
         check_remat(self.remat)
-        if self.schedule not in SCHEDULES:
+        if schedule_name(self.schedule) is None:
             raise InvalidOptionError(
-                f"unknown schedule '{self.schedule}'; valid schedules: {choices_text(SCHEDULES)}"
+                f"unknown schedule '{self.schedule}'; valid schedules: "
+                f"{choices_text(ScheduleName)}"
             )
         if not isinstance(self.stages, ManualStages) and self.stages not in STAGE_MODES:
             raise InvalidOptionError(
@@ -189,10 +209,7 @@ class PipeshardParallel:
             raise InvalidOptionError(
                 f"num_stages must be a positive integer, got {self.num_stages!r}"
             )
-        if self.solver not in SOLVERS:
-            raise InvalidOptionError(
-                f"unknown solver '{self.solver}'; valid solvers: {choices_text(SOLVERS)}"
-            )
+        check_solver(self.solver)
         if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
             raise InvalidOptionError(
                 f"memory_budget_bytes must be positive, got {self.memory_budget_bytes}"

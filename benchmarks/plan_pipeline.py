@@ -51,7 +51,7 @@ def measure(layers: int, microbatches: int, cluster_name: str, pipeline_layers: 
         "total_s": times["total_s"],
         "ilp_s": times["ilp_s"],
         "dp_s": times["dp_s"],
-        "ilp_solves": plan.options["stage_search"]["ilp_solves"],
+        "ilp_solves": plan.planning.stage_search["ilp_solves"],
         "stages": [
             {"layers": [s.layers[0], s.layers[-1]], "submesh": list(s.submesh_shape),
              "logical_mesh": list(s.logical_mesh_shape), "est_time_s": s.est_time_s}

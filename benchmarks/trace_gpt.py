@@ -22,7 +22,7 @@ import jax  # noqa: E402
 from autopar.bench.outputs import machine_text  # noqa: E402
 from autopar.compiler.cost.mesh import load_cluster  # noqa: E402
 from autopar.compiler.graph.trace import trace_step  # noqa: E402
-from autopar.compiler.planners.dispatch import plan_step  # noqa: E402
+from autopar.compiler.planners.dispatch import plan_traced  # noqa: E402
 from autopar.methods import DataParallel  # noqa: E402
 from autopar.models import get_model  # noqa: E402
 
@@ -40,7 +40,7 @@ def measure(size: str, repeats: int) -> dict:
         t1 = time.perf_counter()
         traced = trace_step(model.train_step, args)
         t2 = time.perf_counter()
-        plan_step(traced, DataParallel(), cluster)
+        plan_traced(traced, DataParallel(), cluster)
         t3 = time.perf_counter()
         make_jaxpr_s.append(t1 - t0)
         trace_s.append(t2 - t1)

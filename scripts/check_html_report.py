@@ -232,10 +232,10 @@ def build_report(method: str) -> CompileReport:
     model = get_model("gpt", "tiny")
     traced = trace_step(model.train_step, model.abstract_inputs())
     if method == "shard":
-        from autopar.compiler.planners.dispatch import plan_step
+        from autopar.compiler.planners.dispatch import plan_traced
 
         method_ = autopar.ShardParallel(mesh_shape=(2, 4))
-        plan = plan_step(traced, method_, local_cluster(), batch_argnums=(1,))
+        plan = plan_traced(traced, method_, local_cluster(), batch_argnums=(1,))
     else:
         from autopar.compiler.planners.pipeshard import plan_pipeshard
         from autopar.ir.pipeline_program import build_pipeline_program

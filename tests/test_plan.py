@@ -10,7 +10,10 @@ from autopar.plan import (
     CollectiveEstimate,
     CollectiveKind,
     InputSignature,
+    MethodName,
+    PipelineLayout,
     Plan,
+    PlanningRecord,
     ShardingSpec,
     StagePlan,
 )
@@ -47,7 +50,7 @@ def make_plan() -> Plan:
         est_step_time_s=0.5,
         total_flops=1.5e9,
         signature=[InputSignature("batch/x", (16, 8), "float32")],
-        options={"mesh_shape": [2, 4]},
+        planning=PlanningRecord(planning_time_s=0.25, method_options={"mesh_shape": [2, 4]}),
         solver={"status": "Optimal", "objective": 1.25},
         notes=["a note"],
     )
@@ -103,3 +106,113 @@ def test_wrong_version_and_bad_json_are_plan_errors(tmp_path):
         Plan.from_dict(data)
     with pytest.raises(PlanError, match="cannot read plan file"):
         Plan.load(tmp_path / "missing.json")
+
+
+# ---- the typed contract: real fields, strict JSON, version 1 read ---------------------------
+
+
+def pipelined_plan() -> Plan:
+    stages = []
+    for i in range(2):
+        stages.append(StagePlan(index=i, layers=(i,), submesh_shape=(1, 4),
+                                logical_mesh_shape=(4,), axis_names=("x",),
+                                device_ids=tuple(range(4 * i, 4 * i + 4))))
+    layout = PipelineLayout(schedule="1f1b", num_chunks=1, layer_positions=(10, 20, 30),
+                            piece_positions=(20,), stage_of_piece=(0, 1),
+                            remat_stages=(False, True))
+    return Plan(method=MethodName.PIPESHARD, mesh_shape=(2,), cluster="cpu-sim", stages=stages,
+                est_step_time_s=1.0, total_flops=2.0, num_microbatches=4, pipeline=layout,
+                planning=PlanningRecord(phases={"total_s": 0.5}, stage_search={"gap": 0.0},
+                                        estimated_idle_fraction=0.2))
+
+
+def test_the_fields_the_runtime_reads_are_typed_and_round_trip():
+    plan = pipelined_plan()
+    again = Plan.from_json(plan.to_json())
+    assert again == plan
+    assert again.method is MethodName.PIPESHARD and again.is_pipelined
+    assert again.pipeline.stage_of_piece == (0, 1) and again.pipeline.remat_stages == (False, True)
+    one = make_plan()
+    one.remat_positions = (3, 7)
+    assert Plan.from_json(one.to_json()).remat_positions == (3, 7)
+    assert not one.is_pipelined
+
+
+@pytest.mark.parametrize("where, edit, message", [
+    ("top", lambda d: d.update(compile_time_s=1.0),
+     "plan field compile_time_s is not a field of this plan format"),
+    ("top", lambda d: d.update(options={}), "plan field options is not a field"),
+    ("stage", lambda d: d["stages"][0].update(colour="red"),
+     "plan field stages[0].colour is not a field"),
+    ("layout", lambda d: d["pipeline"].update(segments=[]),
+     "plan field pipeline.segments is not a field"),
+    ("record", lambda d: d["planning"].update(measured_idle_fraction=0.1),
+     "plan field planning.measured_idle_fraction is not a field"),
+    ("top", lambda d: d.pop("pipeline"), "plan is missing the field 'pipeline'"),
+    ("layout", lambda d: d["pipeline"].pop("remat_stages"),
+     "plan is missing the field 'pipeline.remat_stages'"),
+    ("layout", lambda d: d["pipeline"].update(stage_of_piece=[0, 2]),
+     "plan field pipeline.stage_of_piece names stage 2; the plan has stages 0 to 1"),
+    ("layout", lambda d: d["pipeline"].update(stage_of_piece=[0, 0]),
+     "plan field pipeline.stage_of_piece gives stage 0 2 piece"),
+    ("layout", lambda d: d["pipeline"].update(piece_positions=[25]),
+     "plan field pipeline.piece_positions cuts at 25, which is not one of layer_positions"),
+    ("layout", lambda d: d["pipeline"].update(remat_stages=[True]),
+     "plan field pipeline.remat_stages has 1 flag"),
+    ("top", lambda d: d.update(method="tensor"), "plan field method is invalid"),
+    ("layout", lambda d: d["pipeline"].update(schedule="2f2b"),
+     "plan field pipeline.schedule '2f2b' names no schedule; valid: gpipe, 1f1b"),
+    ("top", lambda d: d.update(pipeline=None),
+     "plan field pipeline is missing; a pipeshard plan needs its layout"),
+])
+def test_unknown_missing_and_inconsistent_fields_are_one_line_plan_errors(where, edit, message):
+    data = pipelined_plan().to_dict()
+    edit(data)
+    with pytest.raises(PlanError) as err:
+        Plan.from_dict(data)
+    assert message in str(err.value) and "\n" not in str(err.value), (where, str(err.value))
+
+
+def test_a_one_stage_plan_takes_no_pipeline_layout():
+    data = make_plan().to_dict()
+    data["pipeline"] = pipelined_plan().pipeline.to_dict()
+    with pytest.raises(PlanError, match="a data plan runs one program; it takes no pipeline"):
+        Plan.from_dict(data)
+
+
+def version_1(plan: Plan) -> dict:
+    """What autopar wrote as format version 1 for ``plan``: the layout, the remat cuts and
+    the planning statistics in ``options``, beside run statistics."""
+    d = plan.to_dict()
+    options = {"compile_time_s": 3.5, "measured_idle_fraction": 0.4}
+    if d["pipeline"] is not None:
+        options["pipeline"] = d["pipeline"]
+    if d["remat_positions"] is not None:
+        options["remat_positions"] = d["remat_positions"]
+    record = d["planning"]
+    options |= {"planning_time_s": record["planning_time_s"], "timings": record["phases"],
+                "stage_search": record["stage_search"],
+                "estimated_idle_fraction": record["estimated_idle_fraction"],
+                "theoretical_idle_fraction": record["theoretical_idle_fraction"]}
+    options |= record["method_options"]
+    for key in ("pipeline", "remat_positions", "planning"):
+        del d[key]
+    return d | {"format_version": 1, "options": options}
+
+
+@pytest.mark.parametrize("make", [make_plan, pipelined_plan])
+def test_version_1_files_load_as_the_same_plan_without_run_statistics(make):
+    plan = make()
+    if not plan.is_pipelined:
+        plan.remat_positions = (3, 7)
+    loaded = Plan.from_dict(version_1(plan))
+    assert loaded == plan
+    assert loaded.format_version == FORMAT_VERSION
+    again = json.loads(loaded.to_json())
+    assert "options" not in again and "compile_time_s" not in json.dumps(again)
+
+
+def test_a_version_1_pipeline_without_remat_flags_reads_as_no_remat():
+    data = version_1(pipelined_plan())
+    del data["options"]["pipeline"]["remat_stages"]
+    assert Plan.from_dict(data).pipeline.remat_stages == (False, False)

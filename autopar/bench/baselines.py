@@ -76,30 +76,31 @@ def plan_megatron(traced: TracedStep, cluster: ClusterSpec, time_limit_s: float 
     plan = plan_shard_parallel(traced, mesh, options, batch_argnums=(1,),
                                cluster_name=cluster.name,
                                devices_per_host=cluster.devices_per_host)
-    plan.options = {"method": "shard", "mesh_shape": list(mesh.shape), "baseline": "megatron",
-                    "planning_time_s": time.perf_counter() - start}
+    plan.planning.method_options = {"method": "shard", "mesh_shape": list(mesh.shape)}
+    plan.planning.baseline = "megatron"
+    plan.planning.planning_time_s = time.perf_counter() - start
     return plan
 
 
 def plan_single_device(traced: TracedStep, cluster: ClusterSpec) -> Plan:
     """The step on one device of ``cluster`` (its compute time: nothing to communicate)."""
-    from autopar.compiler.planners.dispatch import plan_step
+    from autopar.compiler.planners.dispatch import plan_traced
 
-    return plan_step(traced, DataParallel(), cluster.with_devices(1, 1))
+    return plan_traced(traced, DataParallel(), cluster.with_devices(1, 1))
 
 
 def plan_data_parallel(traced: TracedStep, cluster: ClusterSpec) -> Plan:
     """``autopar.DataParallel()`` over every device of ``cluster``."""
-    from autopar.compiler.planners.dispatch import plan_step
+    from autopar.compiler.planners.dispatch import plan_traced
 
-    return plan_step(traced, DataParallel(), cluster)
+    return plan_traced(traced, DataParallel(), cluster)
 
 
 def plan_intra_op(traced: TracedStep, cluster: ClusterSpec, time_limit_s: float = 30.0) -> Plan:
     """``autopar.ShardParallel()``: the intra-operator ILP on one axis over every device."""
-    from autopar.compiler.planners.dispatch import plan_step
+    from autopar.compiler.planners.dispatch import plan_traced
 
-    return plan_step(traced, ShardParallel(time_limit_s=time_limit_s), cluster)
+    return plan_traced(traced, ShardParallel(time_limit_s=time_limit_s), cluster)
 
 
 @dataclass(frozen=True)

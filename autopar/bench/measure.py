@@ -88,7 +88,7 @@ def measure_plan(step_fn: Callable, plan: Plan, inputs: LocalInputs, devices: Se
 
     step = autopar.parallelize(step_fn, plan=plan, devices=list(devices), cache=False)
     first, times = time_calls(lambda: step(inputs.state, inputs.batch), warmup, repeats)
-    if plan.method == "pipeshard":
+    if plan.is_pipelined:
         # the pipeline runs one program per stage task, not one program to inspect
         return Timing(tuple(times), warmup, first, None,
                       f"pipelined plan ({len(plan.stages)} stage(s)): one program per task")

@@ -18,7 +18,7 @@ from autopar.compiler.inter_op.stages import StagePartition
 from autopar.ir.pipeline_program import PipelineProgram
 from autopar.methods import PipeshardParallel
 from autopar.models import ZooModel
-from autopar.plan import Plan
+from autopar.plan import MethodName, Plan
 
 
 @dataclass
@@ -59,10 +59,10 @@ def planning_times(trace_s: float, plan: Plan) -> dict[str, float]:
     and the chosen stages' own solves), ``dp_s`` (the stage DP without the ILPs it asked for),
     ``other_s`` (layer clustering) and ``total_s`` (trace included). A one-stage plan of the
     data or shard planner records one planning time: all ILP (shard) or none (data)."""
-    timings = plan.options.get("timings")
-    if timings is None:
-        planned = float(plan.options.get("planning_time_s", 0.0))
-        ilp = planned if plan.method == "shard" else 0.0
+    timings = plan.planning.phases
+    if not timings:
+        planned = float(plan.planning.planning_time_s or 0.0)
+        ilp = planned if plan.method is MethodName.SHARD else 0.0
         return {"trace_s": trace_s, "ilp_s": ilp, "dp_s": 0.0, "other_s": planned - ilp,
                 "total_s": trace_s + planned}
     return {
@@ -79,14 +79,14 @@ def planning_times(trace_s: float, plan: Plan) -> dict[str, float]:
 def plan_summary(plan: Plan) -> dict[str, Any]:
     """Stages (layer range, submesh, logical mesh, estimated seconds per microbatch or per
     step), method, microbatches and schedule."""
-    pipeline = plan.options.get("pipeline") or {}
+    pipeline = plan.pipeline
     return {
-        "method": plan.method,
+        "method": plan.method.value,
         "num_stages": len(plan.stages),
         "num_microbatches": plan.num_microbatches,
-        "schedule": pipeline.get("schedule"),
-        "pipeline_layers": (len(pipeline["layer_positions"]) + 1) if pipeline else None,
-        "est_idle_fraction": plan.options.get("estimated_idle_fraction"),
+        "schedule": None if pipeline is None else str(pipeline.schedule),
+        "pipeline_layers": None if pipeline is None else len(pipeline.layer_positions) + 1,
+        "est_idle_fraction": plan.planning.estimated_idle_fraction,
         "stages": [
             {"layers": [s.layers[0], s.layers[-1]] if s.layers else [],
              "submesh": list(s.submesh_shape),

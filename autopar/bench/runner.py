@@ -119,7 +119,7 @@ def run_case(case: BenchCase, options: RunOptions, phase: Phase) -> dict[str, An
     est = plan.est_step_time_s
     row.update({
         "flops_per_step": flops, "planning": planning_times(searched.trace_s, plan),
-        "ilp_solves": plan.options["stage_search"]["ilp_solves"], "est_step_time_s": est,
+        "ilp_solves": plan.planning.stage_search["ilp_solves"], "est_step_time_s": est,
         "est_tflops_per_device": tflops_per_device(flops, est, cluster.num_devices),
         "plan": plan_summary(plan), "predicted_communication": predicted_communication(plan),
         "measured": None, "cost_model": None,
@@ -219,7 +219,7 @@ def _plan_baseline(baseline: Baseline, planner: Callable[[ClusterSpec], Plan],
                    phase: Phase, entry: dict) -> None:
     plan = planner(cluster)
     entry.update({"est_step_time_s": plan.est_step_time_s, "plan": plan_summary(plan),
-                  "planning_s": plan.options.get("planning_time_s"),
+                  "planning_s": plan.planning.planning_time_s,
                   "predicted_communication": predicted_communication(plan)})
     if local is None:
         if baseline is Baseline.SINGLE_DEVICE:
@@ -300,7 +300,7 @@ def run_scaling_point(point: ScalingPoint, phase: Phase) -> dict[str, Any]:
         "model": point.model, "size": point.size, "num_layers": point.num_layers,
         "cluster": cluster.name, "hosts": cluster.num_hosts, "devices": cluster.num_devices,
         "microbatches": point.microbatches, "planning": planning_times(searched.trace_s, plan),
-        "ilp_solves": plan.options["stage_search"]["ilp_solves"],
+        "ilp_solves": plan.planning.stage_search["ilp_solves"],
         "est_step_time_s": plan.est_step_time_s, "plan": plan_summary(plan),
         "wall_s": time.perf_counter() - wall,
     }

@@ -1,8 +1,10 @@
-"""From a train step and its arguments to a Plan: the one path shared by the decorator and the CLI.
+"""From a train step and its arguments to a Plan: the shell around the compiler shared by the
+decorator and the CLI.
 
-``plan_train_step`` traces the step (for pipelining: the pipeline cut of it), then takes the plan
-from the saved plan it was given, or from the on-disk cache, or from the planner, in that order.
-It touches no devices: the caller builds the executable (``runtime/``) from what it returns.
+``plan_train_step`` takes the plan from the saved plan it was given (checked against the step),
+or from the on-disk cache, or from the compiler (``compiler.planners.dispatch``: trace, then
+plan), in that order. It touches no devices: the caller builds the executable (``runtime/``)
+from what it returns.
 """
 
 from __future__ import annotations
@@ -15,14 +17,11 @@ from typing import Any
 import jax
 
 from autopar.cluster import ClusterSpec
-from autopar.compiler.graph.trace import TracedStep, build_graph, trace_step
-from autopar.compiler.planners.dispatch import plan_step
-from autopar.errors import BatchSizeError, InvalidOptionError, NoLossFunctionError, PlanError
-from autopar.methods import Method, PipeshardParallel, ShardParallel
+from autopar.compiler.graph.trace import TracedStep, trace_step
+from autopar.compiler.planners import dispatch
+from autopar.errors import InvalidOptionError, PlanError
+from autopar.methods import Method
 from autopar.plan import Plan
-
-# Primitives that draw random bits: a pipelined forward draws them per microbatch shape.
-RANDOM_DRAWS = frozenset({"random_bits", "threefry2x32", "rng_bit_generator", "rng_uniform"})
 
 
 @dataclass
@@ -91,6 +90,7 @@ def plan_train_step(
     fall_back_to_shard: bool = False,
     saved_plan: Plan | None = None,
     cache: Any = None,
+    ilp_observer: Callable[[Any, Any], None] | None = None,
 ) -> PlannedStep:
     """Trace ``fn(*args)`` and plan it with ``method`` on ``cluster``.
 
@@ -100,104 +100,31 @@ def plan_train_step(
     ``saved_plan``: use this plan (checked against the trace) instead of planning.
     ``cache``: an ``autopar.frontend.plan_cache.PlanCache`` to take the plan from, keyed by the
     traced program, method, cluster and batch arguments, and to store a new plan in.
+    ``ilp_observer(problem, solution)``: called with each one-stage sharding ILP solved
+    (``--dump-ilp``; the cache is then not read).
     """
     if saved_plan is not None:
         return _with_saved_plan(fn, args, saved_plan, batch_argnums)
-    if isinstance(method, PipeshardParallel):
-        from autopar.compiler.planners.pipeshard import plan_pipeshard
-        from autopar.ir.pipeline_program import build_pipeline_program
-
-        try:
-            pp = build_pipeline_program(fn, args, batch_argnums, method.num_microbatches)
-        except (NoLossFunctionError, BatchSizeError) as err:
-            if not fall_back_to_shard:
-                raise
-            shard = ShardParallel(memory_budget_bytes=method.memory_budget_bytes,
-                                  solver=method.solver, time_limit_s=method.time_limit_s)
-            planned = plan_train_step(fn, args, shard, cluster, batch_argnums=batch_argnums,
-                                      cache=cache)
-            planned.plan.notes.append(f"one stage, no pipeline: {err}")
-            return planned
-        traced = TracedStep(pp.outer, build_graph(pp.outer))
-        # the outer trace holds the loss function as one equation: the microbatch forward's
-        # own trace is what tells two loss functions apart
-        key = _cache_key(cache, (pp.outer, pp.forward), method, cluster, batch_argnums)
-        cached = _cached_plan(cache, key, traced)
-        if cached is not None:
-            return PlannedStep(traced, cached, pp, from_cache=True)
-        plan = plan_pipeshard(pp, method, cluster)
-        plan.batch_argnums = tuple(batch_argnums)
-        if any(eqn.name in RANDOM_DRAWS for eqn in pp.forward.eqns):
-            plan.notes.append(
-                "the loss function draws random numbers (dropout?): each microbatch draws its "
-                "own, so the masks differ from an unpipelined step's (same distribution)")
-        _store(cache, key, plan)
-        return PlannedStep(traced, plan, pp)
-    traced = trace_step(fn, args)
-    key = _cache_key(cache, (traced.program,), method, cluster, batch_argnums)
-    cached = _cached_plan(cache, key, traced)
+    step = dispatch.trace(fn, args, method, batch_argnums, fall_back_to_shard=fall_back_to_shard)
+    key = None if ilp_observer is not None else _cache_key(cache, step, cluster)
+    cached = _cached_plan(cache, key, step.traced)
     if cached is not None:
-        return PlannedStep(_retraced(fn, args, cached, traced), cached, from_cache=True)
-    remat = getattr(method, "remat", "none")
-    plan = None
-    if remat != "layers":
-        plan = plan_step(traced, method, cluster, batch_argnums=tuple(batch_argnums))
-    if remat != "none" and (plan is None or not _fits(plan, method, cluster)):
-        traced, plan = _plan_rematerialised(fn, args, method, cluster, batch_argnums,
-                                            traced, plan)
-    _store(cache, key, plan)
-    return PlannedStep(traced, plan)
+        if cached.remat_positions is not None:  # its ids name the rematerialised trace
+            step = dispatch.trace_for_plan(fn, args, cached, batch_argnums)
+        return PlannedStep(step.traced, cached, step.pipeline, from_cache=True)
+    planned = dispatch.plan(step, cluster, ilp_observer=ilp_observer)
+    _store(cache, key, planned.plan)
+    return PlannedStep(planned.traced, planned.plan, planned.pipeline)
 
 
-def _fits(plan: Plan, method: Method, cluster: ClusterSpec) -> bool:
-    budget = getattr(method, "memory_budget_bytes", None) or cluster.device.memory_bytes
-    return plan.peak_memory_bytes <= budget
-
-
-def _plan_rematerialised(fn: Callable, args: Sequence[Any], method: Method,
-                         cluster: ClusterSpec, batch_argnums: tuple[int, ...],
-                         traced: TracedStep, plan: Plan | None) -> tuple[TracedStep, Plan]:
-    """Trace again with the loss function's layers under ``jax.checkpoint`` and plan that;
-    for ``remat="auto"`` keep it only if it needs less memory than ``plan``."""
-    from autopar.compiler.planners.pipeshard import remat_layer_positions
-    from autopar.ir.pipeline_program import build_pipeline_program
-
-    try:
-        pp = build_pipeline_program(fn, args, batch_argnums, 1)
-    except NoLossFunctionError as err:
-        if plan is None:
-            raise InvalidOptionError(f"remat='layers' needs the step's gradient from "
-                                     f"autopar.value_and_grad or autopar.grad: {err}") from None
-        plan.notes.append("remat='auto' left off: the step has no autopar.value_and_grad")
-        return traced, plan
-    positions = remat_layer_positions(pp, build_graph(pp.forward))
-    remat_traced = trace_step(fn, args, remat_positions=positions)
-    remat_plan = plan_step(remat_traced, method, cluster, batch_argnums=tuple(batch_argnums))
-    if plan is not None and remat_plan.peak_memory_bytes >= plan.peak_memory_bytes:
-        plan.notes.append("remat='auto' tried the layers under jax.checkpoint: no memory saved")
-        return traced, plan
-    remat_plan.options["remat_positions"] = list(positions)
-    remat_plan.notes.append(
-        f"rematerialised: the loss function's {len(positions) + 1} layers run under "
-        "jax.checkpoint (the backward recomputes them)")
-    return remat_traced, remat_plan
-
-
-def _retraced(fn: Callable, args: Sequence[Any], plan: Plan, traced: TracedStep) -> TracedStep:
-    """The trace a plan's tensor ids refer to: again with its rematerialised layers, if any."""
-    positions = plan.options.get("remat_positions")
-    return traced if positions is None else trace_step(fn, args, remat_positions=positions)
-
-
-def _cache_key(cache: Any, programs: tuple[Any, ...], method: Method, cluster: ClusterSpec,
-               batch_argnums: tuple[int, ...]) -> str | None:
+def _cache_key(cache: Any, step: dispatch.StepProgram, cluster: ClusterSpec) -> str | None:
     if cache is None:
         return None
     from autopar.frontend.plan_cache import cache_key, program_fingerprint
 
-    fingerprint = "+".join(program_fingerprint(p) for p in programs)
-    return cache_key(fingerprint, method=method, cluster=cluster,
-                     batch_argnums=tuple(batch_argnums), devices=None)
+    fingerprint = "+".join(program_fingerprint(p) for p in step.programs)
+    return cache_key(fingerprint, method=step.method, cluster=cluster,
+                     batch_argnums=step.batch_argnums, devices=None)
 
 
 def _cached_plan(cache: Any, key: str | None, traced: TracedStep) -> Plan | None:
@@ -222,25 +149,22 @@ def _with_saved_plan(
     fn: Callable, args: Sequence[Any], plan: Plan, batch_argnums: tuple[int, ...]
 ) -> PlannedStep:
     plan.check()  # a Plan built in code gets the checks a loaded one had
-    if plan.method == "pipeshard":
-        from autopar.ir.pipeline_program import build_pipeline_program
-
+    if plan.is_pipelined:
         shapes = [getattr(leaf, "shape", ()) for i in batch_argnums if i < len(args)
                   for leaf in jax.tree_util.tree_leaves(args[i])]
         sizes = {int(shape[0]) for shape in shapes if shape}
         if len(sizes) == 1 and min(sizes) % plan.num_microbatches:
             raise PlanError(f"plan field num_microbatches={plan.num_microbatches} does not "
                             f"divide this step's batch size {min(sizes)}")
-        pp = build_pipeline_program(fn, args, batch_argnums, plan.num_microbatches)
-        traced = TracedStep(pp.outer, build_graph(pp.outer))
-        check_signature(plan, traced)
-        _check_spec_ranks(plan, pp.forward)  # a pipeline stage's value ids are the forward's
-        return PlannedStep(traced, plan, pp)
-    traced = trace_step(fn, args)
-    check_signature(plan, traced)
-    traced = _retraced(fn, args, plan, traced)
-    _check_spec_ranks(plan, traced.program)
-    return PlannedStep(traced, plan)
+    elif plan.remat_positions is not None:
+        # the signature is checked on the plain trace first: tracing with the plan's remat
+        # cuts of another step would fail with a less helpful error
+        check_signature(plan, trace_step(fn, args))
+    step = dispatch.trace_for_plan(fn, args, plan, batch_argnums)
+    check_signature(plan, step.traced)
+    # a pipeline stage's value ids are the loss forward's
+    _check_spec_ranks(plan, step.pipeline.forward if plan.is_pipelined else step.traced.program)
+    return PlannedStep(step.traced, plan, step.pipeline)
 
 
 def _check_spec_ranks(plan: Plan, program: Any) -> None:
@@ -258,7 +182,7 @@ def _check_spec_ranks(plan: Plan, program: Any) -> None:
     for i, stage in enumerate(plan.stages):
         for vid, spec in stage.tensor_shardings.items():
             check(f"stages[{i}].tensor_shardings['{vid}']", vid, spec)
-        if plan.method == "pipeshard":
+        if plan.is_pipelined:
             continue  # the runner places outputs and operands without these
         for path, spec in stage.output_shardings.items():
             check(f"stages[{i}].output_shardings[{path!r}]", outputs.get(path), spec)

@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from autopar.errors import InvalidOptionError
-from autopar.ir.schedules import Schedule, Task, TaskKind, make_schedule
+from autopar.ir.schedules import Schedule, ScheduleName, Task, TaskKind, make_schedule
 
 
 def default_cost(schedule: Schedule) -> Callable[[Task], float]:
@@ -63,9 +63,9 @@ class Timeline:
             self.schedule.num_microbatches,
             self.schedule.num_chunks,
         )
-        if self.schedule.name == "interleaved-1f1b":
+        if self.schedule.name == ScheduleName.INTERLEAVED_1F1B:
             return (p - 1) / (v * m + p - 1)
-        if self.schedule.name == "zb-h1":
+        if self.schedule.name == ScheduleName.ZB_H1:
             return (p - 1) / (3 * m + p - 1)
         return (p - 1) / (m + p - 1)
 

@@ -2,8 +2,9 @@
 
 A schedule says, for every physical pipeline stage (device group), which tasks it runs and in
 which order: forwards (F), backwards (B) and, for the zero-bubble schedule, the weight-gradient
-half of the backward (W). The compiler reads schedules for stage memory (microbatches in flight)
-and the estimated idle fraction; the runtime driver walks the task lists. Both sides share this
+half of the backward (W). The compiler reads schedules for stage memory (microbatches in flight:
+:func:`activation_counts`, the only place that fact is computed) and the estimated idle
+fraction; the runtime driver walks the task lists. Both sides share this
 module, so it imports nothing from ``compiler/`` or ``runtime/`` and no JAX.
 
 With ``v`` chunks per stage (interleaved 1F1B) the model is cut into ``p * v`` pieces and chunk
@@ -12,6 +13,7 @@ With ``v`` chunks per stage (interleaved 1F1B) the model is cut into ``p * v`` p
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -19,7 +21,22 @@ from typing import Any
 
 from autopar.errors import InvalidOptionError, PlanError, choices_text
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+
+class ScheduleName(StrEnum):
+    """The pipeline schedules; members equal their strings (``ScheduleName.ZB_H1 == "zb-h1"``)."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved-1f1b"
+    ZB_H1 = "zb-h1"
+
+
+def schedule_name(name: Any) -> ScheduleName | None:
+    """``name`` as a :class:`ScheduleName`, or None when it names no schedule."""
+    try:
+        return ScheduleName(name)
+    except ValueError:
+        return None
 
 
 class TaskKind(StrEnum):
@@ -54,7 +71,7 @@ class Task:
 class Schedule:
     """Per-stage ordered task lists: ``m`` microbatches through ``p`` stages of ``v`` chunks."""
 
-    name: str
+    name: ScheduleName
     num_stages: int
     num_microbatches: int
     num_chunks: int
@@ -68,7 +85,7 @@ class Schedule:
     @property
     def splits_backward(self) -> bool:
         """Whether backwards are split into B (input gradient) and W (weight gradient)."""
-        return self.name == "zb-h1"
+        return self.name == ScheduleName.ZB_H1
 
     def task_at(self, kind: TaskKind, microbatch: int, piece: int) -> Task:
         """The task of ``kind`` on ``microbatch`` that runs model piece ``piece``."""
@@ -102,7 +119,7 @@ class Schedule:
         """Raise PlanError unless each task runs once, in a dependency-respecting runnable order."""
         if len(self.tasks) != self.num_stages:
             raise PlanError(
-                f"schedule {self.name!r} has {len(self.tasks)} task lists for "
+                f"schedule '{self.name}' has {len(self.tasks)} task lists for "
                 f"{self.num_stages} stages"
             )
         seen: set[Task] = set()
@@ -111,13 +128,13 @@ class Schedule:
                 if task.stage != stage:
                     raise PlanError(f"task {task} is listed on stage {stage}")
                 if task in seen:
-                    raise PlanError(f"task {task} appears twice in schedule {self.name!r}")
+                    raise PlanError(f"task {task} appears twice in schedule '{self.name}'")
                 seen.add(task)
         expected = self.expected_tasks()
         if seen != expected:
             missing, extra = sorted(expected - seen), sorted(seen - expected)
             raise PlanError(
-                f"schedule {self.name!r} misses {len(missing)} tasks (first {missing[:1]}) and "
+                f"schedule '{self.name}' misses {len(missing)} tasks (first {missing[:1]}) and "
                 f"has {len(extra)} unexpected (first {extra[:1]})"
             )
         for stage_tasks in self.tasks:
@@ -154,7 +171,7 @@ class Schedule:
                 str(t[next_index[s]]) for s, t in enumerate(self.tasks) if next_index[s] < len(t)
             ]
             raise PlanError(
-                f"schedule {self.name!r} deadlocks: stages wait on {', '.join(blocked)}"
+                f"schedule '{self.name}' deadlocks: stages wait on {', '.join(blocked)}"
             )
         return tuple(order)
 
@@ -202,7 +219,7 @@ class Schedule:
                 for stage, stage_tasks in enumerate(data["tasks"])
             )
             schedule = cls(
-                name=str(data["name"]),
+                name=ScheduleName(data["name"]),
                 num_stages=int(data["num_stages"]),
                 num_microbatches=int(data["num_microbatches"]),
                 num_chunks=int(data["num_chunks"]),
@@ -214,16 +231,25 @@ class Schedule:
         return schedule
 
 
-def _check_options(name: str, num_stages: int, num_microbatches: int, num_chunks: int) -> None:
-    if name not in SCHEDULE_NAMES:
+def check_schedule_options(
+    name: str, num_stages: int, num_microbatches: int, num_chunks: int
+) -> ScheduleName:
+    """``name`` as a :class:`ScheduleName` when the schedule takes these counts.
+
+    InvalidOptionError (one line, naming the valid choices) for an unknown name,
+    ``num_stages < 1``, ``num_microbatches < 1``, or a chunk count the schedule does not take
+    (interleaved: ``>= 2`` and ``m % p == 0``; others: 1).
+    """
+    found = schedule_name(name)
+    if found is None:
         raise InvalidOptionError(
-            f"unknown pipeline schedule {name!r}: choose one of {choices_text(SCHEDULE_NAMES)}"
+            f"unknown pipeline schedule {name!r}: choose one of {choices_text(ScheduleName)}"
         )
     if num_stages < 1:
         raise InvalidOptionError(f"num_stages must be >= 1, got {num_stages}")
     if num_microbatches < 1:
         raise InvalidOptionError(f"num_microbatches must be >= 1, got {num_microbatches}")
-    if name == "interleaved-1f1b":
+    if found == ScheduleName.INTERLEAVED_1F1B:
         if num_chunks < 2:
             raise InvalidOptionError(
                 f"interleaved-1f1b needs num_chunks >= 2, got {num_chunks} "
@@ -236,9 +262,10 @@ def _check_options(name: str, num_stages: int, num_microbatches: int, num_chunks
             )
     elif num_chunks != 1:
         raise InvalidOptionError(
-            f"schedule {name!r} runs one chunk per stage, got num_chunks={num_chunks}: "
+            f"schedule '{found}' runs one chunk per stage, got num_chunks={num_chunks}: "
             f"valid is 1 (only interleaved-1f1b takes num_chunks >= 2)"
         )
+    return found
 
 
 def _gpipe(p: int, m: int, stage: int) -> list[Task]:
@@ -304,22 +331,57 @@ def _interleaved(p: int, m: int, v: int, stage: int) -> list[Task]:
 def make_schedule(
     name: str, num_stages: int, num_microbatches: int, num_chunks: int = 1
 ) -> Schedule:
-    """Build and validate the named schedule (one of ``SCHEDULE_NAMES``).
+    """Build and validate the named schedule (a :class:`ScheduleName` or its string).
 
-    Raises InvalidOptionError for an unknown name, ``num_stages < 1``, ``num_microbatches < 1``,
-    or a chunk count the schedule does not take (interleaved: ``>= 2`` and ``m % p == 0``;
-    others: 1).
+    Raises InvalidOptionError as :func:`check_schedule_options` does.
     """
-    _check_options(name, num_stages, num_microbatches, num_chunks)
-    p, m, v = num_stages, num_microbatches, num_chunks
-    if name == "gpipe":
+    schedule = _build(
+        check_schedule_options(name, num_stages, num_microbatches, num_chunks),
+        num_stages,
+        num_microbatches,
+        num_chunks,
+    )
+    schedule.validate()
+    return schedule
+
+
+def _build(name: ScheduleName, p: int, m: int, v: int) -> Schedule:
+    """The task lists of checked options, not yet validated (``make_schedule`` validates)."""
+    if name == ScheduleName.GPIPE:
         lists = [_gpipe(p, m, s) for s in range(p)]
-    elif name == "1f1b":
+    elif name == ScheduleName.ONE_F_ONE_B:
         lists = [_one_f_one_b(p, m, s) for s in range(p)]
-    elif name == "zb-h1":
+    elif name == ScheduleName.ZB_H1:
         lists = [_zb_h1(p, m, s) for s in range(p)]
     else:
         lists = [_interleaved(p, m, v, s) for s in range(p)]
-    schedule = Schedule(name, p, m, v, tuple(tuple(ts) for ts in lists))
-    schedule.validate()
-    return schedule
+    return Schedule(name, p, m, v, tuple(tuple(ts) for ts in lists))
+
+
+def activation_counts(
+    name: str, num_stages: int, num_microbatches: int, num_chunks: int = 1
+) -> tuple[float, ...]:
+    """Per stage, how many microbatches' worth of that stage's activations it holds at peak.
+
+    The one source of this fact for the compiler (stage DP, stage memory): the schedule's own
+    task lists, :meth:`Schedule.in_flight` counted until the task that frees a forward's stored
+    values (W when the schedule splits the backward, since the weight gradient still reads
+    them; else B), divided by ``num_chunks`` (an interleaved chunk holds ``1/v`` of the stage's
+    layers). Fractional for interleaved schedules: p=4, m=8, v=2 gives (5.5, 4.5, 3.5, 2.5).
+    Cached per (schedule, p, m, v); InvalidOptionError as :func:`make_schedule`. The lists are
+    the ones :func:`make_schedule` returns, without its validation (a dependency walk that
+    costs far more than the count, and that the schedule tests run on every builder).
+    """
+    name = check_schedule_options(name, num_stages, num_microbatches, num_chunks)
+    return _activation_counts(name, num_stages, num_microbatches, num_chunks)
+
+
+@functools.lru_cache(maxsize=4096)
+def _activation_counts(
+    name: ScheduleName, num_stages: int, num_microbatches: int, num_chunks: int
+) -> tuple[float, ...]:
+    schedule = _build(name, num_stages, num_microbatches, num_chunks)
+    until = TaskKind.W if schedule.splits_backward else TaskKind.B
+    return tuple(
+        schedule.in_flight(stage, until=until) / num_chunks for stage in range(num_stages)
+    )

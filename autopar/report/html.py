@@ -215,7 +215,7 @@ def _collectives(report: CompileReport) -> str:
         rows.append(f'<tr class="collective">{"".join(f"<td>{c}</td>" for c in cells)}</tr>')
     if not rows:
         rows.append('<tr><td colspan="6">none</td></tr>')
-    if hlo is None and report.plan.method == "pipeshard":
+    if hlo is None and report.plan.is_pipelined:
         note = "HLO not compiled: a pipelined step compiles one program per task."
     elif hlo is None and report.graph_nodes is None:
         note = "HLO not compiled: a report of a saved plan."

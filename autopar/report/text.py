@@ -32,6 +32,8 @@ class CompileReport:
     notes: list[str] = field(default_factory=list)
     # per device, from the compiled program's memory analysis (None: not compiled)
     xla_memory_bytes: int | None = None
+    # a run statistic of the step (``ParallelizedStep.timed_call``), not part of the plan
+    measured_idle_fraction: float | None = None
 
     @classmethod
     def build(
@@ -59,8 +61,8 @@ class CompileReport:
     @classmethod
     def from_plan(cls, plan: Plan, model: str, num_params: int | None = None) -> CompileReport:
         """The report of a saved plan, without the step's graph: flops are the plan's, the
-        compile time is the one the plan recorded (None when it has none)."""
-        recorded = plan.options.get("compile_time_s", plan.options.get("planning_time_s"))
+        compile time is the planning time the plan recorded (None when it has none)."""
+        recorded = plan.planning.planning_time_s
         return cls(
             model=model,
             plan=plan,
@@ -111,7 +113,7 @@ class CompileReport:
                 }
                 for s in plan.stages
             ],
-            "pipeline": _pipeline_dict(plan),
+            "pipeline": _pipeline_dict(plan, self.measured_idle_fraction),
             "shardings": plan.shardings(),
             "collectives": {
                 "predicted": self.predicted_collectives(),
@@ -158,16 +160,16 @@ class CompileReport:
             )
         timeline = plan_timeline(plan)
         if timeline is not None:
-            layout = plan.options["pipeline"]
+            layout = plan.pipeline
             lines += [
                 "",
-                f"pipeline: {layout['schedule']}, {plan.num_microbatches} microbatches, "
+                f"pipeline: {layout.schedule}, {plan.num_microbatches} microbatches, "
                 f"{len(plan.stages)} stages"
-                + (f" x {layout['num_chunks']} chunks" if layout["num_chunks"] > 1 else ""),
+                + (f" x {layout.num_chunks} chunks" if layout.num_chunks > 1 else ""),
                 f"  idle fraction: estimated {timeline.idle_fraction:.3f}, theoretical "
                 f"(p-1)/(m+p-1) = {_theoretical(len(plan.stages), plan.num_microbatches):.3f}"
-                + (f", measured {plan.options['measured_idle_fraction']:.3f}"
-                   if "measured_idle_fraction" in plan.options else ""),
+                + (f", measured {self.measured_idle_fraction:.3f}"
+                   if self.measured_idle_fraction is not None else ""),
                 "  swimlane (estimated; one column per forward slot):",
             ]
             lines += ["    " + row for row in render_text(timeline).splitlines()]
@@ -188,7 +190,7 @@ class CompileReport:
                     f" | bytes ratio {ratio}"
                 )
             lines.append(row)
-        if self.hlo_collectives is None and plan.method == "pipeshard":
+        if self.hlo_collectives is None and plan.is_pipelined:
             lines.append("  (HLO not counted: a pipelined step compiles one program per task)")
         elif self.hlo_collectives is None and self.graph_nodes is None:
             lines.append("  (HLO not counted: a report of a saved plan)")
@@ -224,27 +226,28 @@ def _breakdown_lines(plan: Plan) -> list[str]:
 
 def plan_timeline(plan: Plan) -> Timeline | None:
     """The estimated schedule of a pipelined plan (None for other plans)."""
-    layout = plan.options.get("pipeline")
-    if not layout:
+    layout = plan.pipeline
+    if layout is None:
         return None
-    return stage_timeline(layout["schedule"], [s.est_time_s for s in plan.stages],
-                          plan.num_microbatches, int(layout["num_chunks"]))
+    return stage_timeline(layout.schedule, [s.est_time_s for s in plan.stages],
+                          plan.num_microbatches, layout.num_chunks)
 
 
-def _pipeline_dict(plan: Plan) -> dict[str, Any] | None:
+def _pipeline_dict(plan: Plan,
+                   measured_idle_fraction: float | None) -> dict[str, Any] | None:
     timeline = plan_timeline(plan)
     if timeline is None:
         return None
-    return plan.options["pipeline"] | {
+    return plan.pipeline.to_dict() | {
         "num_microbatches": plan.num_microbatches,
         "estimated_idle_fraction": timeline.idle_fraction,
         "theoretical_idle_fraction": _theoretical(len(plan.stages), plan.num_microbatches),
-        "measured_idle_fraction": plan.options.get("measured_idle_fraction"),
+        "measured_idle_fraction": measured_idle_fraction,
     }
 
 
 def _mesh_text(plan: Plan) -> str:
-    if plan.method == "pipeshard":
+    if plan.is_pipelined:
         devices = sum(len(s.device_ids) for s in plan.stages)
         return f"{len(plan.stages)} stage(s) on {devices} devices"
     return format_mesh_shape(plan.mesh_shape)

@@ -35,6 +35,7 @@ from autopar.ir.pipeline_program import (
 from autopar.ir.program import run_eqns
 from autopar.ir.remat_loss import layer_function
 from autopar.ir.schedules import Schedule, TaskKind, make_schedule
+from autopar.plan import Plan
 from autopar.runtime.distributed import put
 from autopar.runtime.shard import partition_spec
 
@@ -129,20 +130,20 @@ class PipelineRunner:
         self._accumulate = jax.jit(lambda acc, g: [a + b for a, b in zip(acc, g, strict=True)])
 
     @classmethod
-    def from_plan(cls, pp: PipelineProgram, plan: Any, devices: Sequence[Any]) -> PipelineRunner:
+    def from_plan(cls, pp: PipelineProgram, plan: Plan, devices: Sequence[Any]) -> PipelineRunner:
         """The runner for a pipeshard ``Plan`` of ``pp`` on ``devices`` (indexed by the plan's
         device ids)."""
-        layout = plan.options["pipeline"]
-        pieces = cut_pieces(pp.forward, layout["piece_positions"])
-        owner = list(layout["stage_of_piece"])
+        layout = plan.pipeline
+        pieces = cut_pieces(pp.forward, list(layout.piece_positions))
+        owner = list(layout.stage_of_piece)
         segments, home = plan_segments(pp, pieces, owner)
         stages = [StageDevices(tuple(st.device_ids), tuple(st.logical_mesh_shape),
                                tuple(st.axis_names)) for st in plan.stages]
-        schedule = make_schedule(layout["schedule"], len(stages), plan.num_microbatches,
-                                 int(layout["num_chunks"]))
+        schedule = make_schedule(layout.schedule, len(stages), plan.num_microbatches,
+                                 layout.num_chunks)
         specs = [st.tensor_shardings for st in plan.stages]
-        remat = [bool(r) for r in layout.get("remat_stages", [])]
-        layers = cut_pieces(pp.forward, layout["layer_positions"]) if any(remat) else []
+        remat = list(layout.remat_stages)
+        layers = cut_pieces(pp.forward, list(layout.layer_positions)) if any(remat) else []
         return cls(pp, pieces, owner, stages, segments, home, schedule, devices, specs,
                    remat_layers=layers, remat_stages=remat)
 

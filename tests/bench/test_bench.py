@@ -181,7 +181,7 @@ def test_megatron_plan_keeps_the_pinned_specs(gpt_tiny):
     specs = plan.stages[0].input_shardings
     assert specs["state/params/blocks/0/attn/q/kernel"] == P(None, "y")
     assert specs["state/params/blocks/0/mlp/fc_out/kernel"] == P("y", None)
-    assert plan.options["baseline"] == "megatron" and plan.est_step_time_s > 0
+    assert plan.planning.baseline == "megatron" and plan.est_step_time_s > 0
 
 
 def test_unknown_suite_is_one_line_and_exit_2(capsys):

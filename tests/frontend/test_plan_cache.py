@@ -22,7 +22,7 @@ import autopar
 from autopar.api import local_cluster
 from autopar.cluster import load_cluster
 from autopar.compiler.graph.trace import trace_step
-from autopar.compiler.planners.dispatch import plan_step
+from autopar.compiler.planners.dispatch import plan_traced
 from autopar.errors import InvalidOptionError
 from autopar.frontend import plan_cache
 from autopar.frontend.plan_cache import (
@@ -84,7 +84,7 @@ def reference_fingerprint() -> str:
 def plan():
     model = get_model("mlp", "tiny")
     traced = trace_step(model.train_step, model.abstract_inputs())
-    return plan_step(traced, autopar.DataParallel(), local_cluster(), batch_argnums=(1,))
+    return plan_traced(traced, autopar.DataParallel(), local_cluster(), batch_argnums=(1,))
 
 
 # ------------------------------------------------------------------ fingerprint -----------

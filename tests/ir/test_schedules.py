@@ -10,8 +10,8 @@ import pytest
 from autopar.errors import InvalidOptionError, PlanError
 from autopar.ir.schedule_timeline import render_text, simulate
 from autopar.ir.schedules import (
-    SCHEDULE_NAMES,
     Schedule,
+    ScheduleName,
     Task,
     TaskKind,
     make_schedule,
@@ -177,8 +177,10 @@ def test_bad_options_raise_one_line_invalid_option_error(args, needle):
 
 def test_names_match_the_builders():
     assert {
-        make_schedule(n, 2, 2, 2 if n == "interleaved-1f1b" else 1).name for n in SCHEDULE_NAMES
-    } == set(SCHEDULE_NAMES)
+        make_schedule(n, 2, 2, 2 if n == "interleaved-1f1b" else 1).name for n in ScheduleName
+    } == set(ScheduleName)
+    # plain strings and members name the same schedule
+    assert make_schedule("zb-h1", 2, 2).name is ScheduleName.ZB_H1
 
 
 def test_render_text_rows_and_labels():

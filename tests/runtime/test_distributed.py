@@ -133,7 +133,7 @@ def test_stage_dp_keeps_stages_inside_hosts_and_cuts_between_them_at_the_bottlen
         roles = piece_roles(pp, second)
         return sum(np.prod(pp.forward.avals[v].shape) * 4 for v in roles.acts)
 
-    (cut,) = plan.options["pipeline"]["piece_positions"]
+    (cut,) = plan.pipeline.piece_positions
     narrow = batch // micro * 4 * 4  # a microbatch of the width-4 activation, float32
     assert crossing(cut) == narrow
     assert max(crossing(p) for p in range(1, len(pp.forward.eqns) - 1)) > 10 * narrow

@@ -56,9 +56,9 @@ def test_pipeline_equals_serial(name, schedule, stages):
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=atol, err_msg=path)
     plan = step.get_plan(state, model.make_batch(jax.random.key(0)))
     assert plan.method == "pipeshard" and len(plan.stages) == stages
-    assert plan.options["pipeline"]["schedule"] == schedule
+    assert plan.pipeline.schedule == schedule
     # the stages use disjoint devices and together all eight
     ids = [d for st in plan.stages for d in st.device_ids]
     assert sorted(ids) == list(range(8))
-    pieces = plan.options["pipeline"]["stage_of_piece"]
+    pieces = list(plan.pipeline.stage_of_piece)
     assert len(pieces) == stages * chunks

@@ -23,6 +23,7 @@ import numpy as np
 
 from autopar.compiler.graph.opgraph import OpGraph
 from autopar.errors import PlanError
+from autopar.ir.pipeline_program import PipelineProgram
 
 DEFAULT_BALANCE_TOLERANCE = 0.25
 # Relative slack on the flops cap so that prefix-sum rounding never rejects an exact fit.
@@ -363,3 +364,35 @@ def _clustering(
         balance_tolerance=balance_tolerance,
         tolerance_used=tolerance_used,
     )
+
+
+# By default about one layer per two devices, at most this many: enough cuts for the stage DP
+# to balance on, few enough distinct layers that costing them stays quick.
+DEFAULT_MAX_LAYERS = 16
+
+
+def layer_positions(pp: PipelineProgram, graph: OpGraph, layers: int | str,
+                    num_devices: int) -> list[int]:
+    """Cut positions (forward equation indices of ``pp.forward``, whose graph is ``graph``)
+    between layers, as ``PipeshardParallel(layers=...)`` asks: ``"marked"`` (the user's
+    ``autopar.mark_pipeline_boundary`` calls), ``"auto"`` (the marks when there are any, else
+    clustering into about one layer per two devices) or a number of layers to cluster into."""
+    marked = sorted(set(p for p in pp.boundary_positions() if 0 < p < len(graph.nodes)))
+    if layers == "marked" or (layers == "auto" and marked):
+        if not marked:
+            raise PlanError("layers='marked' but the loss function has no "
+                            "autopar.mark_pipeline_boundary() calls")
+        return marked
+    heavy = sum(1 for n in graph.nodes if n.flops > 0)
+    count = layers if isinstance(layers, int) else min(
+        DEFAULT_MAX_LAYERS, max(2, num_devices // 2), heavy)
+    return list(cluster_layers(graph, count).positions)
+
+
+def remat_layer_positions(pp: PipelineProgram, graph: OpGraph) -> list[int]:
+    """Where to cut the loss forward into layers for one-stage rematerialisation: the user's
+    ``mark_pipeline_boundary`` calls, else up to ``DEFAULT_MAX_LAYERS`` clustered layers."""
+    if pp.boundary_positions():
+        return layer_positions(pp, graph, "marked", num_devices=1)
+    heavy = sum(1 for n in graph.nodes if n.flops > 0)
+    return layer_positions(pp, graph, max(1, min(DEFAULT_MAX_LAYERS, heavy)), num_devices=1)

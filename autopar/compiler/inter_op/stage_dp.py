@@ -20,6 +20,16 @@ uncapped DP and a min-max DP (the smallest feasible cap) bound the range. This i
 after ``max_tmax_candidates`` DP runs are the caps still open thinned with Alpa's relative gap,
 and :class:`StageSearch` reports the gap (0 when exact).
 
+In-flight microbatches come from the schedule (``StageDPOptions.activation_counts``, the
+simulated task lists). ``F(s, k, d)`` indexes stages from the end, so one DP over every stage
+count is exact only when a stage's count depends on its position from the end alone (GPipe,
+1F1B: checked on the simulated counts, not by name). When it also depends on the total stage
+count p (ZB-H1 keeps min(p, m) on every stage; interleaved 1F1B more on early stages the more
+stages there are), :func:`prepare_problems` gives one problem per valid p with the stage count
+fixed and that p's counts, and :func:`search_stages` searches them with one shared incumbent:
+every p gets its min-max and uncapped DPs, which bound its best total from below, and the caps
+of a p are searched (best bound first) only while that bound can beat the best answer so far.
+
 Stages here are (start, end, usable submesh j) index triples; turning them back into the
 table's submeshes and candidates is the caller's job. Pure Python + numpy; no devices, no JAX.
 """
@@ -35,7 +45,7 @@ import numpy as np
 
 from autopar.compiler.inter_op.stage_options import StageDPOptions
 from autopar.compiler.inter_op.submesh import StageCostTable, always_packs
-from autopar.errors import PlanError, choices_text
+from autopar.errors import InvalidOptionError, PlanError, choices_text
 
 __all__ = [
     "Combine",
@@ -47,7 +57,7 @@ __all__ = [
     "branch_and_bound",
     "no_fit_error",
     "pipeline_time",
-    "prepare_problem",
+    "prepare_problems",
     "run_dp",
     "search_stages",
     "solve_capped",
@@ -80,23 +90,105 @@ class StageDPProblem:
     sizes: np.ndarray  # devices of usable submesh j
     top_stages: int  # largest stage count the DP builds
     fixed_stages: int | None
-    in_flight: tuple[int, ...]  # in_flight[s] for s = 1..top_stages (index 0 unused)
-    best_time: Mapping[int, np.ndarray]
-    best_index: Mapping[int, np.ndarray]
-    least_memory: Mapping[int, np.ndarray]
+    # in_flight[s]: microbatches in flight on the stage s stages from the end, s = 1..top_stages
+    # (index 0 unused); fractional for interleaved schedules
+    in_flight: tuple[float, ...]
+    best_time: Mapping[float, np.ndarray]
+    best_index: Mapping[float, np.ndarray]
+    least_memory: Mapping[float, np.ndarray]
 
-    def per_stage_count(self, by_in_flight: Mapping[int, np.ndarray]) -> list[np.ndarray]:
+    def per_stage_count(self, by_in_flight: Mapping[float, np.ndarray]) -> list[np.ndarray]:
         """``costs[s]`` for s = 1..top (``costs[0]`` is unused)."""
         return [by_in_flight[self.in_flight[max(s, 1)]] for s in range(self.top_stages + 1)]
 
 
-def prepare_problem(
+@dataclass(frozen=True)
+class _DenseTable:
+    """The table's candidates as (k, e, j, candidate) arrays, padding slots infinite; and,
+    per in-flight count, the fastest fitting candidate (filled as counts are asked for)."""
+
+    num_layers: int
+    num_devices: int
+    table_index: tuple[int, ...]
+    sizes: np.ndarray
+    times: np.ndarray
+    fixed: np.ndarray
+    act: np.ndarray
+    budget: float
+    by_count: dict[float, tuple[np.ndarray, np.ndarray, np.ndarray]]
+
+    def for_count(self, f: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(best time, its candidate index, least memory) with ``f`` microbatches in flight."""
+        if f not in self.by_count:
+            need = self.fixed + f * self.act  # inf for padding slots: they never fit
+            fitting_times = np.where(need <= self.budget, self.times, np.inf)
+            index = np.argmin(fitting_times, axis=-1)
+            best = np.take_along_axis(fitting_times, index[..., None], axis=-1)[..., 0]
+            self.by_count[f] = (best, index, need.min(axis=-1))
+        return self.by_count[f]
+
+    def problem(self, top: int, fixed_stages: int | None,
+                in_flight: tuple[float, ...]) -> StageDPProblem:
+        counts = sorted(set(in_flight[1:]))
+        found = {f: self.for_count(f) for f in counts}
+        return StageDPProblem(
+            num_layers=self.num_layers,
+            num_devices=self.num_devices,
+            table_index=self.table_index,
+            sizes=self.sizes,
+            top_stages=top,
+            fixed_stages=fixed_stages,
+            in_flight=in_flight,
+            best_time={f: found[f][0] for f in counts},
+            best_index={f: found[f][1] for f in counts},
+            least_memory={f: found[f][2] for f in counts},
+        )
+
+
+def _densify(
+    table: StageCostTable, devices: int, usable: tuple[int, ...], options: StageDPOptions
+) -> _DenseTable:
+    layers = table.num_layers
+    entries = [
+        (k, e, j, table.candidates(k, e, i))
+        for k in range(layers)
+        for e in range(k + 1, layers + 1)
+        for j, i in enumerate(usable)
+    ]
+    width = max([1] + [len(found) for *_, found in entries])
+    shape = (layers, layers + 1, len(usable), width)
+    times, fixed, act = np.full(shape, np.inf), np.full(shape, np.inf), np.zeros(shape)
+    at = [(k, e, j, c) for k, e, j, found in entries for c in range(len(found))]
+    if at:
+        where = tuple(np.array(axis) for axis in zip(*at, strict=True))
+        chosen = [entry[3][c] for entry in entries for c in range(len(entry[3]))]
+        times[where] = [c.time for c in chosen]
+        fixed[where] = [c.fixed_memory for c in chosen]
+        act[where] = [c.activation_memory_per_microbatch for c in chosen]
+    budget = np.inf if options.memory_budget_bytes is None else options.memory_budget_bytes
+    return _DenseTable(
+        num_layers=layers,
+        num_devices=devices,
+        table_index=usable,
+        sizes=np.array([table.submeshes[i].num_devices for i in usable]),
+        times=times,
+        fixed=fixed,
+        act=act,
+        budget=float(budget),
+        by_count={},
+    )
+
+
+def prepare_problems(
     table: StageCostTable, num_hosts: int, per_host: int, options: StageDPOptions
-) -> StageDPProblem:
+) -> list[StageDPProblem]:
     """Densify ``table`` for the DP on ``num_hosts`` x ``per_host`` devices.
 
-    Keeps only the submeshes that always pack onto the cluster. PlanError (one line) when none
-    does, or when ``options.num_stages`` exceeds the layers or devices.
+    One problem over every stage count when the schedule's in-flight counts depend only on the
+    position from the end (or the count is fixed); else one per stage count the schedule runs
+    on, each with that count fixed and its own counts. Keeps only the submeshes that always
+    pack onto the cluster. PlanError (one line) when none does, or when ``options.num_stages``
+    exceeds the layers or devices or the schedule does not run on that many stages.
     """
     layers, devices = table.num_layers, num_hosts * per_host
     usable = tuple(
@@ -114,45 +206,26 @@ def prepare_problem(
             f"num_stages={wanted} is more than the {layers} layers or the {devices} devices "
             f"({num_hosts} hosts x {per_host}); choose at most {min(layers, devices)}"
         )
-    top = wanted if wanted is not None else min(layers, devices)
-    entries = [
-        (k, e, j, table.candidates(k, e, i))
-        for k in range(layers)
-        for e in range(k + 1, layers + 1)
-        for j, i in enumerate(usable)
+    dense = _densify(table, devices, usable, options)
+
+    def from_end(counts: tuple[float, ...]) -> tuple[float, ...]:
+        return (0.0, *reversed(counts))  # [s]: the stage s stages from the end
+
+    if wanted is not None:
+        try:
+            counts = options.activation_counts(wanted)
+        except InvalidOptionError as exc:  # e.g. interleaved with m % p != 0
+            raise PlanError(f"num_stages={wanted}: {exc}") from None
+        return [dense.problem(wanted, wanted, from_end(counts))]
+    top = min(layers, devices)
+    shared = options.counts_by_stages_from_end(top)
+    if shared is not None:
+        return [dense.problem(top, None, shared)]
+    return [
+        dense.problem(p, p, from_end(options.activation_counts(p)))
+        for p in range(1, top + 1)
+        if options.valid_stage_count(p)
     ]
-    width = max([1] + [len(found) for *_, found in entries])
-    shape = (layers, layers + 1, len(usable), width)
-    times, fixed, act = np.full(shape, np.inf), np.full(shape, np.inf), np.zeros(shape)
-    at = [(k, e, j, c) for k, e, j, found in entries for c in range(len(found))]
-    if at:
-        where = tuple(np.array(axis) for axis in zip(*at, strict=True))
-        chosen = [entry[3][c] for entry in entries for c in range(len(entry[3]))]
-        times[where] = [c.time for c in chosen]
-        fixed[where] = [c.fixed_memory for c in chosen]
-        act[where] = [c.activation_memory_per_microbatch for c in chosen]
-    in_flight = tuple(options.in_flight(max(s, 1)) for s in range(top + 1))
-    budget = np.inf if options.memory_budget_bytes is None else options.memory_budget_bytes
-    best_time, best_index, least_memory = {}, {}, {}
-    for f in sorted(set(in_flight[1:])):
-        need = fixed + f * act  # inf for padding slots: they never fit
-        fitting_times = np.where(need <= budget, times, np.inf)
-        index = np.argmin(fitting_times, axis=-1)
-        best_index[f] = index
-        best_time[f] = np.take_along_axis(fitting_times, index[..., None], axis=-1)[..., 0]
-        least_memory[f] = need.min(axis=-1)
-    return StageDPProblem(
-        num_layers=layers,
-        num_devices=devices,
-        table_index=usable,
-        sizes=np.array([table.submeshes[i].num_devices for i in usable]),
-        top_stages=top,
-        fixed_stages=wanted,
-        in_flight=in_flight,
-        best_time=best_time,
-        best_index=best_index,
-        least_memory=least_memory,
-    )
 
 
 Combine = Callable[..., np.ndarray]  # np.add (sum of stage times) or np.maximum (bottleneck)
@@ -260,7 +333,7 @@ def backtrack(
 class DPAnswer:
     """One DP answer: stages as (start, end, usable submesh j, in-flight count)."""
 
-    stages: tuple[tuple[int, int, int, int], ...]
+    stages: tuple[tuple[int, int, int, float], ...]
     times: tuple[float, ...]
     stage_sum: float
     max_time: float
@@ -300,22 +373,26 @@ def thin_caps(caps_descending: np.ndarray, limit: int) -> tuple[np.ndarray, floa
 
 
 def no_fit_error(
-    problem: StageDPProblem, num_hosts: int, per_host: int, options: StageDPOptions
+    problems: Sequence[StageDPProblem], num_hosts: int, per_host: int, options: StageDPOptions
 ) -> PlanError:
     """Why no stage assignment exists: missing candidates, or memory (with the least needed)."""
-    tables = run_dp(problem, problem.per_stage_count(problem.least_memory), np.maximum)
-    _, need = best_stage_count(problem, tables)
-    where = f"{problem.num_layers} layers on {num_hosts} hosts x {per_host} devices"
+    need = math.inf
+    for problem in problems:
+        tables = run_dp(problem, problem.per_stage_count(problem.least_memory), np.maximum)
+        need = min(need, best_stage_count(problem, tables)[1])
+    layers = problems[0].num_layers if problems else 0
+    where = f"{layers} layers on {num_hosts} hosts x {per_host} devices"
     if options.num_stages is not None:
         where += f" in {options.num_stages} stages"
     if not math.isfinite(need):
         return PlanError(f"no stage partition of {where} has a candidate for every stage")
     budget = options.memory_budget_bytes
+    chunks = f", {options.num_chunks} chunks per stage" if options.num_chunks > 1 else ""
     return PlanError(
         f"no stage assignment of {where} fits in {budget:.0f} bytes "
         f"({budget / 2**30:.2f} GiB) per device: the smallest needs {need:.0f} bytes "
         f"({need / 2**30:.2f} GiB) per device (schedule {options.schedule}, "
-        f"{options.num_microbatches} microbatches)"
+        f"{options.num_microbatches} microbatches{chunks})"
     )
 
 
@@ -381,47 +458,81 @@ def branch_and_bound(
 
 @dataclass(frozen=True)
 class StageSearch:
-    """The search's outcome: the best answer, the thinning gap (0.0: exact), the DP runs."""
+    """The search's outcome: the best answer and the problem it answers (its ``best_index``
+    names the candidates), the thinning gap (0.0: exact), the DP runs."""
 
     best: DPAnswer
+    problem: StageDPProblem
     gap: float
     num_tried: int
 
 
-def search_stages(
-    problem: StageDPProblem, num_hosts: int, per_host: int, options: StageDPOptions
-) -> StageSearch:
-    """The answer minimising ``sum(t_i) + (m - 1) * max(t_i)`` over all stage-time caps.
+@dataclass
+class _Bounds:
+    """One problem's first DP runs: its smallest feasible cap, the uncapped answer, and the
+    least total any of its partitions can have."""
 
-    Raises :func:`no_fit_error`'s PlanError when no assignment exists at any cap.
+    problem: StageDPProblem
+    t_low: float
+    unlimited: DPAnswer
+    floor: float
+
+
+def search_stages(
+    problems: Sequence[StageDPProblem], num_hosts: int, per_host: int, options: StageDPOptions
+) -> StageSearch:
+    """The answer minimising ``sum(t_i) + (m - 1) * max(t_i)`` over all stage-time caps of all
+    ``problems`` (one, or one per fixed stage count: :func:`prepare_problems`).
+
+    Each problem's caps are searched by :func:`branch_and_bound` against the best answer of any
+    problem so far; a problem whose least possible total (its uncapped stage sum plus m - 1
+    times its smallest feasible cap) cannot beat that answer is not searched further. Raises
+    :func:`no_fit_error`'s PlanError when no assignment exists at any cap.
     """
     m = options.num_microbatches
-    # The smallest t_max for which any assignment exists: a min-max DP over the same table.
-    bottleneck = run_dp(problem, problem.per_stage_count(problem.best_time), np.maximum)
-    _, t_low = best_stage_count(problem, bottleneck)
-    if not math.isfinite(t_low):
-        raise no_fit_error(problem, num_hosts, per_host, options)
-
-    answers: list[DPAnswer] = []
-
-    def attempt(t_max: float) -> DPAnswer:
-        answer = solve_capped(problem, t_max, m)
-        assert answer is not None, "t_max >= the smallest feasible cap always has an answer"
-        answers.append(answer)
-        return answer
+    answers: list[tuple[DPAnswer, StageDPProblem]] = []
 
     def best_total() -> float:
-        return min(answer.total for answer in answers)
+        return min((answer.total for answer, _ in answers), default=math.inf)
 
-    unlimited = attempt(math.inf)
-    if t_low < unlimited.max_time:
-        attempt(t_low)  # often the winner when m is large; tightens the bounds below early
-    # Every stage time the DP can pick is a cap worth trying; caps at or above the uncapped
-    # answer's slowest stage return that answer again, caps at t_low or below were handled.
-    distinct = np.unique(np.concatenate([t[np.isfinite(t)] for t in problem.best_time.values()]))
-    caps = distinct[(distinct > t_low) & (distinct < unlimited.max_time)]
-    gap = branch_and_bound(
-        attempt, best_total, caps, unlimited.stage_sum, m, options.max_tmax_candidates
-    )
-    best = min(answers, key=lambda a: a.total)
-    return StageSearch(best=best, gap=float(gap), num_tried=len(answers))
+    bounds = []
+    for problem in problems:
+        # The smallest t_max for which any assignment exists: a min-max DP over the same table.
+        bottleneck = run_dp(problem, problem.per_stage_count(problem.best_time), np.maximum)
+        _, t_low = best_stage_count(problem, bottleneck)
+        if not math.isfinite(t_low):
+            continue
+        unlimited = solve_capped(problem, math.inf, m)
+        assert unlimited is not None, "a finite smallest cap means an uncapped answer exists"
+        answers.append((unlimited, problem))
+        floor = unlimited.stage_sum + (m - 1) * t_low
+        bounds.append(_Bounds(problem, t_low, unlimited, floor))
+    if not bounds:
+        raise no_fit_error(problems, num_hosts, per_host, options)
+
+    gap = 0.0
+    for bound in sorted(bounds, key=lambda b: b.floor):
+        if len(bounds) > 1 and bound.floor >= best_total():
+            continue  # nothing with this stage count can beat the best answer so far
+        problem, unlimited, t_low = bound.problem, bound.unlimited, bound.t_low
+
+        def attempt(t_max: float, problem: StageDPProblem = problem) -> DPAnswer:
+            answer = solve_capped(problem, t_max, m)
+            assert answer is not None, "t_max >= the smallest feasible cap always has an answer"
+            answers.append((answer, problem))
+            return answer
+
+        if t_low < unlimited.max_time:
+            attempt(t_low)  # often the winner when m is large; tightens the bounds below early
+        # Every stage time the DP can pick is a cap worth trying; caps at or above the uncapped
+        # answer's slowest stage return that answer again, caps at t_low or below were handled.
+        distinct = np.unique(
+            np.concatenate([t[np.isfinite(t)] for t in problem.best_time.values()])
+        )
+        caps = distinct[(distinct > t_low) & (distinct < unlimited.max_time)]
+        found_gap = branch_and_bound(
+            attempt, best_total, caps, unlimited.stage_sum, m, options.max_tmax_candidates
+        )
+        gap = max(gap, found_gap)
+    best, problem = min(answers, key=lambda pair: pair[0].total)
+    return StageSearch(best=best, problem=problem, gap=float(gap), num_tried=len(answers))

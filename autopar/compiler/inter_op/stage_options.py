@@ -2,6 +2,12 @@
 
 Shared by the search (:mod:`autopar.compiler.inter_op.stage_dp`) and its public entry points
 (:mod:`autopar.compiler.inter_op.stages`, which re-exports everything here). Pure Python.
+
+How many microbatches' activations a stage holds is the schedule's own fact
+(:func:`autopar.ir.schedules.activation_counts`, from its task lists): the options only ask it.
+Under GPipe and 1F1B the count depends on the stage's position from the last stage alone; under
+ZB-H1 and interleaved 1F1B on the total stage count too, which is why the search may have to
+run once per stage count (:meth:`StageDPOptions.counts_by_stages_from_end`).
 """
 
 from __future__ import annotations
@@ -13,38 +19,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.errors import InvalidOptionError, choices_text
+from autopar.ir.schedules import (
+    ScheduleName,
+    activation_counts,
+    check_schedule_options,
+    schedule_name,
+)
 
-__all__ = ["SCHEDULES", "StageDPOptions", "in_flight_microbatches"]
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
-
-
-def in_flight_microbatches(schedule: str, stages_from_end: int, num_microbatches: int) -> int:
-    """Microbatches whose activations a stage holds at once under ``schedule``.
-
-    ``stages_from_end`` counts the stages from this one to the last, inclusive. GPipe runs all
-    forwards before any backward, so every stage keeps all ``m``; the 1F1B family (plain,
-    interleaved, zero-bubble H1) starts backwards as soon as the last stage can, so a stage
-    keeps at most one microbatch per stage downstream of it, itself included.
-    """
-    if schedule not in SCHEDULES:
-        raise InvalidOptionError(
-            f"unknown pipeline schedule {schedule!r}; choices: {choices_text(SCHEDULES)}"
-        )
-    if stages_from_end < 1 or num_microbatches < 1:
-        raise InvalidOptionError(
-            f"stages_from_end ({stages_from_end}) and num_microbatches ({num_microbatches}) "
-            "must be positive"
-        )
-    if schedule == "gpipe":
-        return num_microbatches
-    return min(stages_from_end, num_microbatches)
+__all__ = ["StageDPOptions"]
 
 
 @dataclass(frozen=True)
 class StageDPOptions:
     """What the stage DP optimises for.
 
+    ``schedule`` is a :class:`~autopar.ir.schedules.ScheduleName` (or its string) and
+    ``num_chunks`` its model chunks per stage (``>= 2`` for interleaved 1F1B, else 1).
     ``memory_budget_bytes`` is per device (None: unlimited). ``num_stages`` fixes the stage
     count (None: any). ``max_tmax_candidates`` bounds the DP runs of the exact search; past it,
     the caps still to visit are thinned with a relative gap (at most that many again) and the
@@ -52,13 +42,14 @@ class StageDPOptions:
     """
 
     num_microbatches: int = 1
-    schedule: str = "1f1b"
+    schedule: str = ScheduleName.ONE_F_ONE_B
     memory_budget_bytes: float | None = None
     num_stages: int | None = None
     max_tmax_candidates: int = 512
+    num_chunks: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("num_microbatches", "max_tmax_candidates"):
+        for name in ("num_microbatches", "max_tmax_candidates", "num_chunks"):
             value = getattr(self, name)
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
                 raise InvalidOptionError(f"{name} must be a positive integer, got {value!r}")
@@ -75,11 +66,53 @@ class StageDPOptions:
             raise InvalidOptionError(
                 f"memory_budget_bytes must be a finite non-negative number or None, got {budget!r}"
             )
-        in_flight_microbatches(self.schedule, 1, 1)  # validates the schedule name
+        name = schedule_name(self.schedule)
+        if name is None:
+            raise InvalidOptionError(
+                f"unknown pipeline schedule {self.schedule!r}; choices: "
+                f"{choices_text(ScheduleName)}"
+            )
+        object.__setattr__(self, "schedule", name)
+        # the chunk count the schedule takes (one stage divides every microbatch count)
+        check_schedule_options(name, 1, self.num_microbatches, self.num_chunks)
 
-    def in_flight(self, stages_from_end: int) -> int:
-        """In-flight microbatches of a stage with ``stages_from_end`` stages from it to the end."""
-        return in_flight_microbatches(self.schedule, stages_from_end, self.num_microbatches)
+    def activation_counts(self, num_stages: int) -> tuple[float, ...]:
+        """Per stage of a ``num_stages``-stage pipeline, the microbatches' worth of its
+        activations it holds at peak (the schedule's simulated count; InvalidOptionError when
+        the schedule does not run on that many stages, e.g. interleaved with ``m % p != 0``)."""
+        return activation_counts(
+            self.schedule, num_stages, self.num_microbatches, self.num_chunks
+        )
+
+    def in_flight(self, stage: int, num_stages: int) -> float:
+        """In-flight microbatches of stage ``stage`` (0-based) of a ``num_stages``-stage
+        pipeline."""
+        return self.activation_counts(num_stages)[stage]
+
+    def valid_stage_count(self, num_stages: int) -> bool:
+        """Whether the schedule runs on ``num_stages`` stages with these microbatches/chunks."""
+        try:
+            check_schedule_options(
+                self.schedule, num_stages, self.num_microbatches, self.num_chunks
+            )
+        except InvalidOptionError:
+            return False
+        return True
+
+    def counts_by_stages_from_end(self, max_stages: int) -> tuple[float, ...] | None:
+        """``counts[s]``, the in-flight count of the stage ``s`` stages from the end (itself
+        included; ``counts[0]`` unused), when it is the same in every pipeline of 1 to
+        ``max_stages`` stages; None when it depends on the stage count (or some count of
+        stages is not valid for the schedule). Decided by comparing the simulated counts."""
+        if not all(self.valid_stage_count(p) for p in range(1, max_stages + 1)):
+            return None
+        longest = self.activation_counts(max_stages)
+        by_end = (0.0, *reversed(longest))  # by_end[s]: s stages from the end
+        for p in range(1, max_stages):
+            counts = self.activation_counts(p)
+            if any(counts[p - s] != by_end[s] for s in range(1, p + 1)):
+                return None
+        return by_end
 
     def fits(self, memory_bytes: float) -> bool:
         """Whether ``memory_bytes`` per device is within the budget."""
@@ -89,10 +122,11 @@ class StageDPOptions:
         """JSON-able form."""
         return {
             "num_microbatches": self.num_microbatches,
-            "schedule": self.schedule,
+            "schedule": str(self.schedule),
             "memory_budget_bytes": self.memory_budget_bytes,
             "num_stages": self.num_stages,
             "max_tmax_candidates": self.max_tmax_candidates,
+            "num_chunks": self.num_chunks,
         }
 
     @classmethod

@@ -22,12 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autopar.compiler.inter_op.stage_dp import pipeline_time, prepare_problem, search_stages
-from autopar.compiler.inter_op.stage_options import (
-    SCHEDULES,
-    StageDPOptions,
-    in_flight_microbatches,
-)
+from autopar.compiler.inter_op.stage_dp import pipeline_time, prepare_problems, search_stages
+from autopar.compiler.inter_op.stage_options import StageDPOptions
 from autopar.compiler.inter_op.submesh import (
     CandidateFn,
     StageCandidate,
@@ -39,7 +35,6 @@ from autopar.compiler.inter_op.submesh import (
 from autopar.errors import PlanError, choices_text
 
 __all__ = [
-    "SCHEDULES",
     "CandidateFn",
     "StageAssignment",
     "StageCandidate",
@@ -47,7 +42,6 @@ __all__ = [
     "StageDPOptions",
     "StagePartition",
     "SubmeshShape",
-    "in_flight_microbatches",
     "manual_stages",
     "pipeline_time",
     "place_submeshes",
@@ -116,12 +110,16 @@ def solve_stages(
 ) -> StagePartition:
     """The stages minimising ``sum(t_i) + (m - 1) * max(t_i)`` on all devices of the cluster.
 
+    Each stage's memory counts the microbatches the schedule really holds on it
+    (``options.in_flight(stage, num_stages)``); for schedules where that depends on the stage
+    count the search runs per count (:mod:`autopar.compiler.inter_op.stage_dp`).
+
     Raises PlanError (one line, with the numbers) when ``num_stages`` exceeds the layers or
     devices, or when no assignment fits (naming the least per-device memory one would need).
     """
-    problem = prepare_problem(table, num_hosts, devices_per_host, options)
-    found = search_stages(problem, num_hosts, devices_per_host, options)
-    best = found.best
+    problems = prepare_problems(table, num_hosts, devices_per_host, options)
+    found = search_stages(problems, num_hosts, devices_per_host, options)
+    best, problem = found.best, found.problem
     stages = tuple(
         StageAssignment(
             start=k,
@@ -164,7 +162,7 @@ def _evaluate(
     for position, ((start, end), shape, index) in enumerate(
         zip(layer_ranges, shapes, indices, strict=True)
     ):
-        in_flight = options.in_flight(count - position)
+        in_flight = options.in_flight(position, count)
         found = table.candidates(start, end, index)
         fitting = [c for c in found if options.fits(c.memory(in_flight))]
         if not fitting:
@@ -173,8 +171,9 @@ def _evaluate(
                 raise PlanError(f"{label} has no candidate in the cost table")
             least = min(c.memory(in_flight) for c in found)
             raise PlanError(
-                f"{label} needs at least {least:.0f} bytes per device with {in_flight} "
-                f"microbatches in flight; the budget is {options.memory_budget_bytes:.0f}"
+                f"{label} needs at least {least:.0f} bytes per device with {in_flight:g} "
+                f"microbatches in flight ({options.schedule}); the budget is "
+                f"{options.memory_budget_bytes:.0f}"
             )
         fastest = min(fitting, key=lambda c: c.time)
         stages.append(StageAssignment(start, end, shape, fastest))

@@ -228,8 +228,9 @@ class StageCandidate:
             self, "logical_mesh_shape", tuple(int(n) for n in self.logical_mesh_shape)
         )
 
-    def memory(self, in_flight: int) -> float:
-        """Peak bytes per device with ``in_flight`` microbatches' activations held."""
+    def memory(self, in_flight: float) -> float:
+        """Peak bytes per device with ``in_flight`` microbatches' activations held (fractional
+        under interleaved schedules, whose chunks each hold a share of the stage's layers)."""
         return self.fixed_memory + in_flight * self.activation_memory_per_microbatch
 
     def to_dict(self) -> dict[str, Any]:

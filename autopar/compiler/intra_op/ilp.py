@@ -3,8 +3,8 @@
 Each node picks one strategy; an edge (u, v) costs ``costs[i][j]`` when u picks i and v picks j;
 the objective is the sum of chosen node and edge costs, optionally under a per-device memory
 budget over live sets. Nothing here knows about JAX: the builder in ``intra_op.py`` makes the
-problem, ``solve`` answers it (exact presolve in ``ilp_presolve.py``, the MIP and its solvers
-in ``ilp_mip.py``). The ``--dump-ilp`` JSON format is described in docs/ilp-format.md.
+problem, ``solve`` answers it (exact presolve in ``presolve.py``, the MIP and its solvers
+in ``mip.py``). The ``--dump-ilp`` JSON format is described in docs/ilp-format.md.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import numpy as np
 
 from autopar.compiler.intra_op.mip import (
     MIP_REL_GAP,
-    SOLVERS,
     build_mip,
     lp_rounding,
     resolve_auto,
@@ -32,8 +31,8 @@ from autopar.compiler.intra_op.problem import (
     IntraOpSolution,
 )
 from autopar.errors import AutoparError, InvalidOptionError
+from autopar.methods import Solver
 
-__all__ = ["SOLVERS"]  # re-exported: the CLI and options list the valid solver names
 # A gap this loose or looser is first tried by rounding the LP relaxation (a proof when the
 # rounded plan is within the gap of the LP's bound); tighter gaps go straight to the MIP.
 LP_ROUNDING_MIN_GAP = 1e-4
@@ -150,7 +149,7 @@ def solve(problem: IntraOpProblem, *, solver: str = "auto", time_limit_s: float 
         choices = complete_choices(r, n, {})
         return IntraOpSolution(choices, evaluate(problem, choices), "optimal", True, 0.0,
                                "presolve", 0, 0, time.perf_counter() - t0, 0.0)
-    if name == "auto":
+    if name == Solver.AUTO:
         name = resolve_auto()
     # Greedy plans from the cheapest and from the least-memory choices (the latter always fits:
     # the budget was checked): the solver's warm start, and the answer if it finds no better.
@@ -161,7 +160,7 @@ def solve(problem: IntraOpProblem, *, solver: str = "auto", time_limit_s: float 
     plans = [complete_choices(r, n, g) for g in greedy]
     best = min(range(len(plans)), key=lambda i: evaluate(problem, plans[i]))
     model = build_mip(r, greedy[best] if WARM_START else None)
-    if name == "highs" and relative_gap >= LP_ROUNDING_MIN_GAP:
+    if name == Solver.HIGHS and relative_gap >= LP_ROUNDING_MIN_GAP:
         # The LP relaxation is tight on these problems but fractional: its rounding, polished,
         # is often within the gap of the LP's bound, which proves it without a MIP search.
         bound, rounded = lp_rounding(model, max(time_limit_s - (time.perf_counter() - t0), 0.05))

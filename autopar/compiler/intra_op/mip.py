@@ -31,8 +31,8 @@ import pulp
 
 from autopar.compiler.intra_op.presolve import ReducedProblem
 from autopar.errors import InvalidOptionError, choices_text
+from autopar.methods import Solver
 
-SOLVERS = ("auto", "highs", "cbc")
 # HiGHS's default relative gap (1e-4) stops at measurably worse plans; at 1e-9 the solvers'
 # integrality/feasibility tolerances (~1e-6) are what limit "optimal" (docs/ilp-format.md).
 MIP_REL_GAP = 1e-9
@@ -79,22 +79,27 @@ class MipResult:
 
 
 def solver_name(solver: str) -> str:
-    """Check ``solver``; "auto" stays "auto" (resolved by ``resolve_auto``)."""
-    if solver not in SOLVERS:
-        raise InvalidOptionError(f"unknown ILP solver {solver!r}; valid: {choices_text(SOLVERS)}")
-    if solver != "auto" and not available(solver):
-        raise InvalidOptionError(f"ILP solver {solver!r} is not installed (highs needs highspy, "
+    """Check ``solver`` (a :class:`~autopar.methods.Solver` or its string); "auto" stays "auto"
+    (resolved by ``resolve_auto``)."""
+    try:
+        name = Solver(solver)
+    except ValueError:
+        raise InvalidOptionError(
+            f"unknown ILP solver {solver!r}; valid: {choices_text(Solver)}"
+        ) from None
+    if name != Solver.AUTO and not available(name):
+        raise InvalidOptionError(f"ILP solver '{name}' is not installed (highs needs highspy, "
                                  "cbc PuLP's bundled binary); valid: auto")
-    return solver
+    return name.value
 
 
 def resolve_auto() -> str:
     # HiGHS keeps to its time limit and, called directly, skips PuLP's model-building overhead.
-    return "highs" if available("highs") else "cbc"
+    return (Solver.HIGHS if available(Solver.HIGHS) else Solver.CBC).value
 
 
 def available(solver: str) -> bool:
-    if solver == "highs":
+    if solver == Solver.HIGHS:
         try:
             import highspy  # noqa: F401
         except ImportError:
@@ -196,7 +201,7 @@ def run_mip(
 ) -> MipResult:
     """Solve ``model`` with ``name`` ("highs" or "cbc") within ``time_limit_s``, stopping at
     ``relative_gap`` between the incumbent and the bound."""
-    run = _run_highs if name == "highs" else _run_cbc
+    run = _run_highs if name == Solver.HIGHS else _run_cbc
     values, status, bound = run(model, time_limit_s, relative_gap)
     core = {} if values is None else {
         u: int(np.argmax(values[cols])) for u, cols in model.node_columns.items()}

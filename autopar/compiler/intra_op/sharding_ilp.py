@@ -3,11 +3,11 @@
 Steps: (1) one decision variable per graph input (its spec) and per operator (its strategy);
 cheap nodes (elementwise, casts, reshapes) *follow* an operand: they take, for each strategy of
 the operand's variable, their cheapest strategy that reads the operand as it comes, and ride on
-that variable instead of getting one of their own (``intra_op_variables.py``); the same op of
-structurally identical layers shares one variable (``intra_op_tying.py``); (2) every data edge
+that variable instead of getting one of their own (``variables.py``); the same op of
+structurally identical layers shares one variable (``tying.py``); (2) every data edge
 between two variables gets a resharding-cost matrix; a new-state output is tied to the input
-leaf it replaces, so the state keeps one layout from step to step (``intra_op_edges.py``);
-with a memory budget, per-choice bytes and live sets bound the peak (``intra_op_memory.py``);
+leaf it replaces, so the state keeps one layout from step to step (``edges.py``);
+with a memory budget, per-choice bytes and live sets bound the peak (``memory_rows.py``);
 (3) the ILP picks one strategy per variable; (4) the choice is read back as specs per tensor
 and per operand use.
 """

@@ -6,7 +6,7 @@ from typing import Any
 
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.opgraph import OpGraph
-from autopar.plan import InputSignature, Plan, StagePlan
+from autopar.plan import InputSignature, MethodName, Plan, StagePlan
 
 
 def signature_of(graph: OpGraph) -> list[InputSignature]:
@@ -24,7 +24,7 @@ def submesh_shape(mesh: LogicalMesh, devices_per_host: int) -> tuple[int, int]:
 
 
 def whole_mesh_plan(
-    method: str,
+    method: MethodName,
     mesh: LogicalMesh,
     graph: OpGraph,
     *,

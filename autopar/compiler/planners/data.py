@@ -18,7 +18,7 @@ from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.batch_split import batch_split_inputs, propagate_batch_split
 from autopar.compiler.graph.trace import TracedStep
 from autopar.compiler.planners.common import whole_mesh_plan
-from autopar.plan import Plan, ShardingSpec
+from autopar.plan import MethodName, Plan, ShardingSpec
 
 
 def plan_data_parallel(
@@ -64,7 +64,7 @@ def plan_data_parallel(
     shards = {t: n for t, d in result.split_dim.items() if d is not None}
     memory = estimate_memory(graph, batch_argnums=batch_argnums, shards=shards).breakdown()
     return whole_mesh_plan(
-        "data",
+        MethodName.DATA,
         mesh,
         graph,
         cluster_name=cluster_name,

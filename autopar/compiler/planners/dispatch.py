@@ -1,19 +1,197 @@
-"""The compiler's entry point: traced step + method + cluster -> Plan (pure, no devices)."""
+"""The compiler's one entry point: a step + method + cluster -> Plan (pure, no devices).
+
+Two calls, because the plan cache sits between them: :func:`trace` turns the step into what
+the method plans (the flat program, and for pipelining the pipeline cut of it); :func:`plan`
+plans it, with every method, the rematerialisation retry and the full search's fallback to one
+stage. :func:`trace_for_plan` rebuilds the program a saved or cached plan's tensor ids refer
+to. This module is the only place that dispatches on the method's type.
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from autopar.cluster import ClusterSpec, format_mesh_shape
 from autopar.compiler.cost.mesh import LogicalMesh
-from autopar.compiler.graph.trace import TracedStep
+from autopar.compiler.graph.trace import TracedStep, build_graph, trace_step
+from autopar.compiler.inter_op.layers import remat_layer_positions
 from autopar.compiler.planners.data import plan_data_parallel
 from autopar.compiler.planners.zero import optimizer_state_pins, plan_zero
-from autopar.errors import InvalidOptionError, MeshError
-from autopar.methods import DataParallel, Method, ShardParallel, Zero2Parallel, Zero3Parallel
+from autopar.errors import (
+    BatchSizeError,
+    InvalidOptionError,
+    MeshError,
+    NoLossFunctionError,
+    PlanError,
+)
+from autopar.ir.pipeline_program import PipelineProgram, build_pipeline_program
+from autopar.methods import (
+    DataParallel,
+    Method,
+    PipeshardParallel,
+    ShardParallel,
+    Zero2Parallel,
+    Zero3Parallel,
+)
 from autopar.plan import Plan
+
+# Primitives that draw random bits: a pipelined forward draws them per microbatch shape.
+RANDOM_DRAWS = frozenset({"random_bits", "threefry2x32", "rng_bit_generator", "rng_uniform"})
+
+IlpObserver = Callable[[Any, Any], None]
+
+
+@dataclass
+class StepProgram:
+    """A traced step as the compiler plans it.
+
+    ``traced``: the program (and graph) the plan's tensor ids refer to; for a pipelined
+    method the outer program, which holds the loss function as one equation. ``pipeline``:
+    the pipeline cut (loss forward, pieces' inputs) when the method pipelines. ``fn`` and
+    ``args``: the step itself, for tracing again with rematerialised layers. ``method``: what
+    will plan it (the full search's one-stage fallback replaces a pipeline method that cannot
+    pipeline this step). ``notes``: what the plan should say about how it was traced.
+    """
+
+    traced: TracedStep
+    method: Method
+    batch_argnums: tuple[int, ...]
+    pipeline: PipelineProgram | None = None
+    fn: Callable | None = None
+    args: tuple[Any, ...] = ()
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def programs(self) -> tuple[Any, ...]:
+        """The flat programs that identify the step (what a plan cache key hashes): for a
+        pipeline also the microbatch forward, which tells two loss functions apart."""
+        if self.pipeline is not None:
+            return (self.pipeline.outer, self.pipeline.forward)
+        return (self.traced.program,)
+
+
+@dataclass
+class PlannedProgram:
+    """A plan and the program its tensor ids refer to (traced again when rematerialised)."""
+
+    traced: TracedStep
+    plan: Plan
+    pipeline: PipelineProgram | None = None
+
+
+def trace(fn: Callable, args: Sequence[Any], method: Method, batch_argnums: Sequence[int], *,
+          fall_back_to_shard: bool = False) -> StepProgram:
+    """Trace ``fn(*args)`` (arrays or ``jax.ShapeDtypeStruct``) for ``method``.
+
+    ``fall_back_to_shard``: when ``method`` pipelines and the step cannot be pipelined (no
+    ``autopar.value_and_grad``, or a batch the microbatches do not divide), plan one stage with
+    the intra-operator pass instead, saying so in the plan's notes (the full search's
+    behaviour); otherwise that is the error raised."""
+    batch_argnums = tuple(batch_argnums)
+    if isinstance(method, PipeshardParallel):
+        try:
+            pp = build_pipeline_program(fn, args, batch_argnums, method.num_microbatches)
+        except (NoLossFunctionError, BatchSizeError) as err:
+            if not fall_back_to_shard:
+                raise
+            shard = ShardParallel(memory_budget_bytes=method.memory_budget_bytes,
+                                  solver=method.solver, time_limit_s=method.time_limit_s)
+            step = trace(fn, args, shard, batch_argnums)
+            step.notes.append(f"one stage, no pipeline: {err}")
+            return step
+        return StepProgram(TracedStep(pp.outer, build_graph(pp.outer)), method, batch_argnums,
+                           pipeline=pp, fn=fn, args=tuple(args))
+    return StepProgram(trace_step(fn, args), method, batch_argnums, fn=fn, args=tuple(args))
+
+
+def trace_for_plan(fn: Callable, args: Sequence[Any], plan: Plan,
+                   batch_argnums: Sequence[int]) -> StepProgram:
+    """The program whose tensor ids ``plan`` names: the pipeline cut of the step for a
+    pipelined plan, the step traced with the plan's rematerialised layers, or the plain step.
+    The caller checks the plan against it (signature, spec ranks)."""
+    batch_argnums = tuple(batch_argnums)
+    if plan.is_pipelined:
+        pp = build_pipeline_program(fn, args, batch_argnums, plan.num_microbatches)
+        return StepProgram(TracedStep(pp.outer, build_graph(pp.outer)), PipeshardParallel(),
+                           batch_argnums, pipeline=pp, fn=fn, args=tuple(args))
+    traced = trace_step(fn, args, remat_positions=plan.remat_positions)
+    return StepProgram(traced, ShardParallel(), batch_argnums, fn=fn, args=tuple(args))
+
+
+def plan(step: StepProgram, cluster: ClusterSpec, *,
+         ilp_observer: IlpObserver | None = None) -> PlannedProgram:
+    """Plan ``step`` with ``step.method`` on ``cluster``.
+
+    One-stage methods with ``remat="layers"`` are planned on the step traced again with each
+    layer of its loss forward under ``jax.checkpoint``; with ``remat="auto"`` that is tried when
+    the plan without it does not fit the memory budget. ``ilp_observer(problem, solution)`` is
+    called with each one-stage sharding ILP solved (``autopar compile --dump-ilp``).
+    """
+    method = step.method
+    if isinstance(method, PipeshardParallel):
+        from autopar.compiler.planners.pipeshard import plan_pipeshard
+
+        planned = PlannedProgram(step.traced, plan_pipeshard(step.pipeline, method, cluster),
+                                 step.pipeline)
+        planned.plan.batch_argnums = step.batch_argnums
+        if any(eqn.name in RANDOM_DRAWS for eqn in step.pipeline.forward.eqns):
+            planned.plan.notes.append(
+                "the loss function draws random numbers (dropout?): each microbatch draws its "
+                "own, so the masks differ from an unpipelined step's (same distribution)")
+    else:
+        planned = _plan_one_stage_with_remat(step, cluster, ilp_observer)
+    planned.plan.notes.extend(step.notes)
+    return planned
+
+
+def _plan_one_stage_with_remat(step: StepProgram, cluster: ClusterSpec,
+                               ilp_observer: IlpObserver | None) -> PlannedProgram:
+    method = step.method
+    remat = getattr(method, "remat", "none")
+    planned = None
+    if remat != "layers":
+        planned = PlannedProgram(step.traced, _plan_one_stage(step.traced, method, cluster,
+                                                              step.batch_argnums, ilp_observer))
+    if remat != "none" and (planned is None or not _fits(planned.plan, method, cluster)):
+        planned = _plan_rematerialised(step, cluster, planned, ilp_observer)
+    return planned
+
+
+def _fits(plan: Plan, method: Method, cluster: ClusterSpec) -> bool:
+    budget = getattr(method, "memory_budget_bytes", None) or cluster.device.memory_bytes
+    return plan.peak_memory_bytes <= budget
+
+
+def _plan_rematerialised(step: StepProgram, cluster: ClusterSpec,
+                         planned: PlannedProgram | None,
+                         ilp_observer: IlpObserver | None) -> PlannedProgram:
+    """Trace again with the loss function's layers under ``jax.checkpoint`` and plan that;
+    for ``remat="auto"`` keep it only if it needs less memory than ``planned``."""
+    if step.fn is None:
+        raise InvalidOptionError("remat needs the step itself to trace it again; this step "
+                                 "was given as a traced program only")
+    try:
+        pp = build_pipeline_program(step.fn, step.args, step.batch_argnums, 1)
+    except NoLossFunctionError as err:
+        if planned is None:
+            raise InvalidOptionError(f"remat='layers' needs the step's gradient from "
+                                     f"autopar.value_and_grad or autopar.grad: {err}") from None
+        planned.plan.notes.append("remat='auto' left off: the step has no autopar.value_and_grad")
+        return planned
+    positions = remat_layer_positions(pp, build_graph(pp.forward))
+    traced = trace_step(step.fn, step.args, remat_positions=positions)
+    plan = _plan_one_stage(traced, step.method, cluster, step.batch_argnums, ilp_observer)
+    if planned is not None and plan.peak_memory_bytes >= planned.plan.peak_memory_bytes:
+        planned.plan.notes.append(
+            "remat='auto' tried the layers under jax.checkpoint: no memory saved")
+        return planned
+    plan.remat_positions = tuple(positions)
+    plan.notes.append(f"rematerialised: the loss function's {len(positions) + 1} layers run "
+                      "under jax.checkpoint (the backward recomputes them)")
+    return PlannedProgram(traced, plan)
 
 
 def mesh_shape_choices(num_devices: int) -> list[str]:
@@ -38,45 +216,33 @@ def logical_mesh_for(cluster: ClusterSpec, mesh_shape: tuple[int, ...] | None) -
     return LogicalMesh.from_cluster(cluster, shape)
 
 
-def plan_step(
+def _plan_one_stage(
     traced: TracedStep,
     method: Method,
     cluster: ClusterSpec,
-    *,
-    batch_argnums: tuple[int, ...] = (1,),
-    ilp_observer: Callable[[Any, Any], None] | None = None,
+    batch_argnums: tuple[int, ...],
+    ilp_observer: IlpObserver | None,
 ) -> Plan:
-    """Plan ``traced`` with ``method`` on ``cluster``; records the planning time in the plan.
-
-    ``ilp_observer(problem, solution)`` is called with each intra-operator ILP solved (for
-    ``--dump-ilp``).
-    """
+    """One stage over the whole cluster with ``method`` (data, shard, ZeRO); records the
+    planning time and the method's options in the plan."""
     start = time.perf_counter()
+    mesh = logical_mesh_for(cluster, method.mesh_shape)
+    common = dict(batch_argnums=batch_argnums, cluster_name=cluster.name,
+                  devices_per_host=cluster.devices_per_host)
     if isinstance(method, ShardParallel):
         # imported here: the ILP stack (PuLP, strategies) loads only when a plan needs it
         from autopar.compiler.intra_op.sharding_ilp import IntraOpOptions
         from autopar.compiler.planners.shard import plan_shard_parallel
 
-        mesh = logical_mesh_for(cluster, method.mesh_shape)
-        pins = (optimizer_state_pins(traced.graph, mesh, tuple(batch_argnums))
+        pins = (optimizer_state_pins(traced.graph, mesh, batch_argnums)
                 if method.prefer_reduce_scatter else {})
 
         def solve_within(budget: float | None) -> Plan:
-            return plan_shard_parallel(
-                traced,
-                mesh,
-                IntraOpOptions(
-                    memory_budget_bytes=budget,
-                    solver=method.solver,
-                    time_limit_s=method.time_limit_s,
-                    batch_argnums=tuple(batch_argnums),
-                    pinned_inputs=pins,
-                ),
-                batch_argnums=batch_argnums,
-                cluster_name=cluster.name,
-                devices_per_host=cluster.devices_per_host,
-                ilp_observer=ilp_observer,
-            )
+            options = IntraOpOptions(memory_budget_bytes=budget, solver=method.solver,
+                                     time_limit_s=method.time_limit_s,
+                                     batch_argnums=batch_argnums, pinned_inputs=pins)
+            return plan_shard_parallel(traced, mesh, options, ilp_observer=ilp_observer,
+                                       **common)
 
         plan = solve_within(method.memory_budget_bytes)
         device_memory = cluster.device.memory_bytes
@@ -89,29 +255,27 @@ def plan_step(
                 "solved again with that as the per-device memory budget"
             )
     elif isinstance(method, DataParallel):
-        mesh = logical_mesh_for(cluster, method.mesh_shape)
-        plan = plan_data_parallel(
-            traced,
-            mesh,
-            batch_argnums=batch_argnums,
-            cluster_name=cluster.name,
-            devices_per_host=cluster.devices_per_host,
-        )
+        plan = plan_data_parallel(traced, mesh, **common)
     elif isinstance(method, Zero2Parallel | Zero3Parallel):
-        mesh = logical_mesh_for(cluster, method.mesh_shape)
-        plan = plan_zero(
-            traced,
-            mesh,
-            stage=2 if isinstance(method, Zero2Parallel) else 3,
-            batch_argnums=batch_argnums,
-            cluster_name=cluster.name,
-            devices_per_host=cluster.devices_per_host,
-        )
+        plan = plan_zero(traced, mesh, stage=2 if isinstance(method, Zero2Parallel) else 3,
+                         **common)
     else:
         raise InvalidOptionError(
             f"unknown method {type(method).__name__}; valid methods: DataParallel, "
-            "ShardParallel, Zero2Parallel, Zero3Parallel"
+            "ShardParallel, Zero2Parallel, Zero3Parallel, PipeshardParallel"
         )
-    plan.options = {"method": method.name, "mesh_shape": list(mesh.shape)}
-    plan.options["planning_time_s"] = time.perf_counter() - start
+    plan.planning.method_options = {"method": method.name.value,
+                                    "mesh_shape": list(mesh.shape)}
+    plan.planning.planning_time_s = time.perf_counter() - start
     return plan
+
+
+def plan_traced(traced: TracedStep, method: Method, cluster: ClusterSpec, *,
+                batch_argnums: Sequence[int] = (1,)) -> Plan:
+    """A one-stage plan of an already traced step (benchmarks' baselines, which trace once
+    and plan several methods on it); same as :func:`plan` without rematerialisation."""
+    if isinstance(method, PipeshardParallel):
+        raise PlanError("plan_traced plans one stage; pipelined methods need the step: use "
+                        "trace() and plan()")
+    step = StepProgram(traced, method, tuple(batch_argnums))
+    return plan(step, cluster).plan

@@ -17,10 +17,9 @@ from dataclasses import dataclass
 
 from autopar.cluster import ClusterSpec
 from autopar.compiler.cost.mesh import LogicalMesh
-from autopar.compiler.graph.opgraph import OpGraph
 from autopar.compiler.graph.trace import build_graph
 from autopar.compiler.inter_op.layer_costs import LayerCostCache
-from autopar.compiler.inter_op.layers import cluster_layers
+from autopar.compiler.inter_op.layers import layer_positions
 from autopar.compiler.inter_op.remat import is_remat_key, remat_candidates
 from autopar.compiler.inter_op.stages import (
     StageCandidate,
@@ -38,63 +37,16 @@ from autopar.compiler.intra_op.sharding_ilp import IntraOpOptions
 from autopar.errors import InvalidOptionError, PlanError
 from autopar.ir.pipeline_program import Piece, PipelineProgram, cut_pieces
 from autopar.ir.schedule_timeline import stage_timeline
+from autopar.ir.schedules import ScheduleName
 from autopar.methods import ManualStages, PipeshardParallel
-from autopar.plan import InputSignature, Plan, StagePlan
-
-DEFAULT_MAX_LAYERS = 16
-
-
-@dataclass(frozen=True)
-class PipelineLayout:
-    """How the runtime cuts the step: forward equation positions of the pieces, each piece's
-    stage, and the schedule. Stored in ``Plan.options["pipeline"]``."""
-
-    schedule: str
-    num_chunks: int
-    layer_positions: tuple[int, ...]
-    piece_positions: tuple[int, ...]
-    stage_of_piece: tuple[int, ...]
-
-    def to_dict(self) -> dict:
-        return {
-            "schedule": self.schedule,
-            "num_chunks": self.num_chunks,
-            "layer_positions": list(self.layer_positions),
-            "piece_positions": list(self.piece_positions),
-            "stage_of_piece": list(self.stage_of_piece),
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict) -> PipelineLayout:
-        return cls(d["schedule"], int(d["num_chunks"]), tuple(d["layer_positions"]),
-                   tuple(d["piece_positions"]), tuple(d["stage_of_piece"]))
-
-
-def layer_positions(pp: PipelineProgram, graph: OpGraph, method: PipeshardParallel,
-                    num_devices: int) -> list[int]:
-    """Cut positions (forward equation indices) between layers."""
-    marked = sorted(set(p for p in pp.boundary_positions() if 0 < p < len(graph.nodes)))
-    if method.layers == "marked" or (method.layers == "auto" and marked):
-        if not marked:
-            raise PlanError("layers='marked' but the loss function has no "
-                            "autopar.mark_pipeline_boundary() calls")
-        return marked
-    heavy = sum(1 for n in graph.nodes if n.flops > 0)
-    # by default about one layer per two devices: enough cuts for the stage DP to balance on,
-    # few enough distinct layers that costing them stays quick
-    count = method.layers if isinstance(method.layers, int) else min(
-        DEFAULT_MAX_LAYERS, max(2, num_devices // 2), heavy)
-    return list(cluster_layers(graph, count).positions)
-
-
-def remat_layer_positions(pp: PipelineProgram, graph: OpGraph) -> list[int]:
-    """Where to cut the loss forward into layers for one-stage rematerialisation: the user's
-    ``mark_pipeline_boundary`` calls, else up to ``DEFAULT_MAX_LAYERS`` clustered layers."""
-    if pp.boundary_positions():
-        return layer_positions(pp, graph, PipeshardParallel(layers="marked"), num_devices=1)
-    heavy = sum(1 for n in graph.nodes if n.flops > 0)
-    method = PipeshardParallel(layers=max(1, min(DEFAULT_MAX_LAYERS, heavy)))
-    return layer_positions(pp, graph, method, num_devices=1)
+from autopar.plan import (
+    InputSignature,
+    MethodName,
+    PipelineLayout,
+    Plan,
+    PlanningRecord,
+    StagePlan,
+)
 
 
 def _span(positions: Sequence[int], n: int, start: int, end: int) -> tuple[int, int]:
@@ -161,10 +113,16 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
 
 
 def _dp_options(method: PipeshardParallel, cluster: ClusterSpec) -> StageDPOptions:
+    """The stage search's options: the method's real schedule and chunks, so that every stage
+    is sized with the microbatches that schedule holds on it (``activation_counts``)."""
     budget = method.memory_budget_bytes or cluster.device.memory_bytes
-    schedule = "1f1b" if method.schedule == "interleaved-1f1b" else method.schedule
-    return StageDPOptions(num_microbatches=method.num_microbatches, schedule=schedule,
-                          memory_budget_bytes=budget, num_stages=method.num_stages)
+    interleaved = method.schedule == ScheduleName.INTERLEAVED_1F1B
+    if interleaved and method.num_chunks < 2:
+        raise InvalidOptionError(
+            f"interleaved-1f1b needs num_chunks >= 2, got {method.num_chunks}")
+    return StageDPOptions(num_microbatches=method.num_microbatches, schedule=method.schedule,
+                          memory_budget_bytes=budget, num_stages=method.num_stages,
+                          num_chunks=method.num_chunks if interleaved else 1)
 
 
 # Stage costs feed a DP whose inputs are estimates anyway: 0.1% of a layer's time is far below
@@ -201,7 +159,7 @@ def stage_baselines(pp: PipelineProgram, method: PipeshardParallel, cluster: Clu
     cache = cache if cache is not None else layer_cost_cache(method)
     options = _dp_options(method, cluster)
     hosts, per_host = cluster.num_hosts, cluster.devices_per_host
-    positions = layer_positions(pp, graph, method, cluster.num_devices)
+    positions = layer_positions(pp, graph, method.layers, cluster.num_devices)
     table = stage_cost_table(pp, positions, method, cluster, cache)
     best = solve_stages(table, hosts, per_host, options)
     p = num_stages if num_stages is not None else len(best.stages)
@@ -221,13 +179,13 @@ def plan_pipeshard(pp: PipelineProgram, method: PipeshardParallel, cluster: Clus
     """Plan ``pp`` (built with ``method.num_microbatches``) on ``cluster``.
 
     ``cache``: layer costs to reuse and fill (``layer_cost_cache``; default: a fresh one).
-    ``plan.options["timings"]`` splits the planning seconds: ``layers_s`` (clustering),
+    ``plan.planning.phases`` splits the planning seconds: ``layers_s`` (clustering),
     ``stage_costs_s`` (the per-layer ILPs the DP asked for), ``stage_dp_s`` (the DP without
     them), ``stage_plans_s`` (the chosen stages solved whole) and ``total_s``."""
     start = time.perf_counter()
     m = method.num_microbatches
     graph = build_graph(pp.forward)
-    positions = layer_positions(pp, graph, method, cluster.num_devices)
+    positions = layer_positions(pp, graph, method.layers, cluster.num_devices)
     num_layers = len(positions) + 1
     cache = cache if cache is not None else layer_cost_cache(method)
     hosts, per_host = cluster.num_hosts, cluster.devices_per_host
@@ -264,7 +222,7 @@ def plan_pipeshard(pp: PipelineProgram, method: PipeshardParallel, cluster: Clus
             est_time_s=c.time,
             est_compute_time_s=compute,
             est_communication_time_s=c.time - compute,
-            peak_memory_bytes=int(c.memory(dp_options.in_flight(len(partition.stages) - s))),
+            peak_memory_bytes=int(c.memory(dp_options.in_flight(s, len(partition.stages)))),
             memory_breakdown={"fixed": int(c.fixed_memory),
                               "activations_per_microbatch":
                                   int(c.activation_memory_per_microbatch)},
@@ -281,10 +239,10 @@ def plan_pipeshard(pp: PipelineProgram, method: PipeshardParallel, cluster: Clus
     notes = []
     if not partition.exact:
         notes.append("stage search thinned its stage-time caps: not proven optimal")
-    if method.schedule == "interleaved-1f1b" and method.stages == "auto":
+    if method.schedule == ScheduleName.INTERLEAVED_1F1B and method.stages == "auto":
         notes.append("interleaved-1f1b uses uniform stages (equal layers on equal submeshes)")
     return Plan(
-        method="pipeshard",
+        method=MethodName.PIPESHARD,
         mesh_shape=(len(stages),),
         cluster=cluster_name or cluster.name,
         stages=stages,
@@ -296,14 +254,14 @@ def plan_pipeshard(pp: PipelineProgram, method: PipeshardParallel, cluster: Clus
                            str(pp.outer.avals[v].dtype))
             for v, path in zip(pp.outer.in_ids, pp.outer.in_paths, strict=True)
         ],
-        options={
-            "pipeline": layout.to_dict() | {"remat_stages": [
-                is_remat_key(a.candidate.key) for a in partition.stages]},
-            "stage_search": partition.to_dict() | {"ilp_solves": cache.ilp_solves},
-            "estimated_idle_fraction": timeline.idle_fraction,
-            "theoretical_idle_fraction": timeline.theoretical_idle_fraction,
-            "timings": timings,
-        },
+        pipeline=layout,
+        planning=PlanningRecord(
+            planning_time_s=timings["total_s"],
+            phases=timings,
+            stage_search=partition.to_dict() | {"ilp_solves": cache.ilp_solves},
+            estimated_idle_fraction=timeline.idle_fraction,
+            theoretical_idle_fraction=timeline.theoretical_idle_fraction,
+        ),
         notes=notes,
     )
 
@@ -326,11 +284,9 @@ def _partition(method: PipeshardParallel, table: StageCostTable, num_layers: int
         shapes = [SubmeshShape(h, d) for h, d in method.stages.submesh_shapes]
         ranges = [tuple(r) for r in method.stages.layer_ranges]
         return manual_stages(table, ranges, shapes, hosts, per_host, options), 1
-    if method.schedule == "interleaved-1f1b" or method.stages == "uniform":
+    if options.schedule == ScheduleName.INTERLEAVED_1F1B or method.stages == "uniform":
         p = method.num_stages or 2
-        v = method.num_chunks if method.schedule == "interleaved-1f1b" else 1
-        if v < 2 and method.schedule == "interleaved-1f1b":
-            raise InvalidOptionError(f"interleaved-1f1b needs num_chunks >= 2, got {v}")
+        v = options.num_chunks
         if num_layers % (p * v):
             raise PlanError(f"{num_layers} layers cannot be cut into {p} stages x {v} chunks "
                             "of equal layers; choose layers as a multiple of stages x chunks")
@@ -350,5 +306,7 @@ def _layout(method: PipeshardParallel, partition: StagePartition, positions: Seq
         ranges = [(k * size, (k + 1) * size) for k in range(p * chunks)]
         owner = [k % p for k in range(p * chunks)]
     cuts = [positions[a - 1] for a, _ in ranges[1:]]
-    layout = PipelineLayout(method.schedule, chunks, tuple(positions), tuple(cuts), tuple(owner))
+    remat = tuple(is_remat_key(st.candidate.key) for st in partition.stages)
+    layout = PipelineLayout(method.schedule, chunks, tuple(positions), tuple(cuts), tuple(owner),
+                            remat)
     return layout, ranges

@@ -11,7 +11,7 @@ from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.trace import TracedStep
 from autopar.compiler.intra_op.sharding_ilp import IntraOpOptions, IntraOpResult, solve_intra_op
 from autopar.compiler.planners.common import whole_mesh_plan
-from autopar.plan import Plan, ShardingSpec
+from autopar.plan import MethodName, Plan, ShardingSpec
 
 
 def _collectives(result: IntraOpResult, mesh: LogicalMesh):
@@ -85,7 +85,7 @@ def plan_shard_parallel(
     if not solution.proven_optimal and solution.status != "trivial":
         notes.append(f"ILP stopped at its time limit ({solution.status}): not proven optimal")
     return whole_mesh_plan(
-        "shard",
+        MethodName.SHARD,
         mesh,
         graph,
         cluster_name=cluster_name,

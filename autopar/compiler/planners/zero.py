@@ -55,7 +55,7 @@ from autopar.compiler.graph.opgraph import OpGraph
 from autopar.compiler.graph.trace import TracedStep
 from autopar.compiler.planners.common import whole_mesh_plan
 from autopar.errors import InvalidOptionError
-from autopar.plan import CollectiveKind, Plan, ShardingSpec
+from autopar.plan import CollectiveKind, MethodName, Plan, ShardingSpec
 
 ZERO_STAGES = (2, 3)
 
@@ -334,7 +334,7 @@ def plan_zero(
         resharded=resharded_operand_bytes(
             graph, {use: s.num_shards(axis_sizes) for use, s in operand_specs.items()}, shards),
     ).breakdown()
-    name = f"zero{stage}"
+    name = MethodName.ZERO2 if stage == 2 else MethodName.ZERO3
     notes = [
         f"{len(params)} state leaves read by the loss computation are parameters, "
         f"{len(opt_state)} are optimizer state; {len(seeds)} leaves sharded over "

@@ -1,7 +1,7 @@
 """``autopar compile``: plan a step (a zoo model or ``FILE.py:FUNCTION``) and report the plan.
 
 Both kinds of step go through one path: a ``StepSource`` (``cli_sources``), the method from
-``--method`` and its options (or the source's own), then ``step_planning.plan_train_step`` —
+``--method`` and its options (or the source's own), then ``frontend.planning.plan_train_step`` —
 the very function ``autopar.parallelize`` plans with — and, for a one-stage plan on the local
 devices, the compiled HLO's collectives counted beside the plan's.
 """
@@ -24,13 +24,11 @@ from autopar.frontend.progress import Progress
 from autopar.methods import (
     METHOD_NAMES,
     METHOD_TYPES,
-    DataParallel,
     Method,
     PipeshardParallel,
-    ShardParallel,
     method_from_name,
 )
-from autopar.plan import Plan
+from autopar.plan import MethodName, Plan
 
 logger = logging.getLogger(__name__)
 
@@ -102,11 +100,11 @@ def _compile(args: argparse.Namespace, given: dict[str, tuple[str, Any]], cluste
     if args.dump_ilp and source.saved_plan is not None:
         raise InvalidOptionError("--dump-ilp needs an ILP solved; the step runs a saved plan "
                                  "(parallelize(plan=...)): pass --method shard to plan anew")
-    if args.dump_ilp and not isinstance(method, ShardParallel):
+    if args.dump_ilp and method.name is not MethodName.SHARD:
         raise InvalidOptionError(
-            f"--dump-ilp needs an ILP; method '{method.name}' solves none (use --method shard)"
-            if isinstance(method, DataParallel) else
             "--dump-ilp needs --method shard (pipeshard solves one ILP per layer and mesh)"
+            if method.name is MethodName.PIPESHARD else
+            f"--dump-ilp needs an ILP; method '{method.name}' solves none (use --method shard)"
         )
     logger.info("planning %s with %s on %s (%d devices)", source.name, method, cluster.name,
                 cluster.num_devices)
@@ -248,27 +246,22 @@ def plan_source(source: StepSource, method: Method, cluster: ClusterSpec, *,
                              source.batch_argnums)
     start = time.perf_counter()
     ilp_json = None
-    if dump_ilp:
-        # the shared path takes no ILP observer: trace and plan as it does for one stage
+    dumped: list[str] = []
+    observer = None
+    if dump_ilp:  # the same path as without it, remat and all; the last ILP solved is the plan's
         from autopar.compiler.intra_op.problem import problem_to_json
-        from autopar.compiler.planners.dispatch import plan_step
 
-        dumped: list[str] = []
-        with progress.phase("tracing"):
-            traced = trace_step(bound.fn, bound.dynamic_args)
-        with progress.phase("planning"):
-            plan = plan_step(traced, method, cluster, batch_argnums=bound.batch_argnums,
-                             ilp_observer=lambda p, s: dumped.append(problem_to_json(p, s)))
-        ilp_json = dumped[-1] if dumped else None
-        pipeline = None
-    else:
-        with progress.phase("tracing and planning"):
-            planned = plan_train_step(
-                bound.fn, bound.dynamic_args, method, cluster,
-                batch_argnums=bound.batch_argnums, fall_back_to_shard=fall_back_to_shard,
-                saved_plan=source.saved_plan, cache=None,
-            )
-        traced, plan, pipeline = planned.traced, planned.plan, planned.pipeline
+        def observer(problem: Any, solution: Any) -> None:
+            dumped.append(problem_to_json(problem, solution))
+
+    with progress.phase("tracing and planning"):
+        planned = plan_train_step(
+            bound.fn, bound.dynamic_args, method, cluster,
+            batch_argnums=bound.batch_argnums, fall_back_to_shard=fall_back_to_shard,
+            saved_plan=source.saved_plan, cache=None, ilp_observer=observer,
+        )
+    traced, plan, pipeline = planned.traced, planned.plan, planned.pipeline
+    ilp_json = dumped[-1] if dumped else None
     compile_time = time.perf_counter() - start
     logger.info("plan from %s: %s, %d stage(s), est. step time %.3g s",
                 "the step's saved plan" if source.saved_plan is not None else "the planner",

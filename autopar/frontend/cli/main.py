@@ -17,8 +17,10 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-from autopar.errors import AutoparError, InvalidOptionError
+from autopar.errors import AutoparError, InvalidOptionError, choices_text
 from autopar.frontend.cli.options import add_log_level
+from autopar.ir.schedules import ScheduleName
+from autopar.methods import Solver
 
 EXIT_USAGE = 2
 LOG_FORMAT = "autopar: %(levelname)s: %(message)s"
@@ -79,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--no-hlo", action="store_true", help="skip compiling the sharded program")
     m.add_argument("--dump-ilp", default=None, metavar="FILE",
                    help="write the sharding ILP instance as JSON (--method shard)")
-    m.add_argument("--solver", default=None, help="ILP solver: auto (default), highs, cbc")
+    m.add_argument("--solver", default=None,
+                   help=f"ILP solver: {choices_text(Solver)} (default {Solver.AUTO})")
     m.add_argument("--time-limit", type=float, default=None,
                    help="ILP time limit in seconds (default 30)")
     m.add_argument("--memory-budget", type=float, default=None,
@@ -88,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=int, default=None,
                    help="microbatches per step (default 4)")
     p.add_argument("--schedule", default=None,
-                   help="gpipe, 1f1b (default), interleaved-1f1b, zb-h1")
+                   help=f"{choices_text(ScheduleName)} (default {ScheduleName.ONE_F_ONE_B})")
     p.add_argument("--stages", default=None, help="auto (the stage DP; default) or uniform")
     p.add_argument("--num-stages", type=int, default=None, help="fix the number of stages")
     p.add_argument("--pipeline-layers", default=None,

@@ -49,7 +49,7 @@ def write_swimlane(report: CompileReport, path: str) -> None:
         )
     from autopar.report.swimlane import save_swimlane_png
 
-    title = f"{report.model}: {plan.options['pipeline']['schedule']}"
+    title = f"{report.model}: {plan.pipeline.schedule}"
     try:
         save_swimlane_png(timeline, path, title=title)
     except OSError as exc:

@@ -9,42 +9,19 @@ serial numbers and hold less per microbatch.
 import dataclasses
 
 import jax
-import numpy as np
 import pytest
-from serial_reference import serial_run
+from memory_checks import assert_serial_numbers, xla_bytes
 
 import autopar
 from autopar.cluster import ClusterSpec, load_cluster
 from autopar.compiler.graph.trace import trace_step
 from autopar.compiler.intra_op.problem import InfeasibleMemoryError
-from autopar.compiler.planners.dispatch import plan_step
+from autopar.compiler.planners.dispatch import plan_traced
 from autopar.frontend.planning import plan_train_step
 from autopar.models import get_model
 from autopar.runtime.hlo import count_collectives
 
 TOLERANCE = 0.15  # the model vs XLA's memory analysis, relative
-
-
-def xla_bytes(step, state, batch) -> int:
-    compiled = step._compiled((state, batch))
-    executable = compiled.executable.compiled(step._flat_inputs(compiled, (state, batch)))
-    m = executable.memory_analysis()
-    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-            - m.alias_size_in_bytes)
-
-
-def assert_serial_numbers(step, model, steps):
-    """Run ``steps`` steps from seed 0 and compare every loss and the final state with the
-    plain single-device jit step; returns the final state."""
-    ref_losses, ref_leaves = serial_run(model, steps)
-    state = model.init_state(jax.random.key(0))
-    for i in range(steps):
-        state, loss = step(state, model.make_batch(jax.random.key(10 + i)))
-        assert float(loss) == pytest.approx(ref_losses[i], rel=1e-5, abs=1e-6)
-    atol = 2e-3 * model.config.learning_rate
-    for want, got in zip(ref_leaves, jax.tree_util.tree_leaves(state), strict=True):
-        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=atol)
-    return state
 
 
 def zoo_inputs(name, **overrides):
@@ -123,7 +100,8 @@ def test_impossible_budget_names_the_least_and_what_dominates(batch_size, domina
     model, state, batch = zoo_inputs("mlp", batch_size=batch_size)
     traced = trace_step(model.train_step, (state, batch))
     with pytest.raises(InfeasibleMemoryError) as info:
-        plan_step(traced, autopar.ShardParallel(memory_budget_bytes=1000), load_cluster("cpu-sim"))
+        plan_traced(traced, autopar.ShardParallel(memory_budget_bytes=1000),
+                    load_cluster("cpu-sim"))
     message = str(info.value)
     assert "\n" not in message and isinstance(info.value, autopar.AutoparError)
     assert "no sharding plan fits in 1000 B per device" in message
@@ -136,10 +114,10 @@ def test_device_memory_is_the_default_budget():
     model, state, batch = zoo_inputs("gpt")
     traced = trace_step(model.train_step, (state, batch))
     base = load_cluster("cpu-sim")
-    free = plan_step(traced, autopar.ShardParallel(), base)
+    free = plan_traced(traced, autopar.ShardParallel(), base)
     small = dataclasses.replace(base.device, memory_bytes=int(0.5 * free.peak_memory_bytes))
     cluster = ClusterSpec.from_dict(base.to_dict() | {"device": small.to_dict()})
-    plan = plan_step(traced, autopar.ShardParallel(), cluster)
+    plan = plan_traced(traced, autopar.ShardParallel(), cluster)
     assert plan.peak_memory_bytes <= small.memory_bytes < free.peak_memory_bytes
     assert any("memory budget" in note for note in plan.notes)
 
@@ -155,7 +133,7 @@ def test_gpt_too_big_for_one_device_is_pipelined_to_fit():
     state, batch = model.init_state(jax.random.key(0)), model.make_batch(jax.random.key(1))
     traced = trace_step(model.train_step, (state, batch))
     base = load_cluster("cpu-sim")
-    whole = plan_step(traced, autopar.DataParallel(), base).peak_memory_bytes
+    whole = plan_traced(traced, autopar.DataParallel(), base).peak_memory_bytes
     device = dataclasses.replace(base.device, memory_bytes=int(0.6 * whole))
     cluster = ClusterSpec.from_dict(base.to_dict() | {"device": device.to_dict()})
     method = autopar.PipeshardParallel(num_microbatches=4, remat="auto")
@@ -179,8 +157,8 @@ def test_remat_layers_equals_serial_and_holds_less(name):
     with_remat = step.get_plan(state, batch)
     without = autopar.parallelize(model.train_step, method=plain,
                                   cache=False).get_plan(state, batch)
-    assert with_remat.options["pipeline"]["remat_stages"] == [True, True]
-    assert without.options["pipeline"]["remat_stages"] == [False, False]
+    assert with_remat.pipeline.remat_stages == (True, True)
+    assert without.pipeline.remat_stages == (False, False)
     for a, b in zip(with_remat.stages, without.stages, strict=True):
         assert (a.memory_breakdown["activations_per_microbatch"]
                 < b.memory_breakdown["activations_per_microbatch"])

@@ -6,7 +6,8 @@ from autopar.api import local_cluster
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.trace import build_graph
 from autopar.compiler.inter_op.layer_costs import piece_signature
-from autopar.compiler.planners.pipeshard import layer_cost_cache, layer_positions, range_piece
+from autopar.compiler.inter_op.layers import layer_positions
+from autopar.compiler.planners.pipeshard import layer_cost_cache, range_piece
 from autopar.ir.pipeline_program import build_pipeline_program
 from autopar.models import get_model
 
@@ -15,7 +16,7 @@ def test_identical_layers_met_on_different_meshes_share_their_solves():
     model = get_model("gpt", "tiny", num_layers=4).with_value_and_grad(autopar.value_and_grad)
     pp = build_pipeline_program(model.train_step, model.abstract_inputs(), (1,), 2)
     method = autopar.PipeshardParallel(num_microbatches=2, layers=4)
-    positions = layer_positions(pp, build_graph(pp.forward), method, 8)
+    positions = layer_positions(pp, build_graph(pp.forward), method.layers, 8)
     cache = layer_cost_cache(method)
     cluster = local_cluster()
     mesh_a = LogicalMesh.from_cluster(cluster.with_devices(1, 4), (4,))

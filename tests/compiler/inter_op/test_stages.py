@@ -1,4 +1,5 @@
-"""Stage-construction DP: equals brute force, submesh shapes/placement, baselines, errors."""
+"""Stage-construction DP: equals brute force, schedule memory (in-flight counts from the
+schedule, per stage count where they depend on it), submesh shapes/placement, baselines, errors."""
 
 from __future__ import annotations
 
@@ -10,13 +11,12 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from autopar.compiler.inter_op.stage_dp import prepare_problems
 from autopar.compiler.inter_op.stages import (
-    SCHEDULES,
     StageCandidate,
     StageCostTable,
     StageDPOptions,
     SubmeshShape,
-    in_flight_microbatches,
     manual_stages,
     pipeline_time,
     place_submeshes,
@@ -25,6 +25,7 @@ from autopar.compiler.inter_op.stages import (
     uniform_stages,
 )
 from autopar.errors import InvalidOptionError, PlanError
+from autopar.ir.schedules import ScheduleName, TaskKind, make_schedule
 
 CLUSTERS = [(1, 8), (2, 4), (1, 4), (2, 2), (1, 2), (4, 2)]
 
@@ -90,6 +91,8 @@ def brute_force(table, hosts, per_host, options) -> Exhaustive:
         count = len(ranges)
         if options.num_stages is not None and count != options.num_stages:
             continue
+        if not options.valid_stage_count(count):
+            continue  # the schedule does not run on this many stages (interleaved, m % p)
         for shape_ids in itertools.product(range(len(table.submeshes)), repeat=count):
             shapes = [table.submeshes[i] for i in shape_ids]
             if sum(s.num_devices for s in shapes) != devices:
@@ -98,7 +101,7 @@ def brute_force(table, hosts, per_host, options) -> Exhaustive:
                 continue
             per_stage, memory_needs = [], []
             for position, ((start, end), index) in enumerate(zip(ranges, shape_ids, strict=True)):
-                in_flight = options.in_flight(count - position)
+                in_flight = options.in_flight(position, count)
                 found = table.candidates(start, end, index)
                 memory_needs.append(min((c.memory(in_flight) for c in found), default=math.inf))
                 per_stage.append([c for c in found if options.fits(c.memory(in_flight))])
@@ -123,7 +126,7 @@ def check_partition(partition, table, hosts, per_host, options):
     for position, stage in enumerate(stages):
         index = table.submesh_index(stage.submesh)
         assert stage.candidate in table.candidates(stage.start, stage.end, index)
-        assert options.fits(stage.candidate.memory(options.in_flight(len(stages) - position)))
+        assert options.fits(stage.candidate.memory(options.in_flight(position, len(stages))))
     times = [s.candidate.time for s in stages]
     assert partition.total_time == pytest.approx(pipeline_time(times, options.num_microbatches))
     assert partition.max_stage_time == max(times)
@@ -139,11 +142,13 @@ def random_options(rng, table, hosts, per_host, with_budget: bool) -> StageDPOpt
     budget = None
     if with_budget:
         budget = float(rng.integers(4, 30))
+    schedule = ScheduleName(rng.choice(list(ScheduleName)))
     return StageDPOptions(
         num_microbatches=int(rng.choice([1, 2, 4, 8, 16, 32])),
-        schedule=str(rng.choice(SCHEDULES)),
+        schedule=schedule,
         memory_budget_bytes=budget,
         num_stages=fixed,
+        num_chunks=2 if schedule == ScheduleName.INTERLEAVED_1F1B else 1,
     )
 
 
@@ -278,6 +283,141 @@ def test_thinning_reports_inexact_and_stays_valid():
     assert seen_inexact
 
 
+# ----------------------------------------------------------------------------- schedule memory
+
+
+def schedule_grid():
+    """(name, m, v) with m in 1..8 and v = 1, or 2 and 3 for interleaved."""
+    for m in range(1, 9):
+        for name in (ScheduleName.GPIPE, ScheduleName.ONE_F_ONE_B, ScheduleName.ZB_H1):
+            yield name, m, 1
+        for v in (2, 3):
+            yield ScheduleName.INTERLEAVED_1F1B, m, v
+
+
+def simulated_counts(name, p, m, v) -> list[float]:
+    """Straight from the schedule's task lists: pairs in flight until W (zb-h1) or B, per v."""
+    schedule = make_schedule(name, p, m, v)
+    until = TaskKind.W if name == ScheduleName.ZB_H1 else TaskKind.B
+    return [schedule.in_flight(stage, until=until) / v for stage in range(p)]
+
+
+ONES = StageCostTable.build(
+    4, submesh_shapes(1, 4), lambda s, e, sm: [StageCandidate(1.0, 1.0, 1.0, (1,))]
+)
+
+
+@pytest.mark.parametrize(("name", "m", "v"), list(schedule_grid()))
+def test_dp_counts_equal_the_schedules_simulation(name, m, v):
+    """For every p-stage pipeline (p = 1..4) the schedule runs, the in-flight count the DP's
+    problem gives each stage position, free or fixed stage count, is the simulated one."""
+    free = StageDPOptions(m, name, num_chunks=v)
+    problems = prepare_problems(ONES, 1, 4, free)
+    valid = [p for p in range(1, 5) if m % p == 0 or name != ScheduleName.INTERLEAVED_1F1B]
+    # the free search covers exactly the stage counts the schedule runs on
+    covered = {p for pr in problems for p in
+               (range(1, pr.top_stages + 1) if pr.fixed_stages is None else [pr.fixed_stages])}
+    assert covered == set(valid)
+    for p in valid:
+        expected = simulated_counts(name, p, m, v)
+        assert [free.in_flight(stage, p) for stage in range(p)] == expected
+        (problem,) = [pr for pr in problems if pr.fixed_stages in (None, p)]
+        assert [problem.in_flight[p - stage] for stage in range(p)] == expected
+        fixed = StageDPOptions(m, name, num_stages=p, num_chunks=v)
+        (problem,) = prepare_problems(ONES, 1, 4, fixed)
+        assert [problem.in_flight[p - stage] for stage in range(p)] == expected
+        # and the keys the DP indexes its tables by are those counts (fractional included)
+        assert set(problem.best_time) == set(expected)
+    # 1F1B and GPipe counts depend on the position from the end alone: the DP runs once
+    if name in (ScheduleName.GPIPE, ScheduleName.ONE_F_ONE_B):
+        assert len(problems) == 1 and problems[0].fixed_stages is None
+
+
+def test_zb_h1_plan_the_old_formula_accepted_does_not_fit():
+    """Two one-layer stages, m = 4, budget 9 bytes. Fast candidate: 4 + 3 f bytes, slow one:
+    1 + 2 f. The old closed form gave the last stage f = min(1, m) = 1 under every 1F1B-family
+    schedule, so (slow, fast) "fit" (5 and 7 bytes); ZB-H1 really keeps 2 microbatches on
+    both stages (layer inputs until W), so the fast last stage needs 10 > 9: the DP must run
+    both stages slow, and with a budget of 4 bytes nothing fits."""
+    fast = StageCandidate(1.0, 4.0, 3.0, (1,), "fast")
+    slow = StageCandidate(3.0, 1.0, 2.0, (1,), "slow")
+
+    def candidates(start, end, shape):
+        if shape.num_devices != 1:
+            return [StageCandidate(1.0, 99.0, 99.0, (shape.num_devices,), "too big")]
+        return [fast, slow] if end - start == 1 else []
+
+    table = StageCostTable.build(2, submesh_shapes(1, 2), candidates)
+    zb = StageDPOptions(num_microbatches=4, schedule="zb-h1", memory_budget_bytes=9.0)
+    old_counts = [min(2 - stage, 4) for stage in range(2)]  # the formula the DP used to use
+    assert old_counts == [2, 1] and zb.activation_counts(2) == (2, 2)
+    assert zb.fits(fast.memory(old_counts[1])) and not zb.fits(fast.memory(2))
+    partition = solve_stages(table, 1, 2, zb)
+    assert [s.candidate.key for s in partition.stages] == ["slow", "slow"]
+    assert partition.total_time == pytest.approx(3.0 + 3.0 + 3 * 3.0)
+    for position, stage in enumerate(partition.stages):
+        assert zb.fits(stage.candidate.memory(zb.in_flight(position, 2)))
+    # the same table under 1F1B (whose last stage does hold one microbatch) keeps the fast one
+    one_f_one_b = StageDPOptions(num_microbatches=4, schedule="1f1b", memory_budget_bytes=9.0)
+    assert [s.candidate.key for s in solve_stages(table, 1, 2, one_f_one_b).stages] == [
+        "slow", "fast"]
+    tight = StageDPOptions(num_microbatches=4, schedule="zb-h1", memory_budget_bytes=4.0)
+    with pytest.raises(PlanError) as raised:
+        solve_stages(table, 1, 2, tight)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert "the smallest needs 5 bytes" in message and "schedule zb-h1" in message
+
+
+def test_interleaved_stages_are_sized_with_fractional_microbatches():
+    """p = 4, m = 8, v = 2: the stages hold 5.5, 4.5, 3.5 and 2.5 microbatches' activations
+    (the old formula: 4, 3, 2, 1). With 1 byte per microbatch and a 5-byte budget the first
+    stage does not fit; with 5.5 bytes every stage does, at exactly its count."""
+    table = StageCostTable.build(
+        8, submesh_shapes(1, 4), lambda s, e, sm: [StageCandidate(1.0, 0.0, 1.0, (1,), "c")]
+    )
+    options = StageDPOptions(8, "interleaved-1f1b", memory_budget_bytes=5.0, num_chunks=2)
+    assert options.activation_counts(4) == (5.5, 4.5, 3.5, 2.5)
+    with pytest.raises(PlanError, match=r"stage 0 .* 5.5 microbatches in flight"):
+        uniform_stages(table, 4, 1, 4, options)
+    roomy = StageDPOptions(8, "interleaved-1f1b", memory_budget_bytes=5.5, num_chunks=2)
+    partition = uniform_stages(table, 4, 1, 4, roomy)
+    assert [s.candidate.memory(roomy.in_flight(k, 4)) for k, s in
+            enumerate(partition.stages)] == [5.5, 4.5, 3.5, 2.5]
+    # the DP over a fixed stage count sizes them the same way
+    assert len(solve_stages(table, 1, 4, StageDPOptions(
+        8, "interleaved-1f1b", memory_budget_bytes=5.5, num_stages=4, num_chunks=2)).stages) == 4
+    with pytest.raises(PlanError, match="num_stages=3: interleaved-1f1b needs"):
+        solve_stages(table, 1, 4, StageDPOptions(8, "interleaved-1f1b", num_stages=3,
+                                                 num_chunks=2))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_stage_count_dependent_schedules_equal_brute_force(seed):
+    """ZB-H1 and interleaved: one search per stage count, one shared incumbent, still exact."""
+    rng = np.random.default_rng(500 + seed)
+    hosts, per_host = CLUSTERS[seed % len(CLUSTERS)]
+    table = random_table(rng, int(rng.integers(2, 7)), hosts, per_host)
+    interleaved = seed % 2 == 1
+    options = StageDPOptions(
+        num_microbatches=int(rng.choice([2, 4, 6, 8, 12])),
+        schedule="interleaved-1f1b" if interleaved else "zb-h1",
+        memory_budget_bytes=float(rng.integers(6, 40)) if seed % 3 else None,
+        num_chunks=int(rng.choice([2, 3])) if interleaved else 1,
+    )
+    problems = prepare_problems(table, hosts, per_host, options)
+    assert all(pr.fixed_stages is not None for pr in problems) or options.num_microbatches == 1
+    exhaustive = brute_force(table, hosts, per_host, options)
+    if math.isinf(exhaustive.best):
+        with pytest.raises(PlanError):
+            solve_stages(table, hosts, per_host, options)
+        return
+    partition = solve_stages(table, hosts, per_host, options)
+    assert partition.exact
+    assert partition.total_time == pytest.approx(exhaustive.best, rel=1e-12)
+    check_partition(partition, table, hosts, per_host, options)
+
+
 def test_stage_count_errors():
     table = StageCostTable.build(
         3, submesh_shapes(1, 4), lambda s, e, sm: [StageCandidate(1.0, 0.0, 0.0, (1,))]
@@ -303,14 +443,22 @@ def test_build_calls_fn_once_per_entry():
 
 
 def test_in_flight_and_options():
-    assert in_flight_microbatches("gpipe", 1, 8) == 8
-    for schedule in ("1f1b", "interleaved-1f1b", "zb-h1"):
-        assert in_flight_microbatches(schedule, 3, 8) == 3
-        assert in_flight_microbatches(schedule, 5, 2) == 2
-    with pytest.raises(InvalidOptionError, match="choices: gpipe, 1f1b"):
-        in_flight_microbatches("pipedream", 1, 4)
+    assert StageDPOptions(8, "gpipe").activation_counts(3) == (8, 8, 8)
+    assert StageDPOptions(8, "1f1b").activation_counts(3) == (3, 2, 1)
+    assert StageDPOptions(2, "1f1b").in_flight(0, 5) == 2
+    assert StageDPOptions(8, "zb-h1").activation_counts(3) == (3, 3, 3)
     options = StageDPOptions(8, "zb-h1", 1e9, 3, 64)
+    assert options.schedule is ScheduleName.ZB_H1  # a plain string is taken as the member
     assert StageDPOptions.from_dict(json.loads(json.dumps(options.to_dict()))) == options
+    interleaved = StageDPOptions(8, ScheduleName.INTERLEAVED_1F1B, num_chunks=2)
+    assert StageDPOptions.from_dict(json.loads(json.dumps(interleaved.to_dict()))) == interleaved
+    assert not interleaved.valid_stage_count(3) and interleaved.valid_stage_count(4)
+    with pytest.raises(InvalidOptionError, match="choices: gpipe, 1f1b, interleaved-1f1b, zb-h1"):
+        StageDPOptions(4, "pipedream")
+    with pytest.raises(InvalidOptionError, match="num_chunks >= 2"):
+        StageDPOptions(4, "interleaved-1f1b")
+    with pytest.raises(InvalidOptionError, match="valid is 1"):
+        StageDPOptions(4, "1f1b", num_chunks=2)
     with pytest.raises(InvalidOptionError, match="num_microbatches"):
         StageDPOptions(num_microbatches=0)
     with pytest.raises(InvalidOptionError, match="unknown stage DP option"):

@@ -80,7 +80,7 @@ def test_pipeshard_plan_round_trips_through_json():
     plan = par.get_plan(state, batch)
     again = Plan.from_json(plan.to_json())
     assert again == plan
-    assert again.options["pipeline"]["stage_of_piece"] == [0, 1]
+    assert again.pipeline.stage_of_piece == (0, 1)
     assert any(st.tensor_shardings for st in again.stages)
 
 
@@ -151,5 +151,5 @@ def test_timed_call_records_every_task_and_measures_the_idle_fraction():
     # on stage 0 before stage 1
     order = {(r.stage, r.kind, r.microbatch): k for k, r in enumerate(records)}
     assert all(order[(0, "F", i)] < order[(1, "F", i)] for i in range(4))
-    measured = par.get_plan(state, batch).options["measured_idle_fraction"]
+    measured = par.run_statistics(state, batch).measured_idle_fraction
     assert 0.0 <= measured < 1.0

@@ -11,7 +11,7 @@ import dataclasses
 
 import jax
 import pytest
-from test_memory import assert_serial_numbers, xla_bytes
+from memory_checks import assert_serial_numbers, xla_bytes
 
 import autopar
 from autopar.cluster import ClusterSpec, load_cluster
@@ -33,7 +33,7 @@ def test_remat_layers_equals_serial(name, method):
     step = autopar.parallelize(model.train_step, method=method, cache=False)
     state = assert_serial_numbers(step, model, 3)
     plan = step.get_plan(state, model.make_batch(jax.random.key(0)))
-    positions = plan.options["remat_positions"]
+    positions = plan.remat_positions
     assert positions and any("rematerialised" in note for note in plan.notes)
     # the program run is the rematerialised one: barriers in front of recomputed layers
     program = step.get_traced(state, model.make_batch(jax.random.key(0))).program
@@ -78,7 +78,7 @@ def test_auto_remat_only_when_memory_is_short():
                             batch_argnums=(1,)).plan
     forced = plan_train_step(*args, autopar.DataParallel(remat="layers"), base,
                              batch_argnums=(1,)).plan
-    assert "remat_positions" not in roomy.options
+    assert roomy.remat_positions is None
     assert forced.peak_memory_bytes < roomy.peak_memory_bytes
     # a device between the two: only the rematerialised plan fits
     device = dataclasses.replace(
@@ -86,7 +86,7 @@ def test_auto_remat_only_when_memory_is_short():
     tight = ClusterSpec.from_dict(base.to_dict() | {"device": device.to_dict()})
     chosen = plan_train_step(*args, autopar.DataParallel(remat="auto"), tight,
                              batch_argnums=(1,)).plan
-    assert chosen.options["remat_positions"] == forced.options["remat_positions"]
+    assert chosen.remat_positions == forced.remat_positions
     assert chosen.peak_memory_bytes == forced.peak_memory_bytes
 
 

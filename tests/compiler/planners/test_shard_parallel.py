@@ -17,7 +17,7 @@ from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.trace import trace_step
 from autopar.compiler.intra_op.ilp import brute_force
 from autopar.compiler.intra_op.sharding_ilp import IntraOpOptions, build_problem
-from autopar.compiler.planners.dispatch import plan_step
+from autopar.compiler.planners.dispatch import plan_traced
 from autopar.models import moe
 from autopar.runtime.hlo import count_collectives
 from autopar.runtime.shard import ShardedProgram
@@ -108,7 +108,7 @@ def test_both_pressures_on_a_2d_mesh_mix_data_and_tensor_parallelism():
     # the local devices: a plan is data, valid on any 8 devices.
     step, state, batch = mlp_block(tokens=4096, hidden=512)
     traced = trace_step(step, (state, batch))
-    plan = plan_step(traced, autopar.ShardParallel(mesh_shape=(2, 4)),
+    plan = plan_traced(traced, autopar.ShardParallel(mesh_shape=(2, 4)),
                      load_cluster("a100-80gb-x8"))
     shardings = plan.shardings()
     w1, w2, x = (shardings[p] for p in ("state/params/w1", "state/params/w2", "batch/x"))

@@ -18,7 +18,7 @@ import repo_paths
 from autopar import __version__
 from autopar.frontend.cli.main import main
 from autopar.frontend.progress import Progress
-from autopar.plan import Plan
+from autopar.plan import FORMAT_VERSION, Plan
 
 ROOT = repo_paths.REPO
 EXAMPLE = f"{ROOT / 'examples' / 'mlp_step.py'}:make_step"
@@ -81,7 +81,7 @@ def test_example_with_the_full_search_and_show_of_its_json(tmp_path, capsys):
     assert "parameters        11.47K" in out  # counted under state["params"]
     assert "graph             195 ops" in out
     doc = json.loads(report.read_text())
-    assert doc["method"] == "pipeshard" and doc["plan"]["format_version"] == 1
+    assert doc["method"] == "pipeshard" and doc["plan"]["format_version"] == FORMAT_VERSION
 
     swimlane = tmp_path / "lanes.png"
     code, shown, err = run(["show", report, "--swimlane", swimlane], capsys)

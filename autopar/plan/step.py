@@ -1,0 +1,391 @@
+"""Plan: the complete, plain-data result of compilation for one train step, where compiler and
+runtime meet.
+
+A plan names the method, the mesh, and its stages (:class:`StagePlan`). What the runtime and
+the re-trace read has a field of its own: the pipeline layout (:class:`PipelineLayout`: where
+the loss forward is cut into pieces, which stage owns each, the schedule, the rematerialised
+stages) and the rematerialised layer cuts of a one-stage plan (``remat_positions``). What only
+reports read (planning times, the stage search's statistics) is a :class:`PlanningRecord`.
+Run statistics (compile time, measured idle time) belong to the step that ran the plan, not to
+the plan.
+
+The JSON round trip is lossless and strict: a missing, unknown or mistyped field is a one-line
+``PlanError`` naming it. Format version 2; version-1 files (``options`` dict) are upgraded on
+load (:mod:`autopar.plan.v1`). Plans are never pickled.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from autopar.errors import PlanError
+from autopar.ir.schedules import ScheduleName
+from autopar.plan.fields import (
+    REQUIRED,
+    field_of,
+    is_int,
+    object_of,
+    reject_unknown,
+    string,
+)
+from autopar.plan.stage import StagePlan
+
+FORMAT_VERSION = 2
+
+
+class MethodName(StrEnum):
+    """The method a plan was made by (``autopar.DataParallel`` plans ``DATA``, ...)."""
+
+    DATA = "data"
+    SHARD = "shard"
+    ZERO2 = "zero2"
+    ZERO3 = "zero3"
+    PIPESHARD = "pipeshard"
+
+
+@dataclass(frozen=True)
+class InputSignature:
+    """Path, shape and dtype of one input leaf: what a plan was made for."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def _ints(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list | tuple) or not all(is_int(v) for v in value):
+        raise TypeError(f"a list of integers, got {value!r}")
+    return tuple(int(v) for v in value)
+
+
+def _bools(value: Any) -> tuple[bool, ...]:
+    if not isinstance(value, list | tuple) or not all(isinstance(v, bool) for v in value):
+        raise TypeError(f"a list of true/false, got {value!r}")
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """How the runtime cuts and runs a pipelined step.
+
+    ``layer_positions``: forward-equation indices of the loss forward where layers begin (the
+    cuts the stage search chose among). ``piece_positions``: where the model pieces begin (one
+    piece per stage, or ``num_chunks`` per stage for interleaved 1F1B). ``stage_of_piece``:
+    the stage that runs each piece; every equation outside the loss forward goes to the stage
+    that owns what it reads (the segments, derived from this by ``ir.pipeline_program``).
+    ``remat_stages``: per stage, whether its layers run under ``jax.checkpoint``.
+    """
+
+    schedule: ScheduleName
+    num_chunks: int
+    layer_positions: tuple[int, ...]
+    piece_positions: tuple[int, ...]
+    stage_of_piece: tuple[int, ...]
+    remat_stages: tuple[bool, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schedule": str(self.schedule),
+            "num_chunks": self.num_chunks,
+            "layer_positions": list(self.layer_positions),
+            "piece_positions": list(self.piece_positions),
+            "stage_of_piece": list(self.stage_of_piece),
+            "remat_stages": list(self.remat_stages),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "pipeline") -> PipelineLayout:
+        d = field_of({"v": d}, "v", lambda v: object_of(v, "a pipeline layout"), where)
+        reject_unknown(d, LAYOUT_FIELDS, where)
+
+        def get(name: str, convert: Any) -> Any:
+            return field_of(d, name, convert, f"{where}.{name}")
+
+        return cls(schedule=get("schedule", string), num_chunks=get("num_chunks", int),
+                   layer_positions=get("layer_positions", _ints),
+                   piece_positions=get("piece_positions", _ints),
+                   stage_of_piece=get("stage_of_piece", _ints),
+                   remat_stages=get("remat_stages", _bools))
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "schedule", ScheduleName(self.schedule))
+        except ValueError:
+            raise PlanError(f"plan field pipeline.schedule {self.schedule!r} names no schedule; "
+                            f"valid: {', '.join(s.value for s in ScheduleName)}") from None
+
+    def check(self, num_stages: int) -> None:
+        """PlanError (one line naming the field) unless the layout fits ``num_stages`` stages:
+        one owner per piece, each a stage, every stage owning ``num_chunks`` pieces, cut
+        positions increasing and among the layer cuts, one remat flag per stage."""
+        where = "pipeline"
+        if not is_int(self.num_chunks) or self.num_chunks < 1:
+            raise PlanError(f"plan field {where}.num_chunks={self.num_chunks!r} must be a "
+                            "positive integer")
+        pieces = len(self.piece_positions) + 1
+        if len(self.stage_of_piece) != pieces:
+            raise PlanError(f"plan field {where}.stage_of_piece has {len(self.stage_of_piece)} "
+                            f"owner(s) for the {pieces} piece(s) that piece_positions cuts")
+        bad = [s for s in self.stage_of_piece if not 0 <= s < num_stages]
+        if bad:
+            raise PlanError(f"plan field {where}.stage_of_piece names stage {bad[0]}; the plan "
+                            f"has stages 0 to {num_stages - 1}")
+        for s in range(num_stages):
+            owned = self.stage_of_piece.count(s)
+            if owned != self.num_chunks:
+                raise PlanError(f"plan field {where}.stage_of_piece gives stage {s} {owned} "
+                                f"piece(s); every stage runs num_chunks={self.num_chunks}")
+        for name in ("layer_positions", "piece_positions"):
+            cuts = getattr(self, name)
+            if any(b <= a for a, b in zip(cuts, cuts[1:], strict=False)) or any(
+                    c <= 0 for c in cuts):
+                raise PlanError(f"plan field {where}.{name} {list(cuts)} must be positive and "
+                                "increasing")
+        stray = sorted(set(self.piece_positions) - set(self.layer_positions))
+        if stray:
+            raise PlanError(f"plan field {where}.piece_positions cuts at {stray[0]}, which is "
+                            "not one of layer_positions")
+        if len(self.remat_stages) != num_stages:
+            raise PlanError(f"plan field {where}.remat_stages has {len(self.remat_stages)} "
+                            f"flag(s) for {num_stages} stage(s)")
+
+
+LAYOUT_FIELDS = tuple(PipelineLayout.__dataclass_fields__)
+
+
+@dataclass
+class PlanningRecord:
+    """How the plan was found, for reports and benchmarks only (nothing runs from it).
+
+    ``planning_time_s``: seconds from the traced step to the plan. ``phases``: those seconds
+    split by phase (pipelined plans: ``layers_s``, ``stage_costs_s``, ``stage_dp_s``,
+    ``stage_plans_s``, ``total_s``). ``stage_search``: the stage DP's statistics.
+    ``estimated_idle_fraction`` / ``theoretical_idle_fraction``: the pipeline's bubble under
+    the cost model and as (p - 1) / (m + p - 1). ``method_options``: the options the method
+    was given. ``baseline``: the hand plan a benchmark built this as, if any.
+    """
+
+    planning_time_s: float | None = None
+    phases: dict[str, float] = field(default_factory=dict)
+    stage_search: dict[str, Any] | None = None
+    estimated_idle_fraction: float | None = None
+    theoretical_idle_fraction: float | None = None
+    method_options: dict[str, Any] = field(default_factory=dict)
+    baseline: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "planning") -> PlanningRecord:
+        d = field_of({"v": d}, "v", lambda v: object_of(v, "a planning record"), where)
+        reject_unknown(d, RECORD_FIELDS, where)
+
+        def get(name: str, convert: Any, default: Any) -> Any:
+            return field_of(d, name, convert, f"{where}.{name}", default)
+
+        def maybe(convert: Any) -> Any:
+            return lambda v: None if v is None else convert(v)
+
+        return cls(
+            planning_time_s=get("planning_time_s", maybe(float), None),
+            phases=get("phases", lambda v: {str(k): float(x) for k, x in
+                                            object_of(v, "phases").items()}, {}),
+            stage_search=get("stage_search", maybe(lambda v: dict(object_of(v, "stats"))), None),
+            estimated_idle_fraction=get("estimated_idle_fraction", maybe(float), None),
+            theoretical_idle_fraction=get("theoretical_idle_fraction", maybe(float), None),
+            method_options=get("method_options", lambda v: dict(object_of(v, "options")), {}),
+            baseline=get("baseline", maybe(string), None),
+        )
+
+
+RECORD_FIELDS = tuple(PlanningRecord.__dataclass_fields__)
+
+
+@dataclass
+class Plan:
+    """A complete parallelization plan for one train step and one input signature."""
+
+    method: MethodName
+    mesh_shape: tuple[int, ...]
+    cluster: str
+    stages: list[StagePlan]
+    est_step_time_s: float
+    total_flops: float
+    signature: list[InputSignature] = field(default_factory=list)
+    batch_argnums: tuple[int, ...] = (1,)
+    num_microbatches: int = 1
+    pipeline: PipelineLayout | None = None
+    remat_positions: tuple[int, ...] | None = None
+    planning: PlanningRecord = field(default_factory=PlanningRecord)
+    solver: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+    format_version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        self.method = MethodName(self.method)
+
+    @property
+    def is_pipelined(self) -> bool:
+        """Whether the runtime runs this plan as a pipeline (stage programs and a schedule)."""
+        return self.pipeline is not None
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        """Per-device peak memory: the largest over stages."""
+        return max((s.peak_memory_bytes for s in self.stages), default=0)
+
+    def shardings(self) -> dict[str, str]:
+        """Every input leaf's path -> spec string (parameters, optimizer state, batch)."""
+        out: dict[str, str] = {}
+        for stage in self.stages:
+            for path, spec in stage.input_shardings.items():
+                out.setdefault(path, spec.to_string())
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format_version": self.format_version,
+            "method": self.method.value,
+            "mesh_shape": list(self.mesh_shape),
+            "cluster": self.cluster,
+            "stages": [s.to_dict() for s in self.stages],
+            "est_step_time_s": self.est_step_time_s,
+            "total_flops": self.total_flops,
+            "signature": [asdict(s) | {"shape": list(s.shape)} for s in self.signature],
+            "batch_argnums": list(self.batch_argnums),
+            "num_microbatches": self.num_microbatches,
+            "pipeline": None if self.pipeline is None else self.pipeline.to_dict(),
+            "remat_positions": (None if self.remat_positions is None
+                                else list(self.remat_positions)),
+            "planning": self.planning.to_dict(),
+            "solver": self.solver,
+            "notes": list(self.notes),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        """The plan of ``d`` (``Plan.to_dict``'s form, or a version-1 file's), checked
+        (:meth:`check`): a missing, unknown, mistyped or inconsistent field is a one-line
+        ``PlanError`` naming it."""
+        if not isinstance(d, dict):
+            raise PlanError(f"a plan is a JSON object, got {type(d).__name__}")
+        version = d.get("format_version")
+        if version == 1:
+            from autopar.plan.v1 import upgrade
+
+            d = upgrade(d)
+        elif version != FORMAT_VERSION:
+            raise PlanError(f"plan format version {version!r} is not supported; this autopar "
+                            f"reads versions 1 and {FORMAT_VERSION}")
+        reject_unknown(d, PLAN_FIELDS, "")
+
+        def get(name: str, convert: Any, default: Any = REQUIRED) -> Any:
+            return field_of(d, name, convert, name, default)
+
+        def stages(value: Any) -> list[StagePlan]:
+            if not isinstance(value, list):
+                raise TypeError(f"a list of stages, got {type(value).__name__}")
+            return [StagePlan.from_dict(s, f"stages[{i}]") for i, s in enumerate(value)]
+
+        def signature(value: Any) -> list[InputSignature]:
+            return [InputSignature(string(s["path"]), _ints(s["shape"]), string(s["dtype"]))
+                    for s in value]
+
+        plan = cls(
+            method=get("method", MethodName),
+            mesh_shape=get("mesh_shape", _ints),
+            cluster=get("cluster", string),
+            stages=get("stages", stages),
+            est_step_time_s=get("est_step_time_s", float),
+            total_flops=get("total_flops", float),
+            signature=get("signature", signature),
+            batch_argnums=get("batch_argnums", _ints),
+            num_microbatches=get("num_microbatches", int),
+            pipeline=get("pipeline", lambda v: None if v is None
+                         else PipelineLayout.from_dict(v)),
+            remat_positions=get("remat_positions", lambda v: None if v is None else _ints(v)),
+            planning=get("planning", PlanningRecord.from_dict),
+            solver=get("solver", lambda v: None if v is None else dict(object_of(v, "solver"))),
+            notes=get("notes", lambda v: [string(n) for n in v]),
+            format_version=FORMAT_VERSION,
+        )
+        plan.check()
+        return plan
+
+    def check(self) -> None:
+        """``PlanError`` (one line naming the field) unless the plan is consistent in itself:
+        every stage (:meth:`StagePlan.check`), at least one stage, a positive number of
+        microbatches, a pipeline layout exactly when the method pipelines (and fitting the
+        stages), and every input spec fitting the shape the plan's signature gives that input
+        (as many dimensions, each split into pieces that divide it)."""
+        if not self.stages:
+            raise PlanError("plan field stages is empty; a plan has at least one stage")
+        if not is_int(self.num_microbatches) or self.num_microbatches < 1:
+            raise PlanError(f"plan field num_microbatches={self.num_microbatches!r} must be a "
+                            "positive integer")
+        pipelined = self.method is MethodName.PIPESHARD
+        if pipelined and self.pipeline is None:
+            raise PlanError("plan field pipeline is missing; a pipeshard plan needs its layout")
+        if not pipelined and self.pipeline is not None:
+            raise PlanError(f"plan field pipeline is set, but a {self.method.value} plan runs "
+                            "one program; it takes no pipeline layout")
+        if self.pipeline is not None:
+            self.pipeline.check(len(self.stages))
+        shapes = {s.path: tuple(s.shape) for s in self.signature}
+        for i, stage in enumerate(self.stages):
+            stage.check(f"stages[{i}]")
+            sizes = stage.axis_sizes
+            for path, spec in stage.input_shardings.items():
+                shape = shapes.get(path)
+                if shape is None:
+                    continue
+                field_name = f"stages[{i}].input_shardings[{path!r}]"
+                if spec.ndim != len(shape):
+                    raise PlanError(f"plan field {field_name} has {spec.ndim} dimension(s) but "
+                                    f"the signature gives {path!r} the shape {list(shape)}")
+                for dim, (size, axes) in enumerate(zip(shape, spec.dims, strict=True)):
+                    pieces = math.prod(sizes[a] for a in axes)
+                    if is_int(size) and size % pieces:
+                        raise PlanError(
+                            f"plan field {field_name} splits dimension {dim} (size {size}) into "
+                            f"{pieces} pieces over mesh axes {', '.join(axes)}; they must "
+                            "divide it")
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"plan is not valid JSON: {exc}") from exc
+        return cls.from_dict(data)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the plan as JSON, atomically (a reader never sees half a file)."""
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
+        with os.fdopen(fd, "w") as fh:
+            fh.write(self.to_json())
+        os.replace(tmp, target)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Plan:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise PlanError(f"cannot read plan file {str(path)!r}: {exc.strerror}") from exc
+        return cls.from_json(text)
+
+
+PLAN_FIELDS = tuple(Plan.__dataclass_fields__)
