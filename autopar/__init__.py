@@ -13,6 +13,7 @@ from autopar.errors import (
 from autopar.frontend.plan_cache import PlanCacheWarning
 from autopar.ir.loss_markers import grad, mark_pipeline_boundary, value_and_grad
 from autopar.methods import (
+    AutoParallel,
     DataParallel,
     ManualStages,
     PipeshardParallel,
@@ -25,6 +26,7 @@ from autopar.runtime import distributed
 from autopar.version import __version__
 
 __all__ = [
+    "AutoParallel",
     "AutoparError",
     "BatchSizeError",
     "DataParallel",

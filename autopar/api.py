@@ -7,6 +7,7 @@ compiles it; later calls with the same signature reuse that.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import time
@@ -21,7 +22,7 @@ from autopar.cluster import ClusterSpec, load_cluster
 from autopar.compiler.graph.trace import TracedStep
 from autopar.errors import InvalidOptionError, PlanError
 from autopar.frontend.planning import bind_static_args, plan_train_step
-from autopar.methods import METHOD_TYPES, Method, PipeshardParallel
+from autopar.methods import METHOD_TYPES, AutoParallel, Method
 from autopar.plan import Plan
 from autopar.runtime.distributed import global_devices, host_layout, same_plan_everywhere
 from autopar.runtime.shard import ShardedProgram
@@ -157,12 +158,22 @@ class ParallelizedStep:
     def _compile(self, args: Sequence[Any]) -> CompiledStep:
         start = time.perf_counter()
         bound = bind_static_args(self.fn, args, self.static_argnums, self.batch_argnums)
+        method = self.method
+        if getattr(method, "replicas", None) == "auto":
+            # the pipeline runtime runs one replica: plan these devices with none
+            method = dataclasses.replace(method, replicas="none")
         planned = plan_train_step(
-            bound.fn, bound.dynamic_args, self.method, local_cluster(self.devices),
+            bound.fn, bound.dynamic_args, method, local_cluster(self.devices),
             batch_argnums=bound.batch_argnums, fall_back_to_shard=self.method_defaulted,
             saved_plan=self.saved_plan, cache=self.cache,
         )
         plan = same_plan_everywhere(planned.plan)  # across processes: process 0's plan
+        if plan.pipeline is not None and plan.pipeline.replicas > 1:
+            raise PlanError(
+                f"the plan runs its pipeline as {plan.pipeline.replicas} data-parallel "
+                "replicas on groups of hosts, which the pipeline runtime does not run yet (it "
+                "runs one replica); plan for these devices, or with PipeshardParallel on one "
+                "group of hosts")
         devices = self.devices if self.devices is not None else global_devices()
         for i, stage in enumerate(plan.stages):
             beyond = [d for d in stage.device_ids if not 0 <= d < len(devices)]
@@ -274,10 +285,11 @@ def parallelize(
     (``@autopar.parallelize``), with arguments (``@autopar.parallelize(method=...)``) or as a
     function call.
 
-    ``method``: without it the full automatic search runs (``PipeshardParallel()``: stages,
-    submeshes and intra-operator plans, one stage when that is best); a step that does not
-    differentiate with ``autopar.value_and_grad`` / ``autopar.grad`` gets one stage planned by
-    the intra-operator pass (``ShardParallel()``), with a note in the plan.
+    ``method``: without it the full automatic search runs (``AutoParallel()``: data
+    parallelism, the intra-operator ILP, ZeRO-2/3 and the pipelined stage search, each planned
+    on the same cost model, the fastest plan that fits kept; the plan records the method that
+    made it and the candidates compared); a step that does not differentiate with
+    ``autopar.value_and_grad`` / ``autopar.grad`` is not pipelined, with a note in the plan.
     ``batch_argnums``: the positional arguments that hold the batch (split by data
     parallelism and into microbatches); the rest is state.
     ``static_argnums``: arguments that are not arrays (flags, config): their values are part of
@@ -297,7 +309,8 @@ def parallelize(
     if saved is not None and not isinstance(saved, Plan):
         raise InvalidOptionError(f"plan= takes an autopar.Plan or a path to a saved plan, got "
                                  f"{type(saved).__name__}")
-    if saved is not None and method is not None and method.name != saved.method:
+    if saved is not None and method is not None and not isinstance(method, AutoParallel) \
+            and method.name != saved.method:
         raise InvalidOptionError(f"method={type(method).__name__}() but the plan was made by "
                                  f"method '{saved.method}'; pass one of them")
     if cache is True:
@@ -309,7 +322,7 @@ def parallelize(
     else:
         raise InvalidOptionError(f"cache= takes True, False or a directory, got "
                                  f"{type(cache).__name__}")
-    chosen = method if method is not None else PipeshardParallel()
+    chosen = method if method is not None else AutoParallel()
 
     def wrap(f: Callable) -> ParallelizedStep:
         step = ParallelizedStep(f, chosen, batch_argnums, devices, saved, static_argnums,

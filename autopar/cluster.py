@@ -34,6 +34,8 @@ __all__ = [
     "MatmulSample",
     "DeviceSpec",
     "LinkSpec",
+    "RuntimeCosts",
+    "RuntimeSample",
     "available_clusters",
     "format_mesh_shape",
     "load_cluster",
@@ -150,6 +152,60 @@ class LinkSpec:
 
 
 @dataclass(frozen=True)
+class RuntimeCosts:
+    """What the runtime itself costs on these devices, beside the program's compute and
+    communication (docs/cost-model.md, "The runtime's own costs").
+
+    ``call_s``: one call of a jitted program over all devices (a one-stage step pays one);
+    ``task_s``: one pipeline task launched by the driver (a stage's forward or backward, a
+    segment of the update, a microbatch slice: every jitted call or eager operation the
+    driver issues, one after the other on the host); ``transfer_s``: the fixed cost of one
+    ``jax.device_put`` of a value to another stage (its bytes go over the links as usual);
+    ``accumulate_bytes_per_s``: gradient bytes per second added into the accumulator (one read
+    of each operand, one write: memory bandwidth over three).
+
+    Older cluster files have no ``runtime`` entry: they get these defaults, GPU figures (see
+    docs/cost-model.md for their sources).
+    """
+
+    call_s: float = 10e-6
+    task_s: float = 10e-6
+    transfer_s: float = 10e-6
+    accumulate_bytes_per_s: float = 300e9
+
+    def __post_init__(self) -> None:
+        for name in ("call_s", "task_s", "transfer_s"):
+            _number(getattr(self, name), f"runtime.{name}", positive=False)
+        _number(self.accumulate_bytes_per_s, "runtime.accumulate_bytes_per_s")
+
+    def to_dict(self) -> dict[str, float]:
+        """JSON-able form."""
+        return {"call_s": self.call_s, "task_s": self.task_s, "transfer_s": self.transfer_s,
+                "accumulate_bytes_per_s": self.accumulate_bytes_per_s}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None, where: str = "runtime.") -> RuntimeCosts:
+        """Inverse of :meth:`to_dict`; a missing entry (or a missing field) takes the
+        default; an unknown field is an error naming it."""
+        if data is None:
+            return cls()
+        if not isinstance(data, Mapping):
+            raise InvalidOptionError(f"bad field '{where.rstrip('.')}': expected an object, "
+                                     f"got {data!r}")
+        known = set(cls().to_dict())
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise InvalidOptionError(f"unknown field '{where}{unknown[0]}'; valid: "
+                                     f"{choices_text(sorted(known))}")
+        values = {}
+        for name in known:
+            if name in data:
+                values[name] = _number(data[name], f"{where}{name}",
+                                       positive=name == "accumulate_bytes_per_s")
+        return cls(**values)
+
+
+@dataclass(frozen=True)
 class ClusterSpec:
     """A homogeneous cluster: ``num_hosts`` hosts of ``devices_per_host`` identical devices.
 
@@ -166,6 +222,7 @@ class ClusterSpec:
     compute_efficiency: float
     source: str = ""
     notes: str = ""
+    runtime: RuntimeCosts = RuntimeCosts()
 
     def __post_init__(self) -> None:
         for field in ("num_hosts", "devices_per_host"):
@@ -213,6 +270,7 @@ class ClusterSpec:
             "intra_host": self.intra_host.to_dict(),
             "inter_host": self.inter_host.to_dict(),
             "compute_efficiency": self.compute_efficiency,
+            "runtime": self.runtime.to_dict(),
         }
 
     @classmethod
@@ -233,6 +291,7 @@ class ClusterSpec:
                                        "compute_efficiency"),
             source=str(data.get("source", "")),
             notes=str(data.get("notes", "")),
+            runtime=RuntimeCosts.from_dict(data.get("runtime")),
         )
 
 
@@ -338,3 +397,17 @@ class MatmulSample:
     def flops_per_s(self) -> float:
         """Attained rate of one device."""
         return self.flops / self.seconds
+
+
+@dataclass(frozen=True)
+class RuntimeSample:
+    """One timed runtime operation (``autopar profile``): ``kind`` is ``call`` (an empty
+    jitted program over ``devices`` devices), ``task`` (an empty jitted program on one
+    device, as a pipeline task is launched), ``transfer`` (``jax.device_put`` of ``nbytes``
+    to another device) or ``accumulate`` (a donated ``acc + g`` of ``nbytes``); ``seconds``:
+    the median of the timed calls."""
+
+    kind: str
+    devices: int
+    nbytes: float
+    seconds: float

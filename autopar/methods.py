@@ -34,6 +34,15 @@ def check_solver(value: object) -> None:
 
 
 REMAT_MODES: tuple[str, ...] = ("none", "layers", "auto")
+REPLICA_MODES: tuple[str, ...] = ("auto", "none")
+
+
+def check_replicas(value: str) -> None:
+    """Raise ``InvalidOptionError`` unless ``value`` is a replicas mode."""
+    if value not in REPLICA_MODES:
+        raise InvalidOptionError(
+            f"unknown replicas option {value!r}; valid: {choices_text(REPLICA_MODES)}"
+        )
 
 
 def check_remat(value: str) -> None:
@@ -165,6 +174,10 @@ class PipeshardParallel:
     inputs for the backward and recomputes the rest, ``jax.checkpoint`` on each layer) or
     ``"auto"`` (the stage search chooses per stage, paying the recompute only where memory
     is short).
+    ``replicas``: ``"auto"`` (on several hosts the search also tries the pipeline replicated
+    data-parallel over equal groups of hosts; such a plan is planned for a described cluster,
+    the runtime does not run it yet) or ``"none"`` (one pipeline over every device).
+    ``autopar.parallelize`` plans for the local devices with ``"none"``.
     """
 
     num_microbatches: int = 4
@@ -177,10 +190,12 @@ class PipeshardParallel:
     solver: str = "auto"
     time_limit_s: float = 30.0
     remat: str = "none"
+    replicas: str = "auto"
 
     name = MethodName.PIPESHARD
 
     def __post_init__(self) -> None:
+        check_replicas(self.replicas)
         if not isinstance(self.num_microbatches, int) or self.num_microbatches < 1:
             raise InvalidOptionError(
                 f"num_microbatches must be a positive integer, got {self.num_microbatches!r}"
@@ -216,17 +231,99 @@ class PipeshardParallel:
             )
 
 
-Method = DataParallel | ShardParallel | PipeshardParallel | Zero2Parallel | Zero3Parallel
+AUTO_CANDIDATES: tuple[str, ...] = ("data", "shard", "zero2", "zero3", "pipeshard")
+
+
+@dataclass(frozen=True)
+class AutoParallel:
+    """The full search (what ``autopar.parallelize(step)`` does without ``method=``): every
+    method below is planned on the same cost model and the fastest plan that fits the memory
+    budget is kept; the plan records which method made it, and its planning record lists
+    every candidate with its estimate.
+
+    ``candidates``: the methods compared, among ``data`` (``DataParallel``), ``shard``
+    (``ShardParallel``), ``zero2``, ``zero3`` and ``pipeshard`` (the stage search:
+    ``PipeshardParallel`` with the options below; a step without ``autopar.value_and_grad``,
+    or whose batch the microbatches do not divide, is not pipelined, with a note).
+    ``num_microbatches``, ``layers``, ``schedule``, ``num_chunks``: the pipelined candidates'
+    (see ``PipeshardParallel``). ``memory_budget_bytes``: per-device memory every plan must
+    fit (default: the cluster's device memory). ``solver``, ``time_limit_s``: the ILPs'.
+    ``remat``: ``"auto"`` (default: each candidate is rematerialised only where it would not
+    fit otherwise), ``"none"`` or ``"layers"``. ``replicas``: the pipelined candidates'
+    (see ``PipeshardParallel``).
+    """
+
+    candidates: tuple[str, ...] = AUTO_CANDIDATES
+    num_microbatches: int = 4
+    layers: int | str = "auto"
+    schedule: str = "1f1b"
+    num_chunks: int = 2
+    memory_budget_bytes: float | None = None
+    solver: str = "auto"
+    time_limit_s: float = 30.0
+    remat: str = "auto"
+    replicas: str = "auto"
+
+    name = "auto"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "candidates", tuple(self.candidates))
+        bad = [c for c in self.candidates if c not in AUTO_CANDIDATES]
+        if bad or not self.candidates:
+            raise InvalidOptionError(
+                f"unknown candidate method(s) {bad or '(none)'}; valid: "
+                f"{choices_text(AUTO_CANDIDATES)}")
+        check_remat(self.remat)
+        check_solver(self.solver)
+        check_replicas(self.replicas)
+        if self.time_limit_s <= 0:
+            raise InvalidOptionError(f"time_limit_s must be positive, got {self.time_limit_s}")
+        if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
+            raise InvalidOptionError(
+                f"memory_budget_bytes must be positive, got {self.memory_budget_bytes}"
+            )
+        self.pipeline_method()  # its options' errors now, not at planning time
+
+    def pipeline_method(self) -> PipeshardParallel:
+        """The pipelined candidate's method."""
+        return PipeshardParallel(num_microbatches=self.num_microbatches, layers=self.layers,
+                                 schedule=self.schedule, num_chunks=self.num_chunks,
+                                 memory_budget_bytes=self.memory_budget_bytes,
+                                 solver=self.solver, time_limit_s=self.time_limit_s,
+                                 remat=self.remat, replicas=self.replicas)
+
+    def one_stage_methods(self) -> list[Method]:
+        """The one-stage candidates' methods, in the order they are planned."""
+        remat = self.remat
+        found: list[Method] = []
+        for name in self.candidates:
+            if name == "data":
+                found.append(DataParallel(remat=remat))
+            elif name == "shard":
+                found.append(ShardParallel(memory_budget_bytes=self.memory_budget_bytes,
+                                           solver=self.solver, time_limit_s=self.time_limit_s,
+                                           remat=remat))
+            elif name == "zero2":
+                found.append(Zero2Parallel())
+            elif name == "zero3":
+                found.append(Zero3Parallel())
+        return found
+
+
+Method = (DataParallel | ShardParallel | PipeshardParallel | Zero2Parallel | Zero3Parallel
+          | AutoParallel)
 
 METHOD_TYPES: tuple[type, ...] = (
-    DataParallel, ShardParallel, PipeshardParallel, Zero2Parallel, Zero3Parallel
+    DataParallel, ShardParallel, PipeshardParallel, Zero2Parallel, Zero3Parallel, AutoParallel
 )
-METHOD_NAMES: tuple[str, ...] = ("data", "shard", "pipeshard", "zero2", "zero3")
+METHOD_NAMES: tuple[str, ...] = ("data", "shard", "pipeshard", "zero2", "zero3", "auto")
 
 
 def method_from_name(name: str, mesh_shape: tuple[int, ...] | None = None, **options) -> Method:
-    """The method for a CLI name (``data``, ``shard``, ``pipeshard``, ``zero2``, ``zero3``);
-    raises ``InvalidOptionError`` for others."""
+    """The method for a CLI name (``auto``, ``data``, ``shard``, ``pipeshard``, ``zero2``,
+    ``zero3``); raises ``InvalidOptionError`` for others."""
+    if name == "auto":
+        return AutoParallel(**options)
     if name == "data":
         return DataParallel(mesh_shape=mesh_shape)
     if name == "zero2":

@@ -31,8 +31,16 @@ class SuiteResult:
     files: tuple[Path, ...]
 
 
-def output_prefix(suite: Suite) -> str:
-    """The stem every output file of ``suite`` shares."""
+DEFAULT_LOCAL_DEVICES = 8
+
+
+def output_prefix(suite: Suite, devices: int = DEFAULT_LOCAL_DEVICES) -> str:
+    """The stem every output file of ``suite`` shares: ``bench-local``, and
+    ``bench-local-2-devices`` for a suite with local cases run on other than the default 8
+    local devices (so that both runs' pages live side by side)."""
+    local = any(case.local for case in suite.cases)
+    if local and devices != DEFAULT_LOCAL_DEVICES:
+        return f"bench-{suite.name}-{devices}-devices"
     return f"bench-{suite.name}"
 
 
@@ -44,7 +52,7 @@ def run_suite(suite: Suite, options: RunOptions, out_dir: str | os.PathLike, *,
     ``Progress.phase``), ``echo`` gets one line per finished row."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    prefix = output_prefix(suite)
+    prefix = output_prefix(suite, options.devices)
     machine, load_before, start = machine_info(), load_average(), time.perf_counter()
     rows: list[dict[str, Any]] = []
     writer = JsonlWriter(out / f"{prefix}.jsonl")

@@ -97,6 +97,54 @@ def measure_plan(step_fn: Callable, plan: Plan, inputs: LocalInputs, devices: Se
     return Timing(tuple(times), warmup, first, counted)
 
 
+# Interleaved timing: each plan gets this many times the case's timed steps, one step of each
+# plan in turn.
+MEASURE_ROUNDS = 4
+
+
+def measure_plans(step_fn: Callable, plans: dict[str, Plan], inputs: LocalInputs,
+                  devices: Sequence[Any], warmup: int, repeats: int,
+                  rounds: int = MEASURE_ROUNDS) -> dict[str, Timing]:
+    """Time several plans of one step together: each is built and warmed up first, then
+    ``rounds * repeats`` rounds each time one step of every plan in turn, so that a change in
+    the machine's load falls on all of them alike (a shared machine's load moves within
+    seconds). Each plan's ``Timing`` holds all its timed steps; one-program plans count their
+    HLO's collectives."""
+    import autopar
+    from autopar.runtime.hlo import count_collectives
+
+    # a plan given under several names (autopar's plan is one of the baselines' own) is one
+    # program: timed once, its timing shared, so that noise cannot tell it from itself
+    first_name: dict[int, str] = {}
+    for name, plan in plans.items():
+        first_name.setdefault(id(plan), name)
+    distinct = {name: plan for name, plan in plans.items() if first_name[id(plan)] == name}
+    steps, firsts = {}, {}
+    for name, plan in distinct.items():
+        step = autopar.parallelize(step_fn, plan=plan, devices=list(devices), cache=False)
+        firsts[name], _ = time_calls(lambda s=step: s(inputs.state, inputs.batch), warmup, 0)
+        steps[name] = step
+    import jax
+
+    times: dict[str, list[float]] = {name: [] for name in distinct}
+    for _ in range(rounds * repeats):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            jax.block_until_ready(step(inputs.state, inputs.batch))
+            times[name].append(time.perf_counter() - start)
+    out = {}
+    for name, plan in distinct.items():
+        if plan.is_pipelined:
+            out[name] = Timing(tuple(times[name]), warmup, firsts[name], None,
+                               f"pipelined plan ({len(plan.stages)} stage(s)): one program "
+                               "per task")
+            continue
+        text = steps[name].get_hlo_text(inputs.state, inputs.batch)
+        counted = count_collectives(text, num_devices=len(devices)).by_kind()
+        out[name] = Timing(tuple(times[name]), warmup, firsts[name], counted)
+    return {name: out[first_name[id(plan)]] for name, plan in plans.items()}
+
+
 def measure_single_device(step_fn: Callable, inputs: LocalInputs, device: Any, warmup: int,
                           repeats: int) -> Timing:
     """``jax.jit(step_fn)`` with its inputs on ``device``."""

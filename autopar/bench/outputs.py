@@ -113,11 +113,18 @@ def _f(x: float | None, digits: int = 3) -> str:
     return f"{x:.{digits}g}"
 
 
-def _stages(plan: dict | None) -> str:
+def _stages(plan: dict | None, method: bool = False) -> str:
     if not plan:
         return "—"
+    if "stages_text" in plan:  # a pipeline split the full search evaluated (layers@submesh)
+        return f"{plan['num_stages']}: {plan['stages_text']}"
     parts = [f"{s['submesh'][0]}x{s['submesh'][1]}/{s['logical_mesh']}" for s in plan["stages"]]
-    return f"{plan['num_stages']}: " + ", ".join(parts)
+    text = f"{plan['num_stages']}: " + ", ".join(parts)
+    if method and plan.get("method"):
+        text = f"{plan['method']} {text}"
+    if plan.get("replicas", 1) > 1:
+        text += f" (x{plan['replicas']} replicas)"
+    return text
 
 
 def _kinds(kinds: dict | None) -> str:
@@ -128,8 +135,8 @@ def _kinds(kinds: dict | None) -> str:
 
 
 def _cases_table(cases: Sequence[Row]) -> list[str]:
-    lines = ["| case | where | devices | params | stages: submesh/logical mesh | trace (s) | "
-             "ILP (s) | DP (s) | planning total (s) | ILP solves | est. step (s) | "
+    lines = ["| case | where | devices | params | method stages: submesh/logical mesh | "
+             "trace (s) | ILP (s) | DP (s) | planning total (s) | ILP solves | est. step (s) | "
              "est. TFLOPS/device | measured step (s) | measured TFLOPS/device |",
              "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in cases:
@@ -140,7 +147,7 @@ def _cases_table(cases: Sequence[Row]) -> list[str]:
         p, m = r["planning"], r.get("measured") or {}
         lines.append(
             f"| {r['case']} | {r['where']} ({r['cluster']}) | {r['devices']} | "
-            f"{format_count(r['params'])} | {_stages(r['plan'])} | {_f(p['trace_s'])} | "
+            f"{format_count(r['params'])} | {_stages(r['plan'], True)} | {_f(p['trace_s'])} | "
             f"{_f(p['ilp_s'])} | {_f(p['dp_s'])} | {_f(p['total_s'])} | {r['ilp_solves']} | "
             f"{_f(r['est_step_time_s'])} | {_f(r['est_tflops_per_device'])} | "
             f"{_f(m.get('step_time_s'))} | {_f(m.get('tflops_per_device'))} |")
@@ -158,6 +165,41 @@ def _baselines_table(cases: Sequence[Row]) -> list[str]:
                 f"{_f(b['est_step_time_s'])} | {_f(b['est_ratio'])} | "
                 f"{_f(b['measured_step_time_s'])} | {_f(b['measured_ratio'])} | {note} |")
     return lines
+
+
+def _candidates_table(cases: Sequence[Row]) -> list[str]:
+    lines = ["| case | candidate | method | est. step (s) | est. / chosen | note |",
+             "|---|---|---|---:|---:|---|"]
+    found = False
+    for r in cases:
+        chosen = r.get("est_step_time_s")
+        for c in r.get("candidates") or []:
+            found = True
+            est = c.get("est_step_time_s")
+            mark = " (chosen)" if c.get("chosen") else ""
+            ratio = est / chosen if est is not None and chosen else None
+            note = c.get("note") or ""
+            if c.get("fits") is False and est is not None and "budget" not in note:
+                note = (note + "; " if note else "") + "does not fit the memory budget"
+            lines.append(f"| {r['case']} | {c['name']}{mark} | {c['method']} | {_f(est)} | "
+                         f"{_f(ratio)} | {note} |")
+    return lines if found else ["No case recorded its candidates."]
+
+
+def _simple_vs_default_table(cases: Sequence[Row]) -> list[str]:
+    lines = ["| case | devices | default plan | measured default (s) | best simple | "
+             "measured best simple (s) | best simple / default |",
+             "|---|---:|---|---:|---|---:|---:|"]
+    found = False
+    for r in cases:
+        s = r.get("simple_vs_default")
+        if not s:
+            continue
+        found = True
+        lines.append(f"| {r['case']} | {r['devices']} | {_stages(r['plan'], True)} | "
+                     f"{_f(s['default_s'])} | {s['best_simple']} | {_f(s['best_simple_s'])} | "
+                     f"{s['ratio']:.2f} |")
+    return lines if found else ["No local case in this suite."]
 
 
 def _what_if_table(cases: Sequence[Row]) -> list[str]:
@@ -243,48 +285,65 @@ def _stage_table(cases: Sequence[Row]) -> list[str]:
 def _scaling_table(points: Sequence[Row]) -> list[str]:
     if not points:
         return ["No scaling point in this suite."]
-    lines = ["| axis | model | layers | devices | pipeline layers | stages | ILP solves | "
-             "trace (s) | ILP (s) | DP (s) | total (s) |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| axis | model | layers | devices | pipeline layers | method | stages | replicas | "
+             "ILP solves | trace (s) | ILP (s) | DP (s) | total (s) | est. step (s) | "
+             "bound by |",
+             "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in points:
         if r.get("error"):
-            lines.append(f"| {r['axis']} | {r['case']} | error: {r['error']} | | | | | | | | |")
+            lines.append(f"| {r['axis']} | {r['case']} | error: {r['error']} | | | | | | | | | | "
+                         "| | |")
             continue
-        p = r["planning"]
+        p, plan = r["planning"], r["plan"]
+        layers = plan.get("pipeline_layers")
         lines.append(
             f"| {r['axis']} | {r['model']} {r['size']} | {r['num_layers']} | {r['devices']} | "
-            f"{r['plan']['pipeline_layers']} | {r['plan']['num_stages']} | {r['ilp_solves']} | "
-            f"{_f(p['trace_s'])} | {_f(p['ilp_s'])} | {_f(p['dp_s'])} | {_f(p['total_s'])} |")
+            f"{layers if layers is not None else '—'} | {plan.get('method', '')} | "
+            f"{plan['num_stages']} | {plan.get('replicas', 1)} | {r['ilp_solves']} | "
+            f"{_f(p['trace_s'])} | {_f(p['ilp_s'])} | {_f(p['dp_s'])} | {_f(p['total_s'])} | "
+            f"{_f(r.get('est_step_time_s'))} | {r.get('bound_by', '')} |")
     return lines
 
 
 _DEFINITIONS = """\
 How to read these tables:
 
-- **Planning time** is split by phase: *trace* (`build_pipeline_program`: the step traced at
-  the full batch and at one microbatch), *ILP* (every intra-operator ILP the full search
-  solved: one per distinct layer and mesh for the stage costs, then the chosen stages whole),
-  *DP* (the stage DP without the ILPs it asked for) and the *total* (trace, layer clustering,
-  ILPs, DP). *ILP solves* counts the distinct (layer, mesh) ILPs: structurally identical layers
-  are solved once per mesh, which is what keeps the curve against layers flat.
+- **The full search** is `autopar.AutoParallel()` (what `autopar.parallelize(step)` runs
+  without `method=`): data parallelism, the intra-operator ILP (`ShardParallel`), ZeRO-2/3 and
+  the pipelined stage search (the stage DP per replica count, beside the equal-layer and
+  equal-operator splits) are all planned and estimated on one cost model, and the fastest plan
+  that fits is kept; *method* is the one that made it. Every candidate and its estimate is in
+  the "Candidates" table.
+- **Planning time** is split by phase: *trace* (the whole step, and the pipeline cut: the
+  step traced at the full batch and at one microbatch), *ILP* (every intra-operator ILP the
+  full search solved: the one-stage ILP, one per distinct layer and mesh for the stage costs,
+  then the chosen stages whole), *DP* (the stage search without the ILPs it asked for) and the
+  *total* (trace, every candidate). *ILP solves* counts the distinct (layer, mesh) ILPs:
+  structurally identical layers are solved once per mesh, which is what keeps the curve
+  against layers flat.
 - **est. step** is the cost model's step time for the plan on the described cluster (for local
-  cases: the default description of the local devices, `cpu-sim`); **est. TFLOPS/device** is
-  the train step's flops *as traced* (forward, backward and the Adam update, no recomputation:
+  cases: the default description of the local devices, `cpu-sim`), the runtime's own costs
+  included (one call for a one-stage plan; the driver's tasks, transfers and gradient
+  accumulation for a pipeline; docs/cost-model.md); **est. TFLOPS/device** is the train
+  step's flops *as traced* (forward, backward and the Adam update, no recomputation:
   `OpGraph.total_flops`) over est. step x devices. Measured TFLOPS use the same flops.
 - **Baselines** are planned in the same run: *single-device* (local: `jax.jit` on one device,
-  measured; described: the compute time on one device), *data-parallel*
-  (`autopar.DataParallel()`), *intra-op-only* (`autopar.ShardParallel()`), *megatron* (GPT:
-  every parameter and Adam moment pinned to Megatron-LM's tensor-parallel spec, q/k/v/fc_in
-  column-parallel, out/fc_out row-parallel, the rest replicated; tensor parallelism inside a
-  host, data parallelism across hosts; the ILP places the batch and intermediates),
-  *equal-layer* and *equal-operator* (as many stages as the DP chose, or the nearest count that
-  splits evenly, 2 when the DP chose one). A ratio above 1 means autopar's plan is faster. The
-  pipeline splits are compared with the DP's own stages under the DP's formula
-  (sum + (M - 1) x max of the stage times), not with the schedule's simulated makespan.
+  measured; described: the step on one device), *data-parallel* (`autopar.DataParallel()`)
+  and *intra-op-only* (`autopar.ShardParallel()`), both the full search's own candidates,
+  *megatron* (GPT: every parameter and Adam moment pinned to Megatron-LM's tensor-parallel
+  spec, q/k/v/fc_in column-parallel, out/fc_out row-parallel, the rest replicated; tensor
+  parallelism inside a host, data parallelism across hosts; the ILP places the batch and
+  intermediates), *equal-layer* and *equal-operator* (as many stages as the DP chose, or the
+  nearest count that splits evenly, 2 when the DP chose one; the full search evaluates them
+  as candidates). A ratio above 1 means autopar's plan is faster. Every estimate is the
+  whole step's (the pipelines' simulated schedule, tails and driver included).
 - **Measured** step times are medians of several steps after warm-up, on the local devices
   (simulated CPU devices share the host's cores: they measure the plan's overheads, not a GPU
-  cluster's speed). Pipelined plans run one program per stage task: their compiled HLO is not
-  one program to count collectives in.
+  cluster's speed). autopar's plan and the one-stage baselines are timed together, in
+  interleaved rounds, so the machine's changing load falls on all of them alike. *Best
+  simple / default* is the faster of data-parallel and intra-op-only measured over autopar's
+  plan measured (at least 1: the default is as fast as the simple plans). Pipelined plans run
+  one program per stage task: their compiled HLO is not one program to count collectives in.
 - **Described clusters** are planned from abstract shapes, with memory not enforced:
   autopar has no rematerialisation yet, and the Alpa sizes keep more activations than a 16 GB
   V100 holds. The paper suite plans them in fp16, as Alpa ran them (the zoo's default is fp32).
@@ -312,7 +371,10 @@ def markdown_page(rows: Sequence[Row], info: RunInfo, plots: Sequence[Path]) -> 
         "## Stages chosen by the full search", "",
         "Layers are the pipeline layers the loss forward was clustered into.", "",
         *_stage_table(cases), "",
+        "## Candidates compared by the full search", "", *_candidates_table(cases), "",
         "## Baselines", "", *_baselines_table(cases), "",
+        "## Measured: the default plan against the best simple plan (local cases)", "",
+        *_simple_vs_default_table(cases), "",
         "## What-if: the Alpa paper's testbed (cost-model estimates)", "",
         *_what_if_table(cases), "",
         "## Cost model against measurement (local cases)", "", *_cost_model_table(cases), "",

@@ -1,9 +1,10 @@
 """Planning a zoo model with the full search, timed by phase, and the plan as plain rows.
 
 Shared by the harness's cases and scaling points and by ``benchmarks/plan_pipeline.py``. The
-full search is ``build_pipeline_program`` then ``plan_pipeshard``, as ``plan_train_step`` does
-for a ``PipeshardParallel`` method, called directly so that tracing is timed apart from
-planning and the layer costs can be shared with the pipeline baselines.
+full search is ``AutoParallel`` through the compiler's own entry (``dispatch.trace`` then
+``dispatch.plan``, as ``autopar.parallelize`` plans without ``method=``), called directly so
+that tracing is timed apart from planning and every candidate's plan (data parallelism, the
+ILP, ZeRO, the pipelines) comes back for the baselines to run.
 """
 
 from __future__ import annotations
@@ -13,67 +14,82 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.cluster import ClusterSpec, format_mesh_shape
-from autopar.compiler.inter_op.layer_costs import LayerCostCache
+from autopar.compiler.graph.trace import TracedStep
 from autopar.compiler.inter_op.stages import StagePartition
 from autopar.ir.pipeline_program import PipelineProgram
-from autopar.methods import PipeshardParallel
 from autopar.models import ZooModel
 from autopar.plan import MethodName, Plan
 
 
 @dataclass
 class Searched:
-    """The full search's result for one model and cluster, with what the baselines reuse."""
+    """The full search's result for one model and cluster: the plan, every candidate's plan
+    by name (``data``, ``shard``, ``zero2``, ``zero3``, ``pipeshard``) and the trace time."""
 
-    pp: PipelineProgram
     plan: Plan
-    method: PipeshardParallel
-    cache: LayerCostCache
+    candidates: dict[str, Plan]
     trace_s: float
+    traced: TracedStep
+    pp: PipelineProgram | None = None
 
 
 def full_search(model: ZooModel, cluster: ClusterSpec, *, microbatches: int,
                 pipeline_layers: int | str = "auto",
                 memory_budget_bytes: float | None = None) -> Searched:
     """Trace ``model``'s train step (differentiated with ``autopar.value_and_grad``) at
-    abstract shapes and plan it with ``PipeshardParallel`` on ``cluster``."""
+    abstract shapes and plan it with ``AutoParallel`` on ``cluster``."""
     import autopar
-    from autopar.compiler.planners.pipeshard import layer_cost_cache, plan_pipeshard
-    from autopar.ir.pipeline_program import build_pipeline_program
+    from autopar.compiler.planners import dispatch
 
     marked = model.with_value_and_grad(autopar.value_and_grad)
-    method = autopar.PipeshardParallel(num_microbatches=microbatches, layers=pipeline_layers,
-                                       memory_budget_bytes=memory_budget_bytes)
+    method = autopar.AutoParallel(num_microbatches=microbatches, layers=pipeline_layers,
+                                  memory_budget_bytes=memory_budget_bytes)
     start = time.perf_counter()
-    pp = build_pipeline_program(marked.train_step, marked.abstract_inputs(), (1,),
-                                microbatches)
+    step = dispatch.trace(marked.train_step, marked.abstract_inputs(), method, (1,))
     trace_s = time.perf_counter() - start
-    cache = layer_cost_cache(method)
-    plan = plan_pipeshard(pp, method, cluster, cache=cache)
-    plan.batch_argnums = (1,)
-    return Searched(pp, plan, method, cache, trace_s)
+    planned = dispatch.plan(step, cluster)
+    planned.plan.batch_argnums = (1,)
+    return Searched(planned.plan, {n: c.plan for n, c in planned.candidates.items()},
+                    trace_s, step.traced, step.pipeline)
 
 
 def planning_times(trace_s: float, plan: Plan) -> dict[str, float]:
-    """Seconds by phase: ``trace_s``; ``ilp_s`` (every intra-operator ILP: the layers' costs
-    and the chosen stages' own solves), ``dp_s`` (the stage DP without the ILPs it asked for),
-    ``other_s`` (layer clustering) and ``total_s`` (trace included). A one-stage plan of the
-    data or shard planner records one planning time: all ILP (shard) or none (data)."""
+    """Seconds by phase: ``trace_s`` (the whole step and the pipeline cut); ``ilp_s`` (every
+    intra-operator ILP: the one-stage ILP's, the layers' costs and the chosen stages' own
+    solves), ``dp_s`` (the stage search without the ILPs it asked for), ``other_s`` (layer
+    clustering, the propagation planners) and ``total_s`` (trace included)."""
     timings = plan.planning.phases
-    if not timings:
-        planned = float(plan.planning.planning_time_s or 0.0)
-        ilp = planned if plan.method is MethodName.SHARD else 0.0
+    planned = float(plan.planning.planning_time_s or timings.get("total_s", 0.0))
+    if "stage_costs_s" not in timings:
+        ilp = timings.get("shard_s", planned if plan.method is MethodName.SHARD else 0.0)
         return {"trace_s": trace_s, "ilp_s": ilp, "dp_s": 0.0, "other_s": planned - ilp,
                 "total_s": trace_s + planned}
+    ilp = timings["stage_costs_s"] + timings["stage_plans_s"] + timings.get("shard_s", 0.0)
     return {
         "trace_s": trace_s,
-        "ilp_s": timings["stage_costs_s"] + timings["stage_plans_s"],
+        "ilp_s": ilp,
         "stage_cost_ilp_s": timings["stage_costs_s"],
         "stage_plan_ilp_s": timings["stage_plans_s"],
         "dp_s": timings["stage_dp_s"],
-        "other_s": timings["layers_s"],
-        "total_s": trace_s + timings["total_s"],
+        "other_s": max(planned - ilp - timings["stage_dp_s"], 0.0),
+        "total_s": trace_s + planned,
     }
+
+
+def candidate_rows(plan: Plan) -> list[dict[str, Any]]:
+    """The candidates the full search compared (``PlanningRecord.candidates``), fastest
+    first."""
+    return sorted(plan.planning.candidates,
+                  key=lambda c: (c.get("est_step_time_s") is None,
+                                 c.get("est_step_time_s") or 0.0))
+
+
+def ilp_solves(plan: Plan) -> int:
+    """The stage-cost ILPs the pipelined search solved (0 when it did not run)."""
+    search = plan.planning.stage_search or {}
+    if "ilp_solves" in search:
+        return int(search["ilp_solves"])
+    return max((int(c.get("ilp_solves") or 0) for c in plan.planning.candidates), default=0)
 
 
 def plan_summary(plan: Plan) -> dict[str, Any]:
@@ -86,6 +102,7 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
         "num_microbatches": plan.num_microbatches,
         "schedule": None if pipeline is None else str(pipeline.schedule),
         "pipeline_layers": None if pipeline is None else len(pipeline.layer_positions) + 1,
+        "replicas": 1 if pipeline is None else pipeline.replicas,
         "est_idle_fraction": plan.planning.estimated_idle_fraction,
         "stages": [
             {"layers": [s.layers[0], s.layers[-1]] if s.layers else [],
@@ -121,7 +138,7 @@ def predicted_communication(plan: Plan) -> dict[str, Any]:
     microbatch time times the microbatches), its share of the stages' summed time, and the
     predicted collectives by kind where the planner records them (data and shard plans; a
     pipelined plan keeps only the time)."""
-    m = plan.num_microbatches
+    m = plan.num_microbatches if plan.is_pipelined else 1
     comm = sum(s.est_communication_time_s for s in plan.stages) * m
     total = sum(s.est_time_s for s in plan.stages) * m
     kinds: dict[str, dict[str, float]] = {}

@@ -19,8 +19,9 @@ from autopar.bench import baselines as bl
 from autopar.bench.planning import (
     Searched,
     alpa_gpt_flops,
+    candidate_rows,
     full_search,
-    partition_summary,
+    ilp_solves,
     plan_summary,
     planning_times,
     predicted_communication,
@@ -70,6 +71,14 @@ class _Local:
         return measure_plan(self.step_fn, plan, self.inputs, self.devices,
                             self.case.warmup_steps, self.case.timed_steps)
 
+    def run_together(self, plans: dict[str, Plan]) -> dict[str, Any]:
+        """Every plan timed in interleaved rounds (``measure.measure_plans``): the machine's
+        load drifts alike over all of them, so their ratios are steadier."""
+        from autopar.bench.measure import measure_plans
+
+        return measure_plans(self.step_fn, plans, self.inputs, self.devices,
+                             self.case.warmup_steps, self.case.timed_steps)
+
 
 def case_cluster(case: BenchCase, options: RunOptions) -> ClusterSpec:
     """The described cluster (with ``case.hosts``), or the local devices as one host."""
@@ -92,12 +101,8 @@ def calibrated_cluster(options: RunOptions, devices: int) -> ClusterSpec | None:
 
 def run_case(case: BenchCase, options: RunOptions, phase: Phase) -> dict[str, Any]:
     """Plan ``case`` with the full search and its baselines (and run them, locally)."""
-    import autopar
-    from autopar.compiler.graph.trace import trace_step
-
     wall = time.perf_counter()
     model = get_model(case.model, case.size, **case.config_overrides())
-    marked = model.with_value_and_grad(autopar.value_and_grad)
     cluster = case_cluster(case, options)
     row: dict[str, Any] = {
         "kind": "case", "case": case.name, "model": case.model, "size": case.size,
@@ -110,25 +115,25 @@ def run_case(case: BenchCase, options: RunOptions, phase: Phase) -> dict[str, An
         searched = full_search(model, cluster, microbatches=case.microbatches,
                                pipeline_layers=case.pipeline_layers,
                                memory_budget_bytes=None if case.local else NO_MEMORY_LIMIT)
-    with phase(f"{case.name}: tracing the whole step"):
-        start = time.perf_counter()
-        traced = trace_step(marked.train_step, marked.abstract_inputs())
-        row["whole_step_trace_s"] = time.perf_counter() - start
+    traced = searched.traced
     plan = searched.plan
     flops = traced.graph.total_flops
     est = plan.est_step_time_s
     row.update({
         "flops_per_step": flops, "planning": planning_times(searched.trace_s, plan),
-        "ilp_solves": plan.planning.stage_search["ilp_solves"], "est_step_time_s": est,
+        "ilp_solves": ilp_solves(plan), "est_step_time_s": est,
         "est_tflops_per_device": tflops_per_device(flops, est, cluster.num_devices),
         "plan": plan_summary(plan), "predicted_communication": predicted_communication(plan),
-        "measured": None, "cost_model": None,
+        "estimate": dict(plan.planning.estimate), "candidates": _candidates(plan),
+        "measured": None, "cost_model": None, "simple_vs_default": None,
     })
     row["notes"] += list(plan.notes)
     local = _local_run(case, model, options, phase) if case.local else None
+    timings: dict[str, Any] = {}
     if local is not None:
-        with phase(f"{case.name}: running autopar's plan"):
-            timing = local.run(plan)
+        with phase(f"{case.name}: running autopar's plan and the one-stage baselines"):
+            timings = local.run_together(_measured_plans(case, searched))
+        timing = timings.pop("autopar")
         row["measured"] = timing.to_dict() | {"tflops_per_device": tflops_per_device(
             flops, timing.median_s, cluster.num_devices)}
 
@@ -138,11 +143,49 @@ def run_case(case: BenchCase, options: RunOptions, phase: Phase) -> dict[str, An
 
         row["cost_model"] = _cost_model(est, timing.median_s, options, cluster, phase, replan,
                                         plan)
-    row["baselines"] = _baselines(case, model, cluster, traced, searched, options, local, row,
-                                  phase)
+    row["baselines"] = _baselines(case, cluster, traced, searched, options, local, row,
+                                  phase, timings)
+    row["simple_vs_default"] = _simple_vs_default(row)
     row["what_if"] = _what_if(case, model, est, cluster.num_devices, row)
     row["wall_s"] = time.perf_counter() - wall
     return row
+
+
+# The one-stage methods a user would try by hand: "best simple" is the faster of them measured.
+SIMPLE_BASELINES = (Baseline.DATA_PARALLEL, Baseline.INTRA_OP)
+_CANDIDATE_OF = {Baseline.DATA_PARALLEL: "data", Baseline.INTRA_OP: "shard"}
+
+
+def _measured_plans(case: BenchCase, searched: Searched) -> dict[str, Plan]:
+    """autopar's plan and the one-stage baselines the full search planned itself (the very
+    plans it compared), to be timed together."""
+    plans = {"autopar": searched.plan}
+    for baseline in case.baselines:
+        name = _CANDIDATE_OF.get(baseline)
+        if name is not None and name in searched.candidates:
+            plans[baseline.value] = searched.candidates[name]
+    return plans
+
+
+def _simple_vs_default(row: dict[str, Any]) -> dict[str, Any] | None:
+    """Measured: the faster of the simple one-stage plans (data parallel, intra-op only) over
+    autopar's default plan (>= 1: the default is at least as fast)."""
+    measured = (row.get("measured") or {}).get("step_time_s")
+    if not measured:
+        return None
+    simple = {b["name"]: b["measured_step_time_s"] for b in row["baselines"]
+              if b["name"] in {s.value for s in SIMPLE_BASELINES}
+              and b.get("measured_step_time_s")}
+    if not simple:
+        return None
+    best = min(simple, key=simple.get)
+    return {"best_simple": best, "best_simple_s": simple[best], "default_s": measured,
+            "ratio": simple[best] / measured}
+
+
+def _candidates(plan: Plan) -> list[dict[str, Any]]:
+    return [{k: c.get(k) for k in ("name", "method", "est_step_time_s", "fits", "chosen",
+                                   "note")} for c in candidate_rows(plan)]
 
 
 def _local_run(case: BenchCase, model: ZooModel, options: RunOptions, phase: Phase) -> _Local:
@@ -177,19 +220,19 @@ def _cost_model(est_s: float, measured_s: float, options: RunOptions, cluster: C
     return out
 
 
-def _baselines(case: BenchCase, model: ZooModel, cluster: ClusterSpec, traced: Any,
-               searched: Searched, options: RunOptions, local: _Local | None, row: dict,
-               phase: Phase) -> list[dict[str, Any]]:
+def _baselines(case: BenchCase, cluster: ClusterSpec, traced: Any, searched: Searched,
+               options: RunOptions, local: _Local | None, row: dict, phase: Phase,
+               timings: dict[str, Any]) -> list[dict[str, Any]]:
     est = searched.plan.est_step_time_s
     measured = (row["measured"] or {}).get("step_time_s")
     limit = options.ilp_time_limit_s
+    candidates = searched.candidates
     planners: dict[Baseline, Callable[[ClusterSpec], Plan]] = {
         Baseline.SINGLE_DEVICE: lambda c: bl.plan_single_device(traced, c),
         Baseline.DATA_PARALLEL: lambda c: bl.plan_data_parallel(traced, c),
         Baseline.INTRA_OP: lambda c: bl.plan_intra_op(traced, c, limit),
         Baseline.MEGATRON: lambda c: bl.plan_megatron(traced, c, limit),
     }
-    splits: dict[str, bl.PipelineSplits] = {}  # one search for both hand splits
     out = []
     for baseline in case.baselines:
         entry: dict[str, Any] = {"name": baseline.value, "est_step_time_s": None,
@@ -198,12 +241,13 @@ def _baselines(case: BenchCase, model: ZooModel, cluster: ClusterSpec, traced: A
         try:
             with phase(f"{case.name}: baseline {baseline.value}"):
                 if baseline in (Baseline.EQUAL_LAYER, Baseline.EQUAL_OPERATOR):
-                    _pipeline_baseline(baseline, searched, cluster, splits, entry)
+                    _pipeline_baseline(baseline, searched.plan, entry)
                 elif baseline is Baseline.MEGATRON and case.model not in MEGATRON_FAMILIES:
                     entry["note"] = f"Megatron's specs name GPT blocks; not for {case.model}"
                 else:
+                    planned = candidates.get(_CANDIDATE_OF.get(baseline, ""))
                     _plan_baseline(baseline, planners[baseline], cluster, local, options,
-                                   phase, entry)
+                                   phase, entry, planned, timings.get(baseline.value))
         except AutoparError as err:
             entry["error"] = " ".join(str(err).split())
         if entry["est_step_time_s"] is not None and entry.get("est_ratio") is None and est:
@@ -216,11 +260,17 @@ def _baselines(case: BenchCase, model: ZooModel, cluster: ClusterSpec, traced: A
 
 def _plan_baseline(baseline: Baseline, planner: Callable[[ClusterSpec], Plan],
                    cluster: ClusterSpec, local: _Local | None, options: RunOptions,
-                   phase: Phase, entry: dict) -> None:
-    plan = planner(cluster)
+                   phase: Phase, entry: dict, planned: Plan | None = None,
+                   timing: Any = None) -> None:
+    """``planned``: the full search's own plan of this method, when it made one (the same
+    plan it compared, so the ratio compares like with like); else planned here.
+    ``timing``: its measurement from the interleaved rounds, when it was timed there."""
+    plan = planned if planned is not None else planner(cluster)
     entry.update({"est_step_time_s": plan.est_step_time_s, "plan": plan_summary(plan),
                   "planning_s": plan.planning.planning_time_s,
                   "predicted_communication": predicted_communication(plan)})
+    if planned is not None:
+        entry["note"] = "the full search's own candidate"
     if local is None:
         if baseline is Baseline.SINGLE_DEVICE:
             entry["note"] = "estimated: the step's compute on one device"
@@ -230,7 +280,7 @@ def _plan_baseline(baseline: Baseline, planner: Callable[[ClusterSpec], Plan],
 
         timing = measure_single_device(local.plain_step_fn, local.inputs, local.devices[0],
                                        local.case.warmup_steps, local.case.timed_steps)
-    else:
+    elif timing is None:
         timing = local.run(plan)
     entry["measured"] = timing.to_dict()
     entry["measured_step_time_s"] = timing.median_s
@@ -239,18 +289,22 @@ def _plan_baseline(baseline: Baseline, planner: Callable[[ClusterSpec], Plan],
                                       cluster, phase, planner, plan)
 
 
-def _pipeline_baseline(baseline: Baseline, searched: Searched, cluster: ClusterSpec,
-                       memo: dict[str, bl.PipelineSplits], entry: dict) -> None:
-    """Equal-layer or equal-operator stages, estimated by the stage DP's own formula
-    (sum + (M - 1) x max of the stage times) and compared with the DP's stages under it.
-    ``memo`` keeps the splits for the other kind."""
-    if "splits" not in memo:
-        memo["splits"] = bl.pipeline_splits(searched.pp, searched.method, cluster,
-                                            searched.cache, len(searched.plan.stages))
-    splits = memo["splits"]
-    part, dp = splits.partitions[baseline.value], splits.partitions["dp"]
-    entry.update({"est_step_time_s": part.total_time, "est_ratio": part.total_time / dp.total_time,
-                  "plan": partition_summary(part), "note": splits.note})
+def _pipeline_baseline(baseline: Baseline, plan: Plan, entry: dict) -> None:
+    """Equal-layer or equal-operator stages: the full search evaluated them itself, as
+    candidates beside the stage DP's (as many stages as the DP chose, or the nearest count
+    that splits evenly; two when it chose one), with the same whole-step estimate."""
+    name = f"pipeshard: {baseline.value}"
+    row = next((c for c in plan.planning.candidates if c.get("name") == name), None)
+    if row is None:
+        reasons = [c.get("note") for c in plan.planning.candidates
+                   if c.get("method") == "pipeshard" and c.get("est_step_time_s") is None]
+        entry["note"] = ("not planned: " + "; ".join(r for r in reasons if r)
+                         if any(reasons) else "no stage count near the DP's splits the "
+                         "layers and devices evenly, or the step is not pipelined")
+        return
+    stages = row.get("stages") or []
+    entry.update({"est_step_time_s": row["est_step_time_s"], "note": row.get("note", ""),
+                  "plan": {"num_stages": len(stages), "stages_text": ", ".join(stages)}})
 
 
 def _what_if(case: BenchCase, model: ZooModel, est_s: float, devices: int,
@@ -300,7 +354,29 @@ def run_scaling_point(point: ScalingPoint, phase: Phase) -> dict[str, Any]:
         "model": point.model, "size": point.size, "num_layers": point.num_layers,
         "cluster": cluster.name, "hosts": cluster.num_hosts, "devices": cluster.num_devices,
         "microbatches": point.microbatches, "planning": planning_times(searched.trace_s, plan),
-        "ilp_solves": plan.planning.stage_search["ilp_solves"],
+        "ilp_solves": ilp_solves(plan),
         "est_step_time_s": plan.est_step_time_s, "plan": plan_summary(plan),
+        "estimate": dict(plan.planning.estimate), "bound_by": bound_by(plan),
+        "candidates": _candidates(plan),
         "wall_s": time.perf_counter() - wall,
     }
+
+
+_BOUND_PARTS = {
+    "compute_s": "compute", "communication_s": "communication inside the mesh",
+    "runtime_s": "the runtime's call", "schedule_s": "the pipeline's stages (compute and "
+    "communication per microbatch, bubbles included)", "tails_s": "the stages' gradient "
+    "reduction and update (with replicas: their all-reduce between hosts)",
+    "before_s": "preprocessing", "host_s": "the driver on the host",
+}
+
+
+def bound_by(plan: Plan) -> str:
+    """What the plan's estimated step time is mostly made of (its largest part)."""
+    parts = {k: float(v) for k, v in plan.planning.estimate.items()
+             if k in _BOUND_PARTS and isinstance(v, int | float)}
+    if not parts:
+        return ""
+    key = max(parts, key=parts.get)
+    total = plan.est_step_time_s or 1.0
+    return f"{_BOUND_PARTS[key]} ({parts[key] / total:.0%})"

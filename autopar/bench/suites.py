@@ -46,6 +46,7 @@ class ScalingAxis(enum.Enum):
 
     LAYERS = "layers"
     DEVICES = "devices"
+    STEP_TIME = "step time"  # a big model's estimated step time as the cluster grows
 
 
 @dataclass(frozen=True)
@@ -207,12 +208,14 @@ def local_suite() -> Suite:
                  ("vocab_size", 1024))
     return Suite(
         "local", "small models run on the local devices",
+        # timed steps per plan per round (MEASURE_ROUNDS rounds): more for the fast steps,
+        # whose plans are close and whose times the machine's load moves most
         cases=(
-            BenchCase("gpt", "tiny"),
+            BenchCase("gpt", "tiny", timed_steps=10),
             BenchCase("gpt", "tiny", gpt_small, label="gpt small (hidden 256, 4 layers) @ local"),
-            BenchCase("moe", "tiny"),
-            BenchCase("wresnet", "tiny"),
-            BenchCase("mlp", "tiny"),
+            BenchCase("moe", "tiny", timed_steps=10),
+            BenchCase("wresnet", "tiny", timed_steps=10),
+            BenchCase("mlp", "tiny", timed_steps=25),
         ),
     )
 
@@ -246,14 +249,23 @@ SCALING_LAYERS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 48, 64, 96)
 SCALING_HOSTS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
+# GPT-39B (Alpa's 64-GPU case: batch 1024, 128 microbatches) on 8, 32 and 128 hosts of 8.
+SCALING_39B_HOSTS: tuple[int, ...] = (8, 32, 128)
+
+
 def scaling_suite() -> Suite:
-    """Planning time versus layers (1..96, 64 described GPUs) and devices (8..1024)."""
+    """Planning time versus layers (1..96, 64 described GPUs) and devices (8..1024), and
+    GPT-39B's estimated step time on 64, 256 and 1,024 described GPUs."""
     by_layers = tuple(ScalingPoint(ScalingAxis.LAYERS, "gpt", "2.6B", n, V100_8_NODES, 8)
                       for n in SCALING_LAYERS)
     by_devices = tuple(ScalingPoint(ScalingAxis.DEVICES, "gpt", "2.6B", 32, V100_8_NODES, h)
                        for h in SCALING_HOSTS)
-    return Suite("scaling", "planning time versus layers and devices",
-                 scaling=by_layers + by_devices)
+    gpt_39b = tuple(ScalingPoint(ScalingAxis.STEP_TIME, "gpt", "39B", 48, V100_8_NODES, h,
+                                 microbatches=128, pipeline_layers=16,
+                                 overrides=(("dtype", "float16"),))
+                    for h in SCALING_39B_HOSTS)
+    return Suite("scaling", "planning time versus layers and devices; GPT-39B's estimated "
+                 "step time versus devices", scaling=by_layers + by_devices + gpt_39b)
 
 
 def get_suite(name: str) -> Suite:

@@ -111,7 +111,15 @@ def plan_train_step(
     if cached is not None:
         if cached.remat_positions is not None:  # its ids name the rematerialised trace
             step = dispatch.trace_for_plan(fn, args, cached, batch_argnums)
-        return PlannedStep(step.traced, cached, step.pipeline, from_cache=True)
+        traced, pipeline = step.parts_for(cached)
+        if cached.is_pipelined and pipeline is None:  # a foreign entry: plan anew
+            return _planned(step, cluster, cache, key, ilp_observer)
+        return PlannedStep(traced, cached, pipeline, from_cache=True)
+    return _planned(step, cluster, cache, key, ilp_observer)
+
+
+def _planned(step: dispatch.StepProgram, cluster: ClusterSpec, cache: Any, key: str | None,
+             ilp_observer: Callable[[Any, Any], None] | None) -> PlannedStep:
     planned = dispatch.plan(step, cluster, ilp_observer=ilp_observer)
     _store(cache, key, planned.plan)
     return PlannedStep(planned.traced, planned.plan, planned.pipeline)

@@ -5,7 +5,12 @@ multi-head attention with separate q/k/v/out kernels, then a GELU MLP of ``mlp_r
 a final LayerNorm and an LM head tied to the token embedding (``logits = x @ wte.T``). The loss is
 the mean cross-entropy of ``logits[b, t]`` against ``labels[b, t]`` (the next token).
 
-Blocks are a Python for-loop, not ``lax.scan``, so the traced step shows every layer's ops.
+Blocks are a Python for-loop, so the traced step shows every layer's ops. With
+``scan_layers=True`` (``get_model("gpt", size, scan_layers=True)``; ``--model gpt-scan`` on the
+command line) the blocks' parameters are stacked along a leading layer axis (``blocks`` is one
+dict of ``[num_layers, ...]`` arrays) and the blocks run under ``jax.lax.scan``, as large JAX
+models are usually written; the initial values are the unrolled model's, stacked, so both
+variants compute the same numbers.
 
 Large sizes are Alpa's GPT benchmark family (``benchmark/alpa/suite_manual_gpt.py``,
 ``gpt_specs``; global batch 1024 from ``suite_auto_gpt.py``), seq 1024, vocab 51200:
@@ -61,8 +66,12 @@ class GPTConfig:
     learning_rate: float = 1e-3
     adam_eps: float = 1e-8
     dtype: str = "float32"
+    scan_layers: bool = False  # stacked block parameters, blocks under jax.lax.scan
 
     def __post_init__(self) -> None:
+        if not isinstance(self.scan_layers, bool):
+            raise InvalidOptionError(
+                f"invalid gpt config: scan_layers={self.scan_layers!r} must be True or False")
         check_config(
             "gpt",
             self,
@@ -203,7 +212,8 @@ def lm_head(params: Params, x: jax.Array) -> jax.Array:
 
 # -- the GPT family -------------------------------------------------------------------------------
 def init_params(rng: jax.Array, cfg: GPTConfig) -> Params:
-    """GPT parameters: ``wte``, ``wpe``, ``blocks`` (a list, one dict per layer) and ``ln_f``."""
+    """GPT parameters: ``wte``, ``wpe``, ``blocks`` (a list, one dict per layer; with
+    ``scan_layers`` one dict of arrays stacked along a leading layer axis) and ``ln_f``."""
     dtype = jnp.dtype(cfg.dtype)
     h = cfg.hidden_size
     keys = key_stream(rng, 2 + 6 * cfg.num_layers)
@@ -218,17 +228,30 @@ def init_params(rng: jax.Array, cfg: GPTConfig) -> Params:
                 "mlp": mlp_params(keys, h, cfg.mlp_ratio * h, dtype),
             }
         )
-    params["blocks"] = blocks
+    params["blocks"] = stack_layers(blocks) if cfg.scan_layers else blocks
     params["ln_f"] = layer_norm_params(h, dtype)
     return params
+
+
+def stack_layers(blocks: list[Params]) -> Params:
+    """Per-layer parameter dicts as one dict of arrays with a leading layer axis."""
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *blocks)
+
+
+def block(x: jax.Array, blk: Params, cfg: GPTConfig) -> jax.Array:
+    """One pre-LayerNorm transformer block."""
+    x = x + causal_self_attention(layer_norm(x, blk["ln1"]), blk["attn"], cfg.num_heads)
+    return x + mlp(layer_norm(x, blk["ln2"]), blk["mlp"])
 
 
 def forward(params: Params, tokens: jax.Array, cfg: GPTConfig) -> jax.Array:
     """Logits ``[B, S, vocab]`` of ``tokens: int32[B, S]`` (position t sees tokens <= t)."""
     x = embed(params, tokens)
-    for blk in params["blocks"]:  # Python loop on purpose: no scan
-        x = x + causal_self_attention(layer_norm(x, blk["ln1"]), blk["attn"], cfg.num_heads)
-        x = x + mlp(layer_norm(x, blk["ln2"]), blk["mlp"])
+    if cfg.scan_layers:
+        x, _ = jax.lax.scan(lambda h, blk: (block(h, blk, cfg), None), x, params["blocks"])
+    else:
+        for blk in params["blocks"]:  # a Python loop: the trace shows every layer's ops
+            x = block(x, blk, cfg)
     return lm_head(params, x)
 
 

@@ -65,6 +65,12 @@ def _ints(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
+def _positive_int(value: Any) -> int:
+    if not is_int(value) or value < 1:
+        raise ValueError(f"a positive integer, got {value!r}")
+    return int(value)
+
+
 def _bools(value: Any) -> tuple[bool, ...]:
     if not isinstance(value, list | tuple) or not all(isinstance(v, bool) for v in value):
         raise TypeError(f"a list of true/false, got {value!r}")
@@ -81,6 +87,9 @@ class PipelineLayout:
     the stage that runs each piece; every equation outside the loss forward goes to the stage
     that owns what it reads (the segments, derived from this by ``ir.pipeline_program``).
     ``remat_stages``: per stage, whether its layers run under ``jax.checkpoint``.
+    ``replicas``: data-parallel copies of the whole pipeline, each on its own group of hosts
+    (the stages' devices are the first group's; the microbatches are shared out between the
+    groups and each stage's gradients all-reduced between them). The runtime runs one (1).
     """
 
     schedule: ScheduleName
@@ -89,6 +98,7 @@ class PipelineLayout:
     piece_positions: tuple[int, ...]
     stage_of_piece: tuple[int, ...]
     remat_stages: tuple[bool, ...]
+    replicas: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -98,6 +108,7 @@ class PipelineLayout:
             "piece_positions": list(self.piece_positions),
             "stage_of_piece": list(self.stage_of_piece),
             "remat_stages": list(self.remat_stages),
+            "replicas": self.replicas,
         }
 
     @classmethod
@@ -105,14 +116,15 @@ class PipelineLayout:
         d = field_of({"v": d}, "v", lambda v: object_of(v, "a pipeline layout"), where)
         reject_unknown(d, LAYOUT_FIELDS, where)
 
-        def get(name: str, convert: Any) -> Any:
-            return field_of(d, name, convert, f"{where}.{name}")
+        def get(name: str, convert: Any, default: Any = REQUIRED) -> Any:
+            return field_of(d, name, convert, f"{where}.{name}", default)
 
         return cls(schedule=get("schedule", string), num_chunks=get("num_chunks", int),
                    layer_positions=get("layer_positions", _ints),
                    piece_positions=get("piece_positions", _ints),
                    stage_of_piece=get("stage_of_piece", _ints),
-                   remat_stages=get("remat_stages", _bools))
+                   remat_stages=get("remat_stages", _bools),
+                   replicas=get("replicas", _positive_int, 1))
 
     def __post_init__(self) -> None:
         try:
@@ -152,6 +164,9 @@ class PipelineLayout:
         if stray:
             raise PlanError(f"plan field {where}.piece_positions cuts at {stray[0]}, which is "
                             "not one of layer_positions")
+        if not is_int(self.replicas) or self.replicas < 1:
+            raise PlanError(f"plan field {where}.replicas={self.replicas!r} must be a positive "
+                            "integer")
         if len(self.remat_stages) != num_stages:
             raise PlanError(f"plan field {where}.remat_stages has {len(self.remat_stages)} "
                             f"flag(s) for {num_stages} stage(s)")
@@ -170,6 +185,11 @@ class PlanningRecord:
     ``estimated_idle_fraction`` / ``theoretical_idle_fraction``: the pipeline's bubble under
     the cost model and as (p - 1) / (m + p - 1). ``method_options``: the options the method
     was given. ``baseline``: the hand plan a benchmark built this as, if any.
+    ``candidates``: the plans the search compared, each a JSON object with at least ``name``,
+    ``method`` and ``est_step_time_s`` (None when it could not be planned; ``note`` says why)
+    and ``chosen``. ``estimate``: the parts of ``est_step_time_s`` (seconds per step:
+    ``compute_s``, ``communication_s`` and ``runtime_s`` for one program; ``schedule_s``,
+    ``tails_s``, ``before_s`` and ``host_s`` for a pipeline).
     """
 
     planning_time_s: float | None = None
@@ -179,6 +199,8 @@ class PlanningRecord:
     theoretical_idle_fraction: float | None = None
     method_options: dict[str, Any] = field(default_factory=dict)
     baseline: str | None = None
+    candidates: list[dict[str, Any]] = field(default_factory=list)
+    estimate: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -203,10 +225,28 @@ class PlanningRecord:
             theoretical_idle_fraction=get("theoretical_idle_fraction", maybe(float), None),
             method_options=get("method_options", lambda v: dict(object_of(v, "options")), {}),
             baseline=get("baseline", maybe(string), None),
+            candidates=get("candidates", _candidates, []),
+            estimate=get("estimate", lambda v: dict(object_of(v, "estimate")), {}),
         )
 
 
 RECORD_FIELDS = tuple(PlanningRecord.__dataclass_fields__)
+
+
+def _candidates(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list):
+        raise TypeError(f"a list of candidates, got {type(value).__name__}")
+    out = []
+    for i, item in enumerate(value):
+        entry = dict(object_of(item, f"candidates[{i}]"))
+        for name in ("name", "method"):
+            if not isinstance(entry.get(name), str):
+                raise TypeError(f"candidates[{i}].{name} must be a string")
+        est = entry.get("est_step_time_s")
+        if est is not None and (isinstance(est, bool) or not isinstance(est, int | float)):
+            raise TypeError(f"candidates[{i}].est_step_time_s must be a number or null")
+        out.append(entry)
+    return out
 
 
 @dataclass

@@ -23,10 +23,12 @@ from autopar.report.pictures import (
 from autopar.report.text import (
     CompileReport,
     _mesh_text,
+    candidate_table,
     format_bytes,
     format_count,
     format_seconds,
     plan_timeline,
+    stage_ilp_statuses,
 )
 
 _CSS = """
@@ -52,7 +54,10 @@ _STAGE_NUMBER_COLUMNS = ["est time", "compute", "comm", "memory"]
 def section_ids(report: CompileReport) -> list[str]:
     """The ids of the sections :func:`render_html` writes for ``report``, in page order."""
     plan = report.plan
-    ids = ["summary", "stages", "mesh"]
+    ids = ["summary"]
+    if plan.planning.candidates:
+        ids.append("candidates")
+    ids += ["stages", "mesh"]
     if plan_timeline(plan) is not None:
         ids.append("pipeline")
     ids += ["collectives", "shardings"]
@@ -65,6 +70,7 @@ def render_html(report: CompileReport) -> str:
     """The whole report as one HTML document (a ``str``; see the module docstring)."""
     renderers = {
         "summary": _summary,
+        "candidates": _candidates,
         "stages": _stages,
         "mesh": _mesh,
         "pipeline": _pipeline,
@@ -122,11 +128,34 @@ def _summary(report: CompileReport) -> str:
         ("est. step time", format_seconds(plan.est_step_time_s)),
         ("per-device memory", format_bytes(plan.peak_memory_bytes)),
     ]
+    parts = plan.planning.estimate
+    shown = [f"{k.removesuffix('_s').replace('_', ' ')} {format_seconds(float(v))}"
+             for k, v in parts.items() if k != "total_s" and isinstance(v, int | float)]
+    if shown:
+        rows.append(("estimate parts", ", ".join(shown)))
+    statuses = stage_ilp_statuses(plan)
+    if statuses:
+        rows.append(("stage-cost ILPs", ", ".join(
+            f"{n} {k.replace('_', ' ')}" for k, n in statuses.items() if n)))
     if report.top_primitives:
         top = ", ".join(f"{k} {v}" for k, v in report.top_primitives.items())
         rows.append(("top primitives", top))
     body = "\n".join(f"<tr><th>{_esc(k)}</th><td>{_esc(v)}</td></tr>" for k, v in rows)
     return f'<h2>Summary</h2>\n<table class="kv">\n{body}\n</table>'
+
+
+def _candidates(report: CompileReport) -> str:
+    """Every plan the search compared, fastest first: why the plan won."""
+    head = _row(["", "candidate", "method", "est. step", "vs the plan", "note"], "th")
+    rows = []
+    for mark, name, method, est, ratio, note in candidate_table(report.plan):
+        cells = [_esc(mark), _esc(name), _esc(method), _esc(est), _esc(ratio), _esc(note)]
+        rows.append("<tr>" + "".join(
+            f'<td class="num">{c}</td>' if i in (3, 4) else f"<td>{c}</td>"
+            for i, c in enumerate(cells)) + "</tr>")
+    return ("<h2>Candidates compared</h2>\n<p class=\"muted\">The plans the search estimated "
+            "on one cost model; * marks the plan.</p>\n<table>\n" + head + "\n"
+            + "\n".join(rows) + "\n</table>")
 
 
 def _stages(report: CompileReport) -> str:

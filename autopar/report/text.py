@@ -119,6 +119,9 @@ class CompileReport:
                 "predicted": self.predicted_collectives(),
                 "hlo": self.hlo_collectives,
             },
+            "estimate": dict(plan.planning.estimate),
+            "candidates": [dict(c) for c in plan.planning.candidates],
+            "stage_cost_ilps": stage_ilp_statuses(plan),
             "notes": list(self.notes) + list(plan.notes),
             "plan": plan.to_dict(),
         }
@@ -142,7 +145,9 @@ class CompileReport:
             f"  per-device memory {format_bytes(plan.peak_memory_bytes)}"
             + ("" if self.xla_memory_bytes is None
                else f" (XLA's memory analysis: {format_bytes(self.xla_memory_bytes)})"),
+            *_estimate_lines(plan),
             *_breakdown_lines(plan),
+            *_candidate_lines(plan),
             "",
             "stages",
             f"  {'#':>2}  {'layers':<10} {'submesh':<8} {'logical':<8} {'est time':>10} "
@@ -170,6 +175,7 @@ class CompileReport:
                 f"(p-1)/(m+p-1) = {_theoretical(len(plan.stages), plan.num_microbatches):.3f}"
                 + (f", measured {self.measured_idle_fraction:.3f}"
                    if self.measured_idle_fraction is not None else ""),
+                *_ilp_status_lines(plan),
                 "  swimlane (estimated; one column per forward slot):",
             ]
             lines += ["    " + row for row in render_text(timeline).splitlines()]
@@ -213,6 +219,81 @@ class CompileReport:
         for note in list(self.notes) + list(plan.notes):
             lines.append(f"note: {note}")
         return "\n".join(lines)
+
+
+_ESTIMATE_PARTS = (("compute_s", "compute"), ("communication_s", "communication"),
+                   ("runtime_s", "runtime call"), ("schedule_s", "schedule"),
+                   ("tails_s", "tails"), ("before_s", "before the loss"),
+                   ("host_s", "driver on the host"),
+                   ("accumulate_s", "of the schedule: gradient accumulation"))
+
+
+def _estimate_lines(plan: Plan) -> list[str]:
+    """The estimate's parts (what the step time is made of), when the plan records them."""
+    parts = plan.planning.estimate
+    shown = [f"{label} {format_seconds(float(parts[key]))}" for key, label in _ESTIMATE_PARTS
+             if isinstance(parts.get(key), int | float)]
+    return ["                    " + ", ".join(shown)] if shown else []
+
+
+def candidate_table(plan: Plan) -> list[tuple[str, str, str, str, str, str]]:
+    """The candidates the search compared as rows (mark, name, method, est. step, ratio to
+    the chosen plan, note), fastest first; [] when the plan records none."""
+    rows = []
+    chosen = plan.est_step_time_s
+    ranked = sorted(plan.planning.candidates,
+                    key=lambda c: (c.get("est_step_time_s") is None,
+                                   c.get("est_step_time_s") or 0.0))
+    for c in ranked:
+        est = c.get("est_step_time_s")
+        note = str(c.get("note") or "")
+        if c.get("fits") is False and est is not None and "budget" not in note:
+            note = (note + "; " if note else "") + "does not fit the memory budget"
+        rows.append(("*" if c.get("chosen") else "", str(c.get("name", "?")),
+                     str(c.get("method", "?")),
+                     "-" if est is None else format_seconds(float(est)),
+                     "-" if est is None or not chosen else f"{float(est) / chosen:.2f}x",
+                     note))
+    return rows
+
+
+def _candidate_lines(plan: Plan) -> list[str]:
+    rows = candidate_table(plan)
+    if not rows:
+        return []
+    width = max(len(r[1]) for r in rows)
+    lines = ["", f"candidates compared ({len(rows)}; * the plan; est. step and its ratio to "
+                 "the plan's)"]
+    for mark, name, method, est, ratio, note in rows:
+        lines.append(f"  {mark:1} {name:<{width}} {method:<10} {est:>11} {ratio:>7}"
+                     + (f"  {note}" if note else ""))
+    if not plan.is_pipelined:  # a pipelined plan says it with its schedule
+        lines += [line.replace("stage-cost ILPs", "the pipelined candidates' stage-cost ILPs")
+                  for line in _ilp_status_lines(plan)]
+    return lines
+
+
+def stage_ilp_statuses(plan: Plan) -> dict[str, int] | None:
+    """How the stage-cost ILPs of the pipelined search ended, by status (None when the plan
+    did not search stages): ``proven``, ``within_gap``, ``time_limit``, ``no_solution``,
+    ``solver_error``."""
+    search = plan.planning.stage_search or {}
+    found = search.get("ilp_statuses")
+    if found is None:
+        for c in plan.planning.candidates:
+            if c.get("ilp_statuses") is not None:
+                return dict(c["ilp_statuses"])
+        return None
+    return dict(found)
+
+
+def _ilp_status_lines(plan: Plan) -> list[str]:
+    statuses = stage_ilp_statuses(plan)
+    if not statuses:
+        return []
+    total = sum(statuses.values())
+    parts = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in statuses.items() if n)
+    return [f"  stage-cost ILPs: {total} solved ({parts})"]
 
 
 def _breakdown_lines(plan: Plan) -> list[str]:

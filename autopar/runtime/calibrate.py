@@ -17,6 +17,13 @@ each mesh is recorded beside it, as a check. A sample stops early once its timed
 ``max_sample_s`` (after three calls at least): the 16 MiB programs need no more to settle, and
 compiling one program per size and kind is most of the run anyway.
 
+The runtime's own costs (``RuntimeSample``): a call of a trivial jitted program over all
+devices (what a one-stage step pays once), one with 16 small operands on half the devices (a
+pipeline task on a stage), a ``jax.device_put`` of a small array to another device (a transfer
+between stages) and a donated ``acc + g`` on one device at two sizes (the gradient
+accumulation's bandwidth). Calls are issued back to back and waited for at the end, as the
+pipeline driver issues them; the median over rounds is kept.
+
 Matmuls: ``m x m`` by ``m x m`` in each dtype, on one device alone and on every device at once
 (``shard_map`` of a local matmul); the fit uses the latter, since a step keeps every device busy
 (simulated CPU devices share the host's cores: with 8 of them busy each gets about an eighth).
@@ -45,6 +52,7 @@ from autopar.cluster import (
     CALIBRATED_KINDS,
     CollectiveSample,
     MatmulSample,
+    RuntimeSample,
     format_mesh_shape,
 )
 from autopar.errors import InvalidOptionError, MeshError, choices_text
@@ -56,6 +64,7 @@ __all__ = [
     "ProfileResult",
     "default_mesh_shapes",
     "profile_devices",
+    "profile_runtime",
     "size_range",
 ]
 
@@ -141,6 +150,7 @@ class ProfileResult:
     started: str  # ISO time, UTC
     elapsed_s: float
     options: ProfileOptions = field(default_factory=ProfileOptions)
+    runtime: tuple[RuntimeSample, ...] = ()
 
 
 def _median_time(fn: Callable[..., Any], args: Sequence[Any], options: ProfileOptions) -> float:
@@ -244,6 +254,61 @@ def _time_matmuls(devices: Sequence[Any], options: ProfileOptions) -> list[Matmu
     return out
 
 
+_CALLS_PER_ROUND = 20
+_RUNTIME_ROUNDS = 5
+_ACCUMULATE_BYTES = (1 << 20, 16 << 20)
+
+
+def _per_call(fn: Callable[[], Any], calls: int = _CALLS_PER_ROUND,
+              rounds: int = _RUNTIME_ROUNDS) -> float:
+    """Median over ``rounds`` of the seconds per call of ``calls`` calls issued back to back
+    and waited for at the end (after one untimed round: the first call compiles)."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        out = None
+        for _ in range(calls):
+            out = fn()
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / calls)
+    return statistics.median(times)
+
+
+def _time_runtime(devices: Sequence[Any]) -> list[RuntimeSample]:
+    """The runtime's own costs on ``devices`` (see the module docstring)."""
+    n = len(devices)
+    out = []
+    every = Mesh(np.array(devices), ("d",))
+    trivial = jax.jit(lambda x: x + 1)
+    x = _sharded_ones(every, 16, jnp.float32)
+    out.append(RuntimeSample("call", n, 0.0, _per_call(lambda: trivial(x))))
+    half = max(1, n // 2)
+    stage = Mesh(np.array(devices[:half]), ("d",))
+    operands = [_sharded_ones(stage, 16, jnp.float32) for _ in range(16)]
+    task = jax.jit(lambda *a: [v + 1 for v in a])
+    out.append(RuntimeSample("task", half, 0.0, _per_call(lambda: task(*operands))))
+    small = jax.device_put(np.ones(256, np.float32), devices[0])
+    target = jax.sharding.SingleDeviceSharding(devices[-1])
+    out.append(RuntimeSample("transfer", 1, float(small.nbytes),
+                             _per_call(lambda: jax.device_put(small, target))))
+    add = jax.jit(lambda acc, g: acc + g, donate_argnums=(0,))
+    for nbytes in _ACCUMULATE_BYTES:
+        grad = jax.device_put(np.ones(nbytes // 4, np.float32), devices[0])
+        held = {"acc": jax.device_put(np.zeros(nbytes // 4, np.float32), devices[0])}
+
+        def accumulate(held: dict = held, grad: Any = grad) -> Any:
+            held["acc"] = add(held["acc"], grad)
+            return held["acc"]
+
+        out.append(RuntimeSample("accumulate", 1, float(nbytes),
+                                 _per_call(accumulate, calls=5)))
+    for sample in out:
+        logger.info("runtime %s (%d device(s), %d bytes): %.0f us", sample.kind, sample.devices,
+                    sample.nbytes, sample.seconds * 1e6)
+    return out
+
+
 def _memory_bytes(device: Any) -> int | None:
     """The device's memory limit when the backend reports one (CPU devices do not)."""
     try:
@@ -284,10 +349,17 @@ def profile_devices(options: ProfileOptions | None = None,
         logger.info("mesh %s: empty program %.0f us", label, empty[label] * 1e6)
         samples += _time_collectives(mesh, options)
     matmuls = _time_matmuls(devices, options)
+    runtime = _time_runtime(devices)
     return ProfileResult(
         platform=devices[0].platform, device_kind=str(devices[0].device_kind),
         num_devices=count, mesh_shapes=tuple(tuple(s) for s in shapes),
         collectives=tuple(samples), matmuls=tuple(matmuls), empty_program_s=empty,
         memory_bytes=_memory_bytes(devices[0]), started=started,
-        elapsed_s=time.perf_counter() - start, options=options,
+        elapsed_s=time.perf_counter() - start, options=options, runtime=tuple(runtime),
     )
+
+
+def profile_runtime(devices: Sequence[Any] | None = None) -> tuple[RuntimeSample, ...]:
+    """Only the runtime's own costs (see the module docstring), on ``devices`` (default:
+    all): a few seconds, for a cluster description's ``runtime`` entry."""
+    return tuple(_time_runtime(list(jax.devices() if devices is None else devices)))

@@ -11,13 +11,14 @@ from matplotlib.image import imread
 from autopar.bench import SUITE_NAMES, get_suite
 from autopar.bench.baselines import megatron_mesh, megatron_specs, plan_megatron
 from autopar.bench.harness import output_prefix
+from autopar.bench.measure import MEASURE_ROUNDS
 from autopar.bench.outputs import cpu_model
 from autopar.cluster import load_cluster
 from autopar.compiler.graph.trace import trace_step
 from autopar.errors import InvalidOptionError
 from autopar.frontend.cli.main import main
 from autopar.models import get_model
-from autopar.plan import ShardingSpec
+from autopar.plan import MethodName, ShardingSpec
 
 SMOKE = get_suite("smoke")
 PREFIX = output_prefix(SMOKE)
@@ -65,7 +66,15 @@ def test_every_case_row_has_planning_phases_estimates_plan_and_baselines(smoke):
         assert row["ilp_solves"] >= 1 and row["flops_per_step"] > 0
         assert row["est_step_time_s"] > 0 and row["est_tflops_per_device"] > 0
         plan = row["plan"]
-        assert plan["method"] == "pipeshard" and plan["num_stages"] == len(plan["stages"]) >= 1
+        assert plan["method"] in {m.value for m in MethodName}
+        assert plan["num_stages"] == len(plan["stages"]) >= 1
+        # the full search's candidates: every method, one of them chosen, none faster
+        candidates = row["candidates"]
+        assert {"data", "shard", "zero2", "zero3", "pipeshard: stage DP"} <= \
+            {c["name"] for c in candidates}
+        assert sum(c["chosen"] for c in candidates) == 1
+        assert all(c["est_step_time_s"] >= row["est_step_time_s"] for c in candidates
+                   if c["est_step_time_s"] is not None and c["fits"])
         for stage in plan["stages"]:
             assert {"layers", "submesh", "logical_mesh", "devices", "est_time_s"} <= set(stage)
         assert row["predicted_communication"]["time_s"] >= 0
@@ -74,6 +83,9 @@ def test_every_case_row_has_planning_phases_estimates_plan_and_baselines(smoke):
             assert b["error"] is None, b
             assert b["est_step_time_s"] > 0 and b["est_ratio"] > 0
             assert b["plan"]["num_stages"] >= 1
+            if b["name"] in ("data-parallel", "intra-op-only", "equal-layer",
+                             "equal-operator"):  # the full search's own candidates
+                assert b["est_ratio"] >= 1.0
 
 
 def test_local_rows_have_measured_times_hlo_counts_and_cost_model_ratios(smoke):
@@ -82,7 +94,12 @@ def test_local_rows_have_measured_times_hlo_counts_and_cost_model_ratios(smoke):
     assert local
     for row in local:
         measured = row["measured"]
-        assert measured["step_time_s"] > 0 and len(measured["step_times_s"]) == 3
+        # timed in interleaved rounds beside the one-stage baselines
+        assert measured["step_time_s"] > 0
+        assert len(measured["step_times_s"]) == 3 * MEASURE_ROUNDS
+        simple = row["simple_vs_default"]
+        assert simple["best_simple"] in ("data-parallel", "intra-op-only")
+        assert simple["ratio"] == pytest.approx(simple["best_simple_s"] / simple["default_s"])
         assert measured["tflops_per_device"] > 0
         model = row["cost_model"]
         assert model["measured_over_default"] > 0 and model["measured_over_calibrated"] > 0
@@ -117,6 +134,7 @@ def test_scaling_rows_cover_both_axes(smoke):
     _, _, rows = smoke
     points = [r for r in rows if r["kind"] == "scaling"]
     assert {r["axis"] for r in points} == {"layers", "devices"}
+    assert all(r["est_step_time_s"] > 0 and r["bound_by"] for r in points)
     for r in points:
         assert r["planning"]["total_s"] > 0 and r["ilp_solves"] >= 1 and r["x"] >= 1
 

@@ -123,7 +123,8 @@ def test_stage_dp_keeps_stages_inside_hosts_and_cuts_between_them_at_the_bottlen
     state = {"params": params, "opt": opt.init(params)}
     pp = build_pipeline_program(step, (state, data), (1,), micro)
     cluster = local_cluster(two_hosts())
-    plan = plan_pipeshard(pp, autopar.PipeshardParallel(num_microbatches=micro, num_stages=2),
+    plan = plan_pipeshard(pp, autopar.PipeshardParallel(num_microbatches=micro, num_stages=2,
+                                                            replicas="none"),
                           cluster)
     hosts = [{cluster.host_of(d) for d in st.device_ids} for st in plan.stages]
     assert hosts == [{0}, {1}]  # each stage inside one host, one host each

@@ -37,6 +37,11 @@ device busy at once (a step keeps all devices busy; simulated CPU devices share 
 cores, so that rate is far below the one-device rate). ``compute_efficiency`` is then 1.0: the
 rate is already an attained one. Dtypes that were not measured keep the base cluster's ratio to
 float32.
+
+The runtime's own costs (``fit_runtime``): ``call_s``, ``task_s`` and ``transfer_s`` are the
+measured medians as they are (one call, one task, one transfer); the accumulation's bandwidth is
+the slope between its two sizes (the bytes added per second once the call's own cost is out).
+What was not measured keeps the base cluster's figure.
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ from autopar.cluster import (
     DeviceSpec,
     LinkSpec,
     MatmulSample,
+    RuntimeCosts,
+    RuntimeSample,
 )
 from autopar.compiler.cost.collectives import (
     AllReduceAlgorithm,
@@ -79,6 +86,7 @@ __all__ = [
     "fit_all",
     "fit_link",
     "fit_peak_flops",
+    "fit_runtime",
     "model_time",
 ]
 
@@ -282,6 +290,30 @@ def fit_peak_flops(matmuls: Sequence[MatmulSample]) -> dict[str, float]:
     return out
 
 
+def fit_runtime(samples: Sequence[RuntimeSample], base: RuntimeCosts) -> RuntimeCosts:
+    """The runtime's costs from ``samples`` (``runtime.calibrate``); ``base``'s for kinds not
+    measured."""
+    by_kind: dict[str, list[RuntimeSample]] = {}
+    for sample in samples:
+        by_kind.setdefault(sample.kind, []).append(sample)
+
+    def median(kind: str, default: float) -> float:
+        rows = by_kind.get(kind)
+        return float(np.median([r.seconds for r in rows])) if rows else default
+
+    bandwidth = base.accumulate_bytes_per_s
+    rows = sorted(by_kind.get("accumulate", []), key=lambda r: r.nbytes)
+    if len(rows) >= 2 and rows[-1].nbytes > rows[0].nbytes:
+        slope = (rows[-1].seconds - rows[0].seconds) / (rows[-1].nbytes - rows[0].nbytes)
+        if slope > 0:
+            bandwidth = 1.0 / slope
+    elif rows and rows[0].seconds > 0:
+        bandwidth = rows[0].nbytes / rows[0].seconds
+    return RuntimeCosts(call_s=median("call", base.call_s), task_s=median("task", base.task_s),
+                        transfer_s=median("transfer", base.transfer_s),
+                        accumulate_bytes_per_s=bandwidth)
+
+
 def calibrate_cluster(
     samples: Sequence[CollectiveSample],
     matmuls: Sequence[MatmulSample],
@@ -294,12 +326,14 @@ def calibrate_cluster(
     memory_bytes: int | None = None,
     options: FitOptions | None = None,
     measured: Mapping[str, Any] | None = None,
+    runtime: Sequence[RuntimeSample] = (),
 ) -> Calibration:
     """A 1-host x ``num_devices`` cluster fitted to ``samples`` and ``matmuls``.
 
     ``base``: where what was not measured comes from (unmeasured dtypes' rates, relative to
     float32; memory when ``memory_bytes`` is None). ``measured``: extra facts recorded under
-    ``calibration`` in the JSON (sizes, repeats, dispatch overhead, the samples)."""
+    ``calibration`` in the JSON (sizes, repeats, dispatch overhead, the samples).
+    ``runtime``: the runtime's own costs measured (``fit_runtime``; else the base's)."""
     options = options or FitOptions()
     fits = fit_all(samples, options.relative)
     # fit_all puts each kind's fit over all axes first among its own, the joint fit last
@@ -331,6 +365,7 @@ def calibrate_cluster(
         description=f"1 host x {num_devices} devices ({device_name}), by autopar profile",
         num_hosts=1, devices_per_host=num_devices, device=device, intra_host=link_spec,
         inter_host=link_spec, compute_efficiency=1.0, source=source, notes=notes,
+        runtime=fit_runtime(runtime, base.runtime),
     )
     return Calibration(cluster=cluster, link=link, fits=tuple(fits), peak_flops=peak,
                        options=options, measured=dict(measured or {}))

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Collection, Iterable
 
+from autopar.cluster import RuntimeCosts
 from autopar.compiler.cost.collectives import collective_time
 from autopar.compiler.cost.mesh import LogicalMesh
-from autopar.compiler.graph.opgraph import OpGraph
+from autopar.compiler.graph.opgraph import OpGraph, OpNode
 from autopar.plan import CollectiveEstimate, CollectiveKind
 
 
@@ -41,3 +43,32 @@ def summarize_collectives(
         CollectiveEstimate(kind=k, count=int(c), nbytes=b, axes=axes, time_s=t)
         for k, (c, b, t) in sorted(totals.items(), key=lambda kv: kv[0].value)
     ]
+
+
+def node_compute_time_s(graph: OpGraph, node: OpNode, mesh: LogicalMesh, parts: int) -> float:
+    """Seconds of one node's flops split ``parts`` ways, at the rate of its result's dtype (as
+    the intra-operator strategies price a node: ``StrategyContext.compute_time``)."""
+    if not node.flops:
+        return 0.0
+    dtype = graph.tensors[node.outputs[0]].dtype if node.outputs else "float32"
+    return node.flops / max(parts, 1) / (mesh.device.flops_for(dtype) * mesh.compute_efficiency)
+
+
+def split_compute_time_s(graph: OpGraph, mesh: LogicalMesh,
+                         parts: Callable[[OpNode], int]) -> float:
+    """Compute seconds of every node, each split ``parts(node)`` ways: a one-stage planner that
+    splits some nodes (the batch's) and repeats the others on every device (the replicated
+    update of data parallelism) costs both as they run."""
+    return math.fsum(node_compute_time_s(graph, node, mesh, parts(node)) for node in graph.nodes)
+
+
+def touched_by(graph: OpGraph, tensors: Collection[int]) -> Callable[[OpNode], bool]:
+    """Whether a node reads or writes any of ``tensors`` (the split ones, say)."""
+    def touches(node: OpNode) -> bool:
+        return any(t in tensors for t in node.inputs) or any(t in tensors for t in node.outputs)
+    return touches
+
+
+def one_call_time_s(runtime: RuntimeCosts) -> float:
+    """What the runtime adds to a one-stage step: one call of one jitted program."""
+    return runtime.call_s

@@ -11,6 +11,10 @@ only where XLA has to write it out: results of ops it does not fuse into a loop 
 convolutions, reductions, sorts, scatters, control flow), operands those ops read, values read
 by more than one op, and the step's outputs. Liveness then runs in program order.
 
+A scan region (``ir.program``) is counted as its body's values at one iteration's size: the
+loop reuses them from iteration to iteration. What outlives the loop is its exits' results:
+the stacked ``ys`` (a scanned model's activations kept for the backward) and the final carry.
+
 Which state leaves are parameters: the ones the forward and backward read. Pushing the batch
 split through the graph ends at the reduction points (where the batch dimension is summed
 away: the gradients, the loss mean); the nodes those depend on are the batch region, and a
@@ -29,7 +33,7 @@ from autopar.compiler.graph.batch_split import (
     BatchSplitResult,
     propagate_batch_split,
 )
-from autopar.compiler.graph.opgraph import OpGraph
+from autopar.compiler.graph.opgraph import SCAN_ENTER, OpGraph
 
 # Ops XLA folds into the loop of their consumer (or that are free views).
 FUSED_OPS = SHAPE_PRESERVING | frozenset(
@@ -38,8 +42,9 @@ FUSED_OPS = SHAPE_PRESERVING | frozenset(
     concatenate pad select_n clamp rev gather
     """.split()
 )
-# Ops whose results are their operands' buffers (a barrier only orders the program).
-ALIASING_OPS = frozenset({"optimization_barrier"})
+# Ops whose results are their operands' buffers (a barrier only orders the program; a scan
+# region's enter hands the body its operand, or a slice of it the body reads in place).
+ALIASING_OPS = frozenset({"optimization_barrier", SCAN_ENTER})
 # Ops that read their operands in place from the producer's loop (input fusion): reductions.
 READS_FUSED_OPERANDS = frozenset(
     "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split()

@@ -4,7 +4,8 @@ Per tensor dimension, the mesh axes splitting it in the source and the destinati
 common prefix; axes past the prefix are released by the source or acquired by the destination.
 An acquired axis that nobody released is a local slice (free: every device already holds the
 data). A released axis that another dimension acquires moves its split there: an all-to-all
-over the moved axes. Every other released axis is gathered, one all-gather per axis.
+over the moved axes. Every other released axis is gathered: one all-gather per tensor
+dimension, over the axes that dimension releases.
 """
 
 from __future__ import annotations
@@ -66,15 +67,20 @@ def reshard_cost(
         collectives.append(
             estimate_collective(CollectiveKind.ALL_TO_ALL, group_bytes, mesh, axes)
         )
-    # Gathers one axis at a time, minor mesh axis first, as XLA's partitioner does: each one's
-    # result is split only by the axes still to be gathered and those that stay.
+    # Gathers one tensor dimension at a time, minor dimension first, each over all the axes it
+    # releases, as XLA's partitioner does (seen in jax 0.10's CPU HLO: a dimension split over
+    # both axes of a 2x4 mesh is gathered whole by one all-gather over its 8 devices; P('x','y')
+    # and P('y','x') are gathered by two, the minor dimension's first). Each one's result is
+    # split only by the axes still to be gathered and those that stay.
     remaining = set(src_axes)
-    for a in sorted(gathered, key=mesh.axis_index, reverse=True):
-        remaining.discard(a)
+    by_dim: dict[int, list[str]] = {}
+    for a in gathered:
+        by_dim.setdefault(released[a], []).append(a)
+    for d in sorted(by_dim, reverse=True):
+        remaining.difference_update(by_dim[d])
         group_bytes = tensor.nbytes / _shards(remaining, mesh)
+        axes = tuple(sorted(mesh.axis_index(a) for a in by_dim[d]))
         collectives.append(
-            estimate_collective(
-                CollectiveKind.ALL_GATHER, group_bytes, mesh, (mesh.axis_index(a),)
-            )
+            estimate_collective(CollectiveKind.ALL_GATHER, group_bytes, mesh, axes)
         )
     return ReshardCost(sum(c.time_s for c in collectives), tuple(collectives))

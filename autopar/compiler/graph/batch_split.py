@@ -6,6 +6,11 @@ a split dimension is summed away — the gradient contractions and the loss mean
 partial sum on every device that must be all-reduced. Ops that cannot keep a split gather
 their split operands first (an all-gather). This is the communication XLA's partitioner inserts
 for the same input shardings; the report sets the two side by side.
+
+Scan regions (``ir.program``) are followed through: an operand enters the body split as it is
+(``xs`` one dimension lower), a body result leaves the loop likewise, and a collective inside
+the body is implied once per iteration. A carry keeps one layout around its loop (see
+``_Propagator.run``).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from dataclasses import dataclass
 from autopar.compiler.graph.op_costs import ELEMENTWISE
 from autopar.compiler.graph.opgraph import OpGraph, OpNode
 from autopar.errors import BatchSizeError
+from autopar.ir.program import SCAN_ENTER, SCAN_EXIT
 from autopar.plan import CollectiveKind
 
 # Ops that keep their operand's layout element for element (one operand, same shape out).
@@ -52,6 +58,8 @@ class _Propagator:
         self.n = num_shards
         self.split: dict[int, Split] = {}
         self.collectives: list[ImpliedCollective] = []
+        # scan carries' settled layouts around their loops, by enter node (see ``run``)
+        self.carry_layout: dict[int, Split] = {}
 
     def shape(self, t: int) -> tuple[int, ...]:
         return self.graph.tensors[t].shape
@@ -61,7 +69,9 @@ class _Propagator:
         return 0 <= dim < len(shape) and shape[dim] % self.n == 0 and shape[dim] >= self.n
 
     def emit(self, node: OpNode, kind: CollectiveKind, tensor: int) -> None:
-        self.collectives.append(ImpliedCollective(node.id, kind, self.graph.tensors[tensor].nbytes))
+        # inside a scan body, once per iteration
+        self.collectives.extend(
+            [ImpliedCollective(node.id, kind, self.graph.tensors[tensor].nbytes)] * node.repeat)
 
     def gather_inputs(self, node: OpNode) -> list[Split]:
         """The fallback: every split operand is all-gathered, every result is whole."""
@@ -264,8 +274,34 @@ class _Propagator:
             return self.set_output(node, dims.pop())
         return self.gather_inputs(node)
 
+    def scan_enter(self, node: OpNode) -> list[Split]:
+        """A scan operand into the body: consts and carries as they are; ``xs`` lose their
+        leading length axis (a split of that axis cannot enter: every iteration needs its whole
+        slice). A carry's layout may be settled by ``run`` (``carry_layout``)."""
+        d = self.split.get(node.inputs[0])
+        if node.id in self.carry_layout:
+            settled = self.carry_layout[node.id]
+            if d is not None and d != settled:
+                return self.gather_inputs(node)
+            return self.set_output(node, settled)  # whole -> split: each device slices
+        if d is None:
+            return self.set_output(node, None)
+        if node.params["role"] == "xs":
+            return self.gather_inputs(node) if d == 0 else self.set_output(node, d - 1)
+        return self.set_output(node, d)
+
+    def scan_exit(self, node: OpNode) -> list[Split]:
+        """A body result out of the loop: the final carry as it is (its enter's layout: see
+        ``run``), the stacked ``ys`` behind a whole length axis."""
+        d = self.split.get(node.inputs[0])
+        if d is None:
+            return self.set_output(node, None)
+        return self.set_output(node, d + 1 if node.params["role"] == "ys" else d)
+
     def rules(self) -> dict[str, Callable[[OpNode], list[Split]]]:
         rules: dict[str, Callable[[OpNode], list[Split]]] = {
+            SCAN_ENTER.name: self.scan_enter,
+            SCAN_EXIT.name: self.scan_exit,
             "broadcast_in_dim": self.broadcast_in_dim,
             "reshape": self.reshape,
             "transpose": self.transpose,
@@ -290,12 +326,49 @@ class _Propagator:
         return rules
 
     def run(self, split_inputs: dict[int, int]) -> BatchSplitResult:
+        """Propagate, then settle every scan carry's layout around its loop: a carry whose
+        body result comes out split other than it went in enters split like the result when
+        it went in whole (each device slices its part), and whole otherwise; the propagation
+        runs again until every carry keeps its layout (a carry changes at most twice: whole ->
+        split -> whole, so this ends). A carry left whole whose result is still split is
+        gathered at the end of every iteration."""
+        while True:
+            self.run_once(split_inputs)
+            changed = False
+            for loop in self.graph.loops:
+                for enter, exit_ in loop.carry_pairs():
+                    going = self.split.get(self.graph.nodes[enter].outputs[0])
+                    back = self.split.get(self.graph.nodes[exit_].inputs[0])
+                    if back is None or back == going:
+                        continue
+                    if enter in self.carry_layout and self.carry_layout[enter] is None:
+                        continue  # settled whole
+                    slice_in = going is None and enter not in self.carry_layout
+                    self.carry_layout[enter] = back if slice_in else None
+                    changed = True
+            if not changed:
+                break
+        for loop in self.graph.loops:
+            for enter, exit_ in loop.carry_pairs():
+                node = self.graph.nodes[exit_]
+                going = self.split.get(self.graph.nodes[enter].outputs[0])
+                back = self.split.get(node.inputs[0])
+                if back is not None and back != going:
+                    self.emit(node, CollectiveKind.ALL_GATHER, node.inputs[0])
+                    self.split[node.outputs[0]] = None
+        return BatchSplitResult(split_dim=dict(self.split), collectives=self.collectives)
+
+    def run_once(self, split_inputs: dict[int, int]) -> None:
+        self.split = {}
+        self.collectives = []
         for io in self.graph.inputs:
             self.split[io.tensor] = split_inputs.get(io.tensor)
         rules = self.rules()
         for node in self.graph.nodes:
-            if not any(self.split.get(t) is not None for t in node.inputs):
-                result: list[Split] = [None] * len(node.outputs)
+            if node.id in self.carry_layout:
+                result: list[Split] = self.scan_enter(node)
+            elif not any(self.split.get(t) is not None for t in node.inputs):
+                result = [None] * len(node.outputs)
             elif node.primitive in rules:
                 result = rules[node.primitive](node)
             elif node.primitive in SHAPE_PRESERVING:
@@ -304,7 +377,6 @@ class _Propagator:
                 result = self.gather_inputs(node)
             for t, d in zip(node.outputs, result, strict=True):
                 self.split[t] = d
-        return BatchSplitResult(split_dim=dict(self.split), collectives=self.collectives)
 
 
 def propagate_batch_split(

@@ -18,6 +18,14 @@ from typing import Any
 import networkx as nx
 import numpy as np
 
+from autopar.ir.program import SCAN_ENTER as _ENTER
+from autopar.ir.program import SCAN_EXIT as _EXIT
+
+# The primitive names of a scan region's ends (``ir.program``), for rooms that may not import
+# ``ir`` themselves.
+SCAN_ENTER: str = _ENTER.name
+SCAN_EXIT: str = _EXIT.name
+
 
 @dataclass(frozen=True)
 class TensorInfo:
@@ -59,6 +67,9 @@ class OpNode:
     flops: float
     bytes_accessed: float
     params: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # times it runs per step (inside scan regions: the scans' lengths multiplied). ``flops``
+    # and ``bytes_accessed`` are per step; its tensors' shapes are per run (one iteration's)
+    repeat: int = 1
 
 
 @dataclass(frozen=True)
@@ -70,14 +81,38 @@ class GraphIO:
     arg_index: int = -1  # which positional argument (inputs) or result leaf (outputs) it is in
 
 
+@dataclass(frozen=True)
+class ScanLoop:
+    """A scan region of the graph (``ir.program.ScanRegion`` by node ids): ``enters[k]`` is
+    the node reading scan operand ``k`` (consts, carries, xs), ``exits[j]`` the node making
+    result ``j`` (carries, ys); the body's nodes are ``body_start`` .. ``body_stop - 1``."""
+
+    enters: tuple[int, ...]
+    exits: tuple[int, ...]
+    body_start: int
+    body_stop: int
+    length: int
+    num_consts: int
+    num_carry: int
+
+    def carry_pairs(self) -> list[tuple[int, int]]:
+        """(enter node, exit node) of each carry: one loop value, read and remade."""
+        first = self.num_consts
+        return [(self.enters[first + k], self.exits[k]) for k in range(self.num_carry)]
+
+
 @dataclass
 class OpGraph:
-    """Nodes in program (topological) order, tensors by id, inputs/outputs by pytree path."""
+    """Nodes in program (topological) order, tensors by id, inputs/outputs by pytree path.
+
+    ``loops``: the scan regions (empty unless the program was traced with its scans expanded);
+    a region's nodes are consecutive: its enters, its body, its exits."""
 
     nodes: list[OpNode]
     tensors: dict[int, TensorInfo]
     inputs: list[GraphIO]
     outputs: list[GraphIO]
+    loops: list[ScanLoop] = field(default_factory=list)
 
     @cached_property
     def producer(self) -> dict[int, int]:
@@ -129,6 +164,7 @@ class OpGraph:
             tensors=dict(self.tensors),
             inputs=list(self.inputs),
             outputs=list(self.outputs),
+            loops=list(self.loops),
         )
         for node in self.nodes:
             g.add_node(node.id, op=node)
@@ -154,6 +190,7 @@ class OpGraph:
             tensors=dict(g.graph["tensors"]),
             inputs=list(g.graph["inputs"]),
             outputs=list(g.graph["outputs"]),
+            loops=list(g.graph.get("loops", [])),
         )
 
     def peak_live_bytes(

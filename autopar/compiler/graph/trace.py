@@ -1,9 +1,10 @@
 """Trace a train step into an OpGraph.
 
 ``trace_step(fn, args)`` takes the step and example arguments (real arrays or
-``jax.ShapeDtypeStruct``), builds the flat program (nested calls inlined; scan/while/cond kept
-whole) and wraps every equation as an ``OpNode`` with flop and byte estimates. Nothing is
-executed: a 39B-parameter GPT is traced from abstract shapes alone.
+``jax.ShapeDtypeStruct``), builds the flat program (nested calls inlined; scans expanded into
+regions whose body is numbered once, see ``ir.program``; while/cond kept whole) and wraps every
+equation as an ``OpNode`` with flop and byte estimates. Nothing is executed: a 39B-parameter
+GPT is traced from abstract shapes alone.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.compiler.graph.op_costs import primitive_flops
-from autopar.compiler.graph.opgraph import GraphIO, OpGraph, OpNode, TensorInfo
+from autopar.compiler.graph.opgraph import GraphIO, OpGraph, OpNode, ScanLoop, TensorInfo
 from autopar.ir.program import FlatProgram, flatten_step
 from autopar.ir.remat_loss import flatten_step_rematerialised
 
@@ -32,7 +33,8 @@ def _tensor_info(vid: int, aval: Any, kind: str) -> TensorInfo:
 
 
 def build_graph(program: FlatProgram) -> OpGraph:
-    """Wrap a flat program's equations as OpNodes with flop and byte estimates."""
+    """Wrap a flat program's equations as OpNodes with flop and byte estimates (per step: an
+    equation of a scan body counts its flops and bytes once per iteration)."""
     tensors = {
         vid: _tensor_info(vid, aval, program.kinds[vid]) for vid, aval in program.avals.items()
     }
@@ -48,9 +50,10 @@ def build_graph(program: FlatProgram) -> OpGraph:
                 primitive=eqn.name,
                 inputs=eqn.inputs,
                 outputs=eqn.outputs,
-                flops=flops,
-                bytes_accessed=float(nbytes),
+                flops=flops * eqn.repeat,
+                bytes_accessed=float(nbytes) * eqn.repeat,
                 params=eqn.params,
+                repeat=eqn.repeat,
             )
         )
     return OpGraph(
@@ -63,6 +66,12 @@ def build_graph(program: FlatProgram) -> OpGraph:
             )
         ],
         outputs=[GraphIO(t, p) for t, p in zip(program.out_ids, program.out_paths, strict=True)],
+        loops=[
+            ScanLoop(enters=r.enters, exits=r.exits, body_start=r.body_start,
+                     body_stop=r.body_stop, length=r.length, num_consts=r.num_consts,
+                     num_carry=r.num_carry)
+            for _, r in sorted(program.regions.items())
+        ],
     )
 
 
@@ -73,7 +82,7 @@ def trace_step(fn: Callable, args: Sequence[Any],
     before these equations) under ``jax.checkpoint`` (``remat_loss.flatten_step_rematerialised``).
     """
     if remat_positions is None:
-        program = flatten_step(fn, tuple(args))
+        program = flatten_step(fn, tuple(args), expand_scans=True)
     else:
         program = flatten_step_rematerialised(fn, tuple(args), remat_positions)
     return TracedStep(program=program, graph=build_graph(program))

@@ -3,14 +3,26 @@ intra-operator ILP on a logical mesh.
 
 A piece of the loss forward becomes a small train step: the forward, ``jax.vjp`` back to its
 parameters and incoming activations, and a plain gradient step on the parameters (so the ILP
-sees that a replicated parameter's gradient must be reduced). Traced at microbatch shapes, the
-ILP's objective is the stage's time per microbatch; its choice for the piece's inputs is the
-stage's plan. Layers of the same structure are costed once (``LayerCostCache``).
+sees that a replicated parameter's gradient must be reduced, and ties the gradient's layout to
+the parameter's). Traced at microbatch shapes, the ILP's objective is the stage's time per
+microbatch; its choice for the piece's inputs is the stage's plan. Layers of the same structure
+are costed once (``LayerCostCache``).
+
+Two parts of that step run once per step, not once per microbatch, and are priced so before
+the ILP chooses (``_amortise``): the gradients' reduction (the collectives of the nodes that
+make each parameter's gradient, and the resharding of the gradient into the update) runs after
+the last microbatch's backward, on the accumulated gradient; and the update is the step's own
+optimizer (its equations after the gradients, ``step_update_work``: Adam's about a dozen flops
+per parameter, not the placeholder ``p - g``), on the parameter as the plan lays it out. Both
+enter the objective divided by the microbatch count (Alpa's ``grad_acc_num_micro_batches``),
+and ``PieceCost`` keeps them apart (``sync_s``, ``update_s``: per step).
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -19,18 +31,88 @@ import jax
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.opgraph import OpGraph
 from autopar.compiler.graph.trace import build_graph
-from autopar.compiler.intra_op.sharding_ilp import IntraOpOptions, solve_intra_op
+from autopar.compiler.intra_op.ilp import solve
+from autopar.compiler.intra_op.sharding_ilp import (
+    IntraOpOptions,
+    ProblemParts,
+    build_problem,
+    read_solution,
+)
 from autopar.ir.pipeline_program import Piece, PieceRoles, PipelineProgram, piece_roles
 from autopar.ir.program import flatten_step, run_eqns
 from autopar.plan import ShardingSpec
 
+# Ops a parameter's gradient passes through on its way from the node that sums it over the
+# batch (a weight gradient's dot, a bias gradient's reduce) to the update: the walk back from
+# the update stops at the first op not in this list, which is that node.
+_GRADIENT_PASS_THROUGH = frozenset({
+    "transpose", "reshape", "convert_element_type", "copy", "copy_p", "squeeze", "add",
+    "add_any", "reduce_precision",
+})
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """Work of the step outside the loss forward and its backward, from the traced step:
+    ``update_flops``: per dtype, flops of the equations after the gradients (the optimizer
+    update, a gradient norm) per parameter element; ``before_flops``: per dtype, flops of
+    the equations before the loss function (batch preprocessing), per step."""
+
+    update_flops: dict[str, float]
+    before_flops: dict[str, float]
+    param_elements: float
+
+    def update_seconds(self, elements: float, mesh: LogicalMesh) -> float:
+        """Seconds of the update of ``elements`` parameter elements on one device of ``mesh``."""
+        return math.fsum(per * elements / _rate(mesh, dtype)
+                         for dtype, per in self.update_flops.items())
+
+    def before_seconds(self, mesh: LogicalMesh, parts: int) -> float:
+        """Seconds of the preprocessing, split ``parts`` ways (the batch's devices)."""
+        return math.fsum(f / max(parts, 1) / _rate(mesh, dtype)
+                         for dtype, f in self.before_flops.items())
+
+
+def _rate(mesh: LogicalMesh, dtype: str) -> float:
+    return mesh.device.flops_for(dtype) * mesh.compute_efficiency
+
+
+def step_work(pp: PipelineProgram) -> StepWork:
+    """The step's own work around the pipeline (see :class:`StepWork`), priced per node as
+    the one-stage planners price it (each node's flops at its result's dtype)."""
+    outer = pp.outer
+    graph = build_graph(outer)
+    after = set(pp.vg.outputs)
+    update: Counter[str] = Counter()
+    before: Counter[str] = Counter()
+    for node in graph.nodes:
+        if node.id == pp.vg_index:
+            continue
+        dtype = graph.tensors[node.outputs[0]].dtype if node.outputs else "float32"
+        if any(t in after for t in node.inputs):
+            after.update(node.outputs)
+            update[dtype] += node.flops
+        else:
+            before[dtype] += node.flops
+    elements = float(sum(math.prod(outer.avals[pp.operand_of[f]].shape)
+                         for f in pp.diff_inputs))
+    per = {d: f / elements for d, f in update.items() if f} if elements else {}
+    return StepWork(per, {d: f for d, f in before.items() if f}, elements)
+
 
 @dataclass(frozen=True)
 class PieceCost:
-    """One piece on one logical mesh: seconds per microbatch (forward + backward + the
-    gradient's reduction), per-device bytes that stay (parameters, gradients and optimizer
-    state, taken as 4x the parameters) and per in-flight microbatch (the forward's values kept
-    for the backward), and the spec of each piece input (forward value id -> spec)."""
+    """One piece on one logical mesh.
+
+    ``time_s``: seconds per microbatch, forward + backward (``compute_s`` of it computing, the
+    rest communicating inside the mesh; feeding its inputs is the stage search's to price);
+    ``sync_s``: seconds per step of its gradients' reduction over the mesh; ``update_s``:
+    seconds per step of the step's optimizer update of its parameters (as laid out);
+    ``param_bytes``: per-device bytes of its parameters; ``fixed_bytes``: per-device bytes
+    that stay (parameters, gradient accumulators, optimizer state); ``activation_bytes``: per
+    in-flight microbatch (the forward's values kept for the backward); ``input_specs``: the
+    spec of each piece input (forward value id -> spec); ``ilp_status``, ``ilp_gap``: how
+    its ILP ended."""
 
     time_s: float
     compute_s: float
@@ -40,6 +122,14 @@ class PieceCost:
     boundary_bytes: float
     input_specs: dict[int, ShardingSpec]
     ilp_status: str
+    sync_s: float = 0.0
+    update_s: float = 0.0
+    param_bytes: float = 0.0
+    ilp_gap: float | None = None
+
+    def per_microbatch_s(self, num_microbatches: int) -> float:
+        """Forward and backward, with the per-step parts spread over the microbatches."""
+        return self.time_s + (self.sync_s + self.update_s) / max(num_microbatches, 1)
 
 
 def piece_train_graph(pp: PipelineProgram, piece: Piece) -> tuple[OpGraph, dict[str, int]]:
@@ -109,9 +199,13 @@ def piece_signature(pp: PipelineProgram, piece: Piece) -> str:
 
 @dataclass
 class LayerCostCache:
-    """Piece costs by (structure, mesh): a repeated layer is solved once per mesh."""
+    """Piece costs by (structure, mesh): a repeated layer is solved once per mesh.
+
+    ``num_microbatches``: what the per-step parts (gradient reduction, update) are divided by
+    in the ILP's objective. ``statuses``: how every ILP solved ended (``solve_status``)."""
 
     options: IntraOpOptions
+    num_microbatches: int = 1
     solved: dict[tuple, tuple[PieceCost, Piece]] = field(default_factory=dict)
     ilp_solves: int = 0
     # resharding costs per mesh, shared by every piece solved on it
@@ -125,6 +219,9 @@ class LayerCostCache:
     # each structure's train graph, traced once for all meshes, and the piece it was traced
     # from (its value ids are the ones the graph's paths name)
     graphs: dict[str, tuple[OpGraph, dict[str, int], Piece]] = field(default_factory=dict)
+    # the step's work outside the loss function, read off the step once
+    work: StepWork | None = None
+    statuses: Counter = field(default_factory=Counter)
 
     def _roles(self, pp: PipelineProgram, piece: Piece) -> PieceRoles:
         span = _span(piece)
@@ -149,10 +246,13 @@ class LayerCostCache:
             shared = self.reshard_costs.setdefault(mesh_key, {})
             if self.state_per_parameter is None:
                 self.state_per_parameter = optimizer_state_per_parameter(pp)
+            if self.work is None:
+                self.work = step_work(pp)
             cost = _solve_piece(pp, traced_from, graph, paths, mesh, self.options, shared,
-                                self.state_per_parameter)
+                                self.state_per_parameter, self.work, self.num_microbatches)
             self.solved[key] = (cost, traced_from)
             self.ilp_solves += 1
+            self.statuses[solve_status(cost)] += 1
         cost, first = self.solved[key]
         if first is piece:
             return cost
@@ -181,13 +281,125 @@ def _span(piece: Piece) -> tuple[int, int]:
     return (piece.eqns[0], piece.eqns[-1]) if piece.eqns else (piece.index, -1)
 
 
+def solve_status(cost: PieceCost) -> str:
+    """How a stage-cost ILP ended: ``proven`` (optimal up to solver tolerance, or decided
+    without a MIP), ``within_gap`` (stopped within the relative gap it was given),
+    ``time_limit`` (stopped at its time limit: the best plan so far), ``no_solution`` (the
+    solver found none in time: the greedy plan), ``solver_error`` (the solver failed: the
+    greedy plan)."""
+    if cost.ilp_status in ("time_limit", "no_solution", "solver_error"):
+        return cost.ilp_status
+    if cost.ilp_gap is not None and cost.ilp_gap > 1e-9:
+        return "within_gap"
+    return "proven"
+
+
+def _gradient_nodes(graph: OpGraph) -> tuple[dict[int, int], set[int]]:
+    """The placeholder update ``p - g`` of every parameter (node id -> the operand position of
+    its gradient), and the nodes that make the gradients (each reached back from ``g``
+    through ``_GRADIENT_PASS_THROUGH`` ops, up to and including the first other op)."""
+    updates: dict[int, int] = {}
+    for io in graph.outputs:
+        if not io.path.startswith("out/0/p/"):
+            continue
+        node = graph.nodes[graph.producer[io.tensor]]
+        if node.primitive == "sub" and len(node.inputs) == 2:
+            updates[node.id] = 1
+    makers: set[int] = set()
+    stack = [graph.nodes[u].inputs[k] for u, k in updates.items()]
+    while stack:
+        t = stack.pop()
+        n = graph.producer.get(t)
+        if n is None or n in makers:
+            continue
+        makers.add(n)
+        node = graph.nodes[n]
+        if node.primitive in _GRADIENT_PASS_THROUGH:
+            stack.extend(node.inputs)
+    return updates, makers
+
+
+def _amortise(problem: Any, parts: ProblemParts, graph: OpGraph, mesh: LogicalMesh,
+              work: StepWork, m: int) -> Any:
+    """Rewrite ``problem`` (in place) so that the per-step parts cost what they cost per
+    microbatch: the gradients' collectives (their makers' own and the resharding into the
+    update) divided by ``m``, and each placeholder update's compute replaced by the step's
+    update of that parameter, divided by ``m``. Returns a function of the chosen strategies
+    giving (sync, update, placeholder compute) seconds per step."""
+    table = parts.table
+    updates, makers = _gradient_nodes(graph)
+    keep = 1.0 / max(m, 1)
+    sizes = {a: mesh.axis_size(a) for a in mesh.axis_names}
+    edges = {(e.src, e.dst): e for e in problem.edges}
+
+    def update_s(member: int, strategy: Any) -> float:
+        info = graph.tensors[graph.nodes[member].outputs[0]]
+        shards = strategy.output_specs[0].num_shards(sizes)
+        return work.update_seconds(info.size / shards, mesh)
+
+    uses = []  # (tensor, producer variable, consumer variable, matrix)
+    for u, k in updates.items():
+        t = graph.nodes[u].inputs[k]
+        if t not in table.tensor_home:
+            continue
+        dst = table.variable_of(u)
+        strategies = dst.members[u]
+        matrix = parts.edges.use_matrix(
+            t, lambda s=strategies, k=k: [x.input_specs[k] for x in s], ("use", id(strategies), k))
+        uses.append((table.home_variable(t).index, dst.index, matrix))
+    for var, node in zip(table.variables, problem.nodes, strict=True):
+        costs = list(node.costs)
+        for member, strategies in var.members.items():
+            if member in makers:
+                for c, st in enumerate(strategies):
+                    costs[c] -= (1.0 - keep) * st.communication_time_s
+            if member in updates:
+                for c, st in enumerate(strategies):
+                    costs[c] += keep * update_s(member, st) - st.compute_time_s
+        node.costs = [max(c, 0.0) for c in costs]
+    for src, dst, matrix in uses:
+        if src == dst:
+            node = problem.nodes[src]
+            node.costs = [max(c - (1.0 - keep) * d, 0.0)
+                          for c, d in zip(node.costs, matrix.diagonal(), strict=True)]
+        elif (src, dst) in edges:
+            edge = edges[(src, dst)]
+            edge.costs = [[max(c - (1.0 - keep) * d, 0.0) for c, d in zip(row, mrow, strict=True)]
+                          for row, mrow in zip(edge.costs, matrix.tolist(), strict=True)]
+
+    fed = {-(1 + k) for k, io in enumerate(graph.inputs) if io.path.startswith("batch/")}
+
+    def per_step(choices: list[int]) -> tuple[float, float, float, float]:
+        """(sync, update, placeholder compute, feed) seconds of the chosen strategies."""
+        sync = update = placeholder = feed = 0.0
+        for var, c in zip(table.variables, choices, strict=True):
+            for member, strategies in var.members.items():
+                if member in makers:
+                    sync += strategies[c].communication_time_s
+                if member in updates:
+                    update += update_s(member, strategies[c])
+                    placeholder += strategies[c].compute_time_s
+                if member in fed:
+                    feed += strategies[c].cost
+        for src, dst, matrix in uses:
+            sync += float(matrix[choices[src], choices[dst]])
+        return sync, update, placeholder, feed
+
+    return per_step
+
+
 def _solve_piece(pp: PipelineProgram, piece: Piece, graph: OpGraph, paths: dict[str, int],
                  mesh: LogicalMesh, options: IntraOpOptions, reshard_cache: dict,
-                 state_per_parameter: float) -> PieceCost:
-    result = solve_intra_op(graph, mesh, options, reshard_cache)
+                 state_per_parameter: float, work: StepWork, m: int) -> PieceCost:
+    problem, parts = build_problem(graph, mesh, options, reshard_cache)
+    per_step = _amortise(problem, parts, graph, mesh, work, m)
+    solution = solve(problem, solver=options.solver, time_limit_s=options.time_limit_s,
+                     relative_gap=options.relative_gap)
+    node_strategy, input_spec, _, _, _ = read_solution(parts, solution.choices)
+    sync, update, placeholder, feed = per_step(solution.choices)
     sizes = {a: mesh.axis_size(a) for a in mesh.axis_names}
     by_path = {io.path: io.tensor for io in graph.inputs}
-    specs = {fid: result.input_spec[by_path[path]] for path, fid in paths.items()
+    specs = {fid: input_spec[by_path[path]] for path, fid in paths.items()
              if not path.startswith("batch/g")}
     roles = piece_roles(pp, piece)
     param_bytes = sum(
@@ -200,16 +412,26 @@ def _solve_piece(pp: PipelineProgram, piece: Piece, graph: OpGraph, paths: dict[
     batch_split = max(
         [specs[v].num_shards(sizes) for v in (*roles.acts, *roles.micro) if v in specs] or [1]
     )
+    keep = 1.0 / max(m, 1)
+    # the ILP prices feeding the piece's batch inputs (microbatch data, activations and
+    # cotangents) to choose their splits; the stage search prices the transfers between
+    # stages itself, and a one-stage plan's estimate has no feed: left out here
+    per_microbatch = float(solution.objective) - keep * (sync + update) - feed
+    compute = sum(st.compute_time_s for st in node_strategy.values()) - placeholder
     return PieceCost(
-        time_s=float(result.solution.objective),
-        compute_s=sum(st.compute_time_s for st in result.node_strategy.values()),
+        time_s=max(per_microbatch, 0.0),
+        compute_s=max(compute, 0.0),
         # the parameters, their gradient accumulators and their optimizer state
         fixed_bytes=(2.0 + state_per_parameter) * param_bytes,
         activation_bytes=kept / batch_split,
         boundary_bytes=sum(_nbytes(fwd.avals[v]) for v in (*roles.acts, *roles.micro))
         / batch_split,
         input_specs=specs,
-        ilp_status=result.solution.status,
+        ilp_status=solution.status,
+        sync_s=sync,
+        update_s=update,
+        param_bytes=param_bytes,
+        ilp_gap=solution.gap,
     )
 
 

@@ -24,27 +24,30 @@ def is_remat_key(key: str) -> bool:
     return key.endswith(REMAT_SUFFIX)
 
 
-def remat_candidates(costs: Sequence[Any], shape: tuple[int, ...],
-                     mode: str) -> list[StageCandidate]:
+def remat_candidates(costs: Sequence[Any], shape: tuple[int, ...], mode: str, *,
+                     extra_time: float = 0.0, tail_time: float = 0.0, host_time: float = 0.0,
+                     param_bytes: float = 0.0) -> list[StageCandidate]:
     """The stage candidates of layers with ``costs`` (``PieceCost``) on one logical mesh:
-    as they are (``mode`` "none" or "auto"), rematerialised ("layers" or "auto")."""
+    as they are (``mode`` "none" or "auto"), rematerialised ("layers" or "auto").
+    ``extra_time`` is added per microbatch; ``tail_time``, ``host_time`` and ``param_bytes``
+    are the stage's (see ``StageCandidate``)."""
     key = "x".join(map(str, shape))
     fixed = sum(c.fixed_bytes for c in costs)
+    common = dict(fixed_memory=fixed, logical_mesh_shape=shape, tail_time=tail_time,
+                  host_time=host_time, param_bytes=param_bytes)
     found = []
     if mode != "layers":
         found.append(StageCandidate(
-            time=sum(c.time_s for c in costs),
-            fixed_memory=fixed,
+            time=sum(c.time_s for c in costs) + extra_time,
             activation_memory_per_microbatch=sum(c.activation_bytes for c in costs),
-            logical_mesh_shape=shape,
             key=key,
+            **common,
         ))
     if mode != "none":
         found.append(StageCandidate(
-            time=sum(c.time_s + FORWARD_SHARE * c.compute_s for c in costs),
-            fixed_memory=fixed,
+            time=sum(c.time_s + FORWARD_SHARE * c.compute_s for c in costs) + extra_time,
             activation_memory_per_microbatch=sum(c.boundary_bytes for c in costs),
-            logical_mesh_shape=shape,
             key=key + REMAT_SUFFIX,
+            **common,
         ))
     return found

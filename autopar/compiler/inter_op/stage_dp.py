@@ -65,9 +65,13 @@ __all__ = [
 ]
 
 
-def pipeline_time(stage_times: Sequence[float], num_microbatches: int) -> float:
-    """``sum(t_i) + (m - 1) * max(t_i)``: one iteration's latency through the pipeline."""
-    return float(sum(stage_times) + (num_microbatches - 1) * max(stage_times))
+def pipeline_time(stage_times: Sequence[float], num_microbatches: int,
+                  sum_times: Sequence[float] | None = None) -> float:
+    """``sum(s_i) + (m - 1) * max(t_i)``: one iteration's latency through the pipeline, where
+    ``s_i`` (``sum_times``, default ``t_i``) is what the stage adds once (its time per
+    microbatch and its per-step parts) and ``t_i`` its time per microbatch."""
+    summed = stage_times if sum_times is None else sum_times
+    return float(sum(summed) + (num_microbatches - 1) * max(stage_times))
 
 
 # ----------------------------------------------------------------------------- the DP
@@ -77,11 +81,14 @@ def pipeline_time(stage_times: Sequence[float], num_microbatches: int) -> float:
 class StageDPProblem:
     """The cost table as dense arrays over (start k, end e, usable submesh j[, candidate]).
 
-    ``best_time[f]`` is the fastest candidate's time among those fitting the budget with ``f``
-    microbatches in flight (inf if none), ``best_index[f]`` its position in the table entry, and
-    ``least_memory[f]`` the smallest memory any candidate needs with ``f`` in flight. Capping the
-    stage time at t_max only masks ``best_time``: the fastest fitting candidate either meets the
-    cap or no fitting candidate does.
+    A candidate has two times: what the max term sees (its time per microbatch, the per-step
+    tail spread over the microbatches) and what the sum term sees (that plus the host's time;
+    ``StageCandidate.max_part`` / ``sum_part``). ``fit_time[f]`` / ``fit_sum[f]`` (k, e, j, c)
+    are those of the candidates fitting the budget with ``f`` microbatches in flight (inf for
+    the others); ``best_time[f]`` the least ``fit_time`` per entry (inf if none), and
+    ``least_memory[f]`` the smallest memory any candidate needs with ``f`` in flight. Under a
+    stage-time cap a stage takes, among the fitting candidates meeting the cap, the one of
+    least sum (:meth:`capped`); when the two times are equal that is the fastest, as before.
     """
 
     num_layers: int
@@ -94,37 +101,50 @@ class StageDPProblem:
     # (index 0 unused); fractional for interleaved schedules
     in_flight: tuple[float, ...]
     best_time: Mapping[float, np.ndarray]
-    best_index: Mapping[float, np.ndarray]
     least_memory: Mapping[float, np.ndarray]
+    fit_time: Mapping[float, np.ndarray]
+    fit_sum: Mapping[float, np.ndarray]
 
     def per_stage_count(self, by_in_flight: Mapping[float, np.ndarray]) -> list[np.ndarray]:
         """``costs[s]`` for s = 1..top (``costs[0]`` is unused)."""
         return [by_in_flight[self.in_flight[max(s, 1)]] for s in range(self.top_stages + 1)]
 
+    def capped(self, t_max: float) -> tuple[dict[float, np.ndarray], dict[float, np.ndarray]]:
+        """Per in-flight count: the least sum of a fitting candidate whose time is at most
+        ``t_max`` (inf if none), and its index in the table entry."""
+        sums, index = {}, {}
+        for f, times in self.fit_time.items():
+            masked = np.where(times <= t_max, self.fit_sum[f], np.inf)
+            index[f] = np.argmin(masked, axis=-1)
+            sums[f] = np.take_along_axis(masked, index[f][..., None], axis=-1)[..., 0]
+        return sums, index
+
 
 @dataclass(frozen=True)
 class _DenseTable:
     """The table's candidates as (k, e, j, candidate) arrays, padding slots infinite; and,
-    per in-flight count, the fastest fitting candidate (filled as counts are asked for)."""
+    per in-flight count, the fitting candidates' times (filled as counts are asked for)."""
 
     num_layers: int
     num_devices: int
     table_index: tuple[int, ...]
     sizes: np.ndarray
     times: np.ndarray
+    sums: np.ndarray
     fixed: np.ndarray
     act: np.ndarray
     budget: float
-    by_count: dict[float, tuple[np.ndarray, np.ndarray, np.ndarray]]
+    by_count: dict[float, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
 
-    def for_count(self, f: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(best time, its candidate index, least memory) with ``f`` microbatches in flight."""
+    def for_count(self, f: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(best time, least memory, fitting times, fitting sums) with ``f`` in flight."""
         if f not in self.by_count:
             need = self.fixed + f * self.act  # inf for padding slots: they never fit
-            fitting_times = np.where(need <= self.budget, self.times, np.inf)
-            index = np.argmin(fitting_times, axis=-1)
-            best = np.take_along_axis(fitting_times, index[..., None], axis=-1)[..., 0]
-            self.by_count[f] = (best, index, need.min(axis=-1))
+            fits = need <= self.budget
+            fitting_times = np.where(fits, self.times, np.inf)
+            fitting_sums = np.where(fits, self.sums, np.inf)
+            self.by_count[f] = (fitting_times.min(axis=-1), need.min(axis=-1), fitting_times,
+                                fitting_sums)
         return self.by_count[f]
 
     def problem(self, top: int, fixed_stages: int | None,
@@ -140,8 +160,9 @@ class _DenseTable:
             fixed_stages=fixed_stages,
             in_flight=in_flight,
             best_time={f: found[f][0] for f in counts},
-            best_index={f: found[f][1] for f in counts},
-            least_memory={f: found[f][2] for f in counts},
+            least_memory={f: found[f][1] for f in counts},
+            fit_time={f: found[f][2] for f in counts},
+            fit_sum={f: found[f][3] for f in counts},
         )
 
 
@@ -158,11 +179,14 @@ def _densify(
     width = max([1] + [len(found) for *_, found in entries])
     shape = (layers, layers + 1, len(usable), width)
     times, fixed, act = np.full(shape, np.inf), np.full(shape, np.inf), np.zeros(shape)
+    sums = np.full(shape, np.inf)
+    m = options.num_microbatches
     at = [(k, e, j, c) for k, e, j, found in entries for c in range(len(found))]
     if at:
         where = tuple(np.array(axis) for axis in zip(*at, strict=True))
         chosen = [entry[3][c] for entry in entries for c in range(len(entry[3]))]
-        times[where] = [c.time for c in chosen]
+        times[where] = [c.max_part(m) for c in chosen]
+        sums[where] = [c.sum_part(m) for c in chosen]
         fixed[where] = [c.fixed_memory for c in chosen]
         act[where] = [c.activation_memory_per_microbatch for c in chosen]
     budget = np.inf if options.memory_budget_bytes is None else options.memory_budget_bytes
@@ -172,6 +196,7 @@ def _densify(
         table_index=usable,
         sizes=np.array([table.submeshes[i].num_devices for i in usable]),
         times=times,
+        sums=sums,
         fixed=fixed,
         act=act,
         budget=float(budget),
@@ -331,30 +356,33 @@ def backtrack(
 
 @dataclass(frozen=True)
 class DPAnswer:
-    """One DP answer: stages as (start, end, usable submesh j, in-flight count)."""
+    """One DP answer: stages as (start, end, usable submesh j, in-flight count), the index of
+    each stage's candidate in its table entry, their times (max term) and the sum term."""
 
     stages: tuple[tuple[int, int, int, float], ...]
     times: tuple[float, ...]
     stage_sum: float
     max_time: float
     total: float
+    candidates: tuple[int, ...] = ()
 
 
 def solve_capped(problem: StageDPProblem, t_max: float, num_microbatches: int) -> DPAnswer | None:
     """Min-sum stages with every stage time <= ``t_max``; None if there are none."""
-    capped = problem.best_time
-    if math.isfinite(t_max):
-        capped = {f: np.where(t <= t_max, t, np.inf) for f, t in problem.best_time.items()}
-    costs = problem.per_stage_count(capped)
+    sums, index = problem.capped(t_max)
+    costs = problem.per_stage_count(sums)
     tables = run_dp(problem, costs, np.add)
     count, value = best_stage_count(problem, tables)
     if not math.isfinite(value):
         return None
     path = backtrack(problem, tables, costs, np.add, count)
     stages = tuple((k, e, j, problem.in_flight[count - i]) for i, (k, e, j) in enumerate(path))
-    times = tuple(float(problem.best_time[f][k, e, j]) for k, e, j, f in stages)
-    total = pipeline_time(times, num_microbatches)
-    return DPAnswer(stages, times, float(sum(times)), max(times), total)
+    chosen = tuple(int(index[f][k, e, j]) for k, e, j, f in stages)
+    times = tuple(float(problem.fit_time[f][k, e, j, c])
+                  for (k, e, j, f), c in zip(stages, chosen, strict=True))
+    summed = tuple(float(sums[f][k, e, j]) for k, e, j, f in stages)
+    total = pipeline_time(times, num_microbatches, summed)
+    return DPAnswer(stages, times, float(sum(summed)), max(times), total, chosen)
 
 
 def thin_caps(caps_descending: np.ndarray, limit: int) -> tuple[np.ndarray, float]:
@@ -458,8 +486,8 @@ def branch_and_bound(
 
 @dataclass(frozen=True)
 class StageSearch:
-    """The search's outcome: the best answer and the problem it answers (its ``best_index``
-    names the candidates), the thinning gap (0.0: exact), the DP runs."""
+    """The search's outcome: the best answer (``best.candidates`` index its stages' table
+    entries) and the problem it answers, the thinning gap (0.0: exact), the DP runs."""
 
     best: DPAnswer
     problem: StageDPProblem
@@ -527,7 +555,7 @@ def search_stages(
         # Every stage time the DP can pick is a cap worth trying; caps at or above the uncapped
         # answer's slowest stage return that answer again, caps at t_low or below were handled.
         distinct = np.unique(
-            np.concatenate([t[np.isfinite(t)] for t in problem.best_time.values()])
+            np.concatenate([t[np.isfinite(t)] for t in problem.fit_time.values()])
         )
         caps = distinct[(distinct > t_low) & (distinct < unlimited.max_time)]
         found_gap = branch_and_bound(

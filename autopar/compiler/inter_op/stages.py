@@ -125,11 +125,9 @@ def solve_stages(
             start=k,
             end=e,
             submesh=table.submeshes[problem.table_index[j]],
-            candidate=table.candidates(k, e, problem.table_index[j])[
-                int(problem.best_index[f][k, e, j])
-            ],
+            candidate=table.candidates(k, e, problem.table_index[j])[c],
         )
-        for k, e, j, f in best.stages
+        for (k, e, j, _), c in zip(best.stages, best.candidates, strict=True)
     )
     return StagePartition(
         stages=stages,
@@ -175,13 +173,14 @@ def _evaluate(
                 f"microbatches in flight ({options.schedule}); the budget is "
                 f"{options.memory_budget_bytes:.0f}"
             )
-        fastest = min(fitting, key=lambda c: c.time)
+        fastest = min(fitting, key=lambda c: (c.sum_part(m) + (m - 1) * c.max_part(m)))
         stages.append(StageAssignment(start, end, shape, fastest))
-    times = [stage.candidate.time for stage in stages]
+    times = [stage.candidate.max_part(m) for stage in stages]
+    sums = [stage.candidate.sum_part(m) for stage in stages]
     return StagePartition(
         stages=tuple(stages),
         num_microbatches=m,
-        total_time=pipeline_time(times, m),
+        total_time=pipeline_time(times, m, sums),
         max_stage_time=max(times),
         exact=True,
         num_tmax_tried=0,

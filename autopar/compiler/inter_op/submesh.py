@@ -209,10 +209,19 @@ def _non_negative(value: Any, what: str) -> float:
 class StageCandidate:
     """One way to run a layer range on a submesh (one logical mesh shape).
 
-    ``time``: seconds per microbatch, forward plus backward. ``fixed_memory``: bytes per device
-    independent of the microbatch count (parameters, gradients, optimizer state).
+    ``time``: device seconds per microbatch, forward plus backward. ``fixed_memory``: bytes per
+    device independent of the microbatch count (parameters, gradients, optimizer state).
     ``activation_memory_per_microbatch``: bytes per device kept for one in-flight microbatch.
     ``key`` is opaque here; the caller uses it to find the matching intra-operator plan.
+    ``tail_time``: device seconds once per step, after the stage's last backward (the
+    gradients' reduction, the optimizer update). ``host_time``: the driver's seconds per step
+    for this stage's tasks and transfers (issued one after the other by one host thread, so
+    they add up over stages rather than overlap). ``param_bytes``: the stage's parameter bytes
+    per device (what replicas of the stage all-reduce).
+
+    The stage DP charges ``sum(time + tail_time / m + host_time) + (m - 1) max(time +
+    tail_time / m)`` (:meth:`sum_part`, :meth:`max_part`): the per-step tail spread over the
+    microbatches, which for one stage is exact.
     """
 
     time: float
@@ -220,13 +229,26 @@ class StageCandidate:
     activation_memory_per_microbatch: float
     logical_mesh_shape: tuple[int, ...]
     key: str = ""
+    tail_time: float = 0.0
+    host_time: float = 0.0
+    param_bytes: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("time", "fixed_memory", "activation_memory_per_microbatch"):
+        for name in ("time", "fixed_memory", "activation_memory_per_microbatch", "tail_time",
+                     "host_time", "param_bytes"):
             object.__setattr__(self, name, _non_negative(getattr(self, name), name))
         object.__setattr__(
             self, "logical_mesh_shape", tuple(int(n) for n in self.logical_mesh_shape)
         )
+
+    def max_part(self, num_microbatches: int) -> float:
+        """What the DP's max term sees: the time per microbatch with the tail spread over the
+        ``num_microbatches``."""
+        return self.time + self.tail_time / max(num_microbatches, 1)
+
+    def sum_part(self, num_microbatches: int) -> float:
+        """What the DP's sum term sees: :meth:`max_part` and the host's time."""
+        return self.max_part(num_microbatches) + self.host_time
 
     def memory(self, in_flight: float) -> float:
         """Peak bytes per device with ``in_flight`` microbatches' activations held (fractional
@@ -241,6 +263,9 @@ class StageCandidate:
             "activation_memory_per_microbatch": self.activation_memory_per_microbatch,
             "logical_mesh_shape": list(self.logical_mesh_shape),
             "key": self.key,
+            "tail_time": self.tail_time,
+            "host_time": self.host_time,
+            "param_bytes": self.param_bytes,
         }
 
 

@@ -18,7 +18,11 @@ from autopar.compiler.cost.resharding import ReshardCost, reshard_cost
 from autopar.compiler.graph.opgraph import OpGraph, TensorInfo
 from autopar.compiler.intra_op.problem import ProblemEdge
 from autopar.compiler.intra_op.strategies.base import Strategy
-from autopar.compiler.intra_op.variables import DecisionVariables, Variable
+from autopar.compiler.intra_op.variables import (
+    COLLECTIVE_TIE_BREAK_S,
+    DecisionVariables,
+    Variable,
+)
 from autopar.plan import ShardingSpec
 
 # how many use notes an edge keeps for --dump-ilp readers
@@ -103,7 +107,9 @@ class ReshardingEdges:
             small = np.zeros((len(src_index), len(need_index) + 1))  # last column: no need
             for a, spec in enumerate(src_index):
                 for b, need in enumerate(need_index):
-                    small[a, b] = self.cost(spec, need, info).time_s
+                    move = self.cost(spec, need, info)
+                    count = sum(c.count for c in move.collectives)
+                    small[a, b] = move.time_s + COLLECTIVE_TIE_BREAK_S * count
             found = small[np.ix_(rows, cols)]
             self._matrix_cache[full_key] = found
         return found
@@ -116,9 +122,12 @@ class ReshardingEdges:
         matrices: dict[tuple[int, int], np.ndarray] = {}
         notes: dict[tuple[int, int], list[str]] = {}
 
-        def add_use(tensor: int, dst_var: Variable, needs, key: tuple, note: str) -> None:
+        def add_use(tensor: int, dst_var: Variable, needs, key: tuple, note: str,
+                    repeat: int = 1) -> None:
             src_var = table.home_variable(tensor)
             matrix = self.use_matrix(tensor, needs, key)
+            if repeat > 1:  # a use inside a scan body reshards on every iteration
+                matrix = matrix * repeat
             if src_var.index == dst_var.index:
                 # one decision at both ends: only the diagonal can happen
                 src_var.costs = list(np.asarray(src_var.costs) + np.diagonal(matrix))
@@ -137,7 +146,8 @@ class ReshardingEdges:
                 if t not in table.tensor_home:
                     continue  # literal or constant: every device holds it whole
                 needs = partial(_input_needs, strategies, k)
-                add_use(t, var, needs, ("use", id(strategies), k), f"t{t}->n{node.id}.{k}")
+                add_use(t, var, needs, ("use", id(strategies), k), f"t{t}->n{node.id}.{k}",
+                        node.repeat)
         for out_t, in_t in ties:
             in_member = table.tensor_home[in_t][0]
             in_var = table.variable_of(in_member)

@@ -36,6 +36,13 @@ from autopar.methods import Solver
 # A gap this loose or looser is first tried by rounding the LP relaxation (a proof when the
 # rounded plan is within the gap of the LP's bound); tighter gaps go straight to the MIP.
 LP_ROUNDING_MIN_GAP = 1e-4
+# How the MIP ended (``mip.MipResult.status``) -> the solution's status. "time_limit": the
+# solver stopped at its limit with a plan (the better of it and the greedy plan is used);
+# "no_solution": it stopped with none (the greedy plan is used); "solver_error": it failed
+# (logged as a warning; the greedy plan is used). Planners name the last two in the plan's
+# notes: a greedy plan is a valid plan, not an optimal one.
+SOLUTION_STATUS = {"optimal": "optimal", "feasible": "time_limit", "none": "no_solution",
+                   "error": "solver_error"}
 WARM_START = True  # hand the greedy plan to the solver (a switch for measurements)
 
 
@@ -128,7 +135,9 @@ def solve(problem: IntraOpProblem, *, solver: str = "auto", time_limit_s: float 
     The solver gets what is left of ``time_limit_s`` after presolve and model building (at least
     0.05 s); PuLP's hand-over to it and CBC's overshoot come on top (docs/ilp-format.md). On the
     limit, the better of the solver's incumbent and the greedy start plan comes back with status
-    "time_limit". Raises ``InfeasibleMemoryError`` when no plan fits the budget.
+    "time_limit"; when the solver stopped without a plan, the greedy plan with "no_solution";
+    when it failed, the greedy plan with "solver_error" (``SOLUTION_STATUS``). Raises
+    ``InfeasibleMemoryError`` when no plan fits the budget.
     ``presolve=False`` keeps every node in the MIP (for tests and measurements).
     ``relative_gap``: the solver stops once its incumbent is within this fraction of its bound
     (default 1e-9: optimal up to solver tolerances; a looser gap "optimal" means within it).
@@ -178,7 +187,7 @@ def solve(problem: IntraOpProblem, *, solver: str = "auto", time_limit_s: float 
     t1 = time.perf_counter()
     result = run_mip(model, name, max(time_limit_s - (t1 - t0), 0.05), relative_gap)
     t2 = time.perf_counter()
-    if result.status != "none":
+    if result.status in ("optimal", "feasible"):
         plans.append(complete_choices(r, n, result.core))
     plans = [p for p in plans if budget is None or peak_memory(problem, p) <= budget * (1 + 1e-9)]
     if not plans:  # unreachable while the least-memory plan fits; kept as a guard
@@ -190,6 +199,6 @@ def solve(problem: IntraOpProblem, *, solver: str = "auto", time_limit_s: float 
     if result.bound is not None and objective:  # in original units: constant + scaled MIP's
         gap = max(0.0, objective - (r.const + model.scale * result.bound)) / abs(objective)
     return IntraOpSolution(
-        choices, objective, "optimal" if optimal else "time_limit", optimal, gap, name,
+        choices, objective, SOLUTION_STATUS[result.status], optimal, gap, name,
         model.num_columns, model.num_rows, t1 - t0, t2 - t1, len(r.cost),
         sum(len(a) for a in r.adj.values()) // 2)

@@ -70,12 +70,15 @@ class MipModel:
 
 @dataclass(frozen=True)
 class MipResult:
-    """``status``: "optimal" | "feasible" | "none"; ``bound``: the solver's lower bound on the
-    scaled objective (None when it gave none); ``core``: each free node's chosen strategy."""
+    """``status``: "optimal" | "feasible" (stopped at the time limit with a plan) | "none"
+    (stopped with no plan) | "error" (the solver failed: ``message`` says how); ``bound``: the
+    solver's lower bound on the scaled objective (None when it gave none); ``core``: each free
+    node's chosen strategy."""
 
     status: str
     bound: float | None
     core: dict[int, int]
+    message: str = ""
 
 
 def solver_name(solver: str) -> str:
@@ -202,10 +205,18 @@ def run_mip(
     """Solve ``model`` with ``name`` ("highs" or "cbc") within ``time_limit_s``, stopping at
     ``relative_gap`` between the incumbent and the bound."""
     run = _run_highs if name == Solver.HIGHS else _run_cbc
-    values, status, bound = run(model, time_limit_s, relative_gap)
+    try:
+        values, status, bound = run(model, time_limit_s, relative_gap)
+    except _SolverFailed as failed:
+        logger.warning("%s failed: %s", name, failed)
+        return MipResult("error", None, {}, f"{name}: {failed}")
     core = {} if values is None else {
         u: int(np.argmax(values[cols])) for u, cols in model.node_columns.items()}
     return MipResult(status if values is not None else "none", bound, core)
+
+
+class _SolverFailed(Exception):
+    """The solver failed (an error status or exception), as opposed to running out of time."""
 
 
 def _log_lines(solver: str, text: str) -> None:
@@ -318,10 +329,16 @@ def _run_highs(
         warm.value_valid = True
         h.setSolution(warm)
     try:
-        h.run()
+        run_status = h.run()
     finally:
         if log is not None:
             log.flush()
+    model_status = h.getModelStatus()
+    failures = {highspy.HighsModelStatus.kSolveError, highspy.HighsModelStatus.kModelError,
+                highspy.HighsModelStatus.kLoadError, highspy.HighsModelStatus.kPresolveError,
+                highspy.HighsModelStatus.kPostsolveError}
+    if run_status == highspy.HighsStatus.kError or model_status in failures:
+        raise _SolverFailed(f"HiGHS ended with {h.modelStatusToString(model_status)}")
     info = h.getInfo()
     has = info.primal_solution_status == 2  # kSolutionStatusFeasible
     optimal = h.getModelStatus() == highspy.HighsModelStatus.kOptimal
@@ -336,7 +353,11 @@ def lp_rounding(model: MipModel, time_limit_s: float) -> tuple[float, dict[int, 
     relaxed = MipModel(model.cost, np.zeros_like(model.integer), model.row_start,
                        model.row_index, model.row_value, model.row_lower, model.row_upper,
                        model.node_columns, model.scale, None)
-    values, status, _ = _run_highs(relaxed, time_limit_s, MIP_REL_GAP)
+    try:
+        values, status, _ = _run_highs(relaxed, time_limit_s, MIP_REL_GAP)
+    except _SolverFailed as failed:  # the MIP that follows reports its own failure
+        logger.debug("highs LP relaxation failed: %s", failed)
+        return -math.inf, {}
     if values is None or status != "optimal":
         return -math.inf, {}
     rounded = {u: int(np.argmax(values[cols])) for u, cols in model.node_columns.items()}
@@ -380,8 +401,9 @@ def _run_cbc(
                 text = f.read()
             if logger.isEnabledFor(logging.DEBUG):
                 _log_lines("cbc", text)
-    except pulp.PulpSolverError:
-        return None, "none", None
+    except pulp.PulpSolverError as exc:
+        reason = " ".join(str(exc).split())[:200]
+        raise _SolverFailed(f"CBC raised {type(exc).__name__}: {reason}") from None
     finally:
         os.unlink(log)
     # CBC's summary says "Lower bound: x" on time limit, nothing when optimal.

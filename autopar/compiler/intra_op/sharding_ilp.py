@@ -14,6 +14,7 @@ and per operand use.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from autopar.compiler.intra_op.problem import (
     ProblemNode,
 )
 from autopar.compiler.intra_op.strategies.base import Strategy
-from autopar.compiler.intra_op.tying import tie_identical_variables
+from autopar.compiler.intra_op.tying import tie_identical_variables, tie_scan_carries
 from autopar.compiler.intra_op.variables import (
     FOLLOWERS,
     MEMORY_TIE_BREAK_S_PER_BYTE,
@@ -52,6 +53,7 @@ __all__ = [
     "build_problem",
     "read_solution",
     "solve_intra_op",
+    "tie_in_alternation",
 ]
 
 
@@ -71,6 +73,10 @@ class IntraOpOptions:
     # hops of wiring that must match for two ops to count as the same op of identical layers
     # (and share one decision); 0 turns the tying off
     tie_rounds: int = 4
+    # tied ops share a decision with every tie_period-th occurrence of their kind (2: the odd
+    # and the even layers decide apart, so consecutive identical layers may alternate, as
+    # Megatron's column- and row-parallel kernels do in a deep MLP); 1: all occurrences tie
+    tie_period: int = 2
 
 
 @dataclass
@@ -102,6 +108,39 @@ class ProblemParts:
         return self.table.variables
 
 
+def tie_in_alternation(
+    table: DecisionVariables, untied: list[Variable], untied_of: dict[int, int], period: int
+) -> None:
+    """Split every tied decision of ``table`` by occurrence: the k-th of the variables it
+    merged (``untied``, in program order; ``untied_of``: member -> its index there) joins the
+    decision of occurrence ``k mod period``. In place.
+
+    Identical layers tied into one decision must all choose alike, which rules out the plans
+    where consecutive layers differ: in a chain of identical dense layers Megatron's split
+    alternates, column-parallel then row-parallel, so that one all-reduce per pair of layers
+    is all it needs, while every layer splitting alike either gathers or all-reduces at every
+    layer. Occurrences of one op in program order are its layers in order (forward, backward
+    and update each run through the layers in one direction), so period 2 lets even and odd
+    layers decide apart and keeps a deep model's decisions bounded."""
+    groups: dict[int, list[Variable]] = {}
+    for var in untied:
+        groups.setdefault(table.var_of[var.root], []).append(var)
+    merged: list[Variable] = []
+    remap: dict[int, int] = {}
+    for index in sorted(groups):
+        occurrences = groups[index]
+        for phase in range(min(period, len(occurrences))):
+            part = occurrences[phase::period]
+            into = Variable(len(merged), part[0].root, {}, [0.0] * part[0].size)
+            for var in part:
+                into.members.update(var.members)
+                into.costs = [a + b for a, b in zip(into.costs, var.costs, strict=True)]
+                remap[var.index] = into.index
+            merged.append(into)
+    table.variables = merged
+    table.var_of = {m: remap[v] for m, v in untied_of.items()}
+
+
 def build_problem(
     graph: OpGraph,
     mesh: LogicalMesh,
@@ -114,8 +153,12 @@ def build_problem(
     table = DecisionVariables(graph, mesh)
     table.add_inputs(options.batch_argnums, options.pinned_inputs)
     table.add_nodes()
+    tie_scan_carries(table)  # a scan's carry keeps one layout around its loop
     if options.tie_rounds > 0:
+        untied, untied_of = list(table.variables), dict(table.var_of)
         tie_identical_variables(table, options.batch_argnums, options.tie_rounds)
+        if options.tie_period > 1:
+            tie_in_alternation(table, untied, untied_of, options.tie_period)
     parts = ProblemParts(
         table, ReshardingEdges(table, reshard_cache), state_ties(graph, table.tensor_home)
     )
@@ -179,7 +222,11 @@ def read_solution(
             if need is None or have is None or need == have:
                 continue
             operand_specs[(node.id, k)] = need
-            collectives.extend(parts.edges.cost(have, need, graph.tensors[t]).collectives)
+            moves = parts.edges.cost(have, need, graph.tensors[t]).collectives
+            if node.repeat > 1:  # inside a scan body: on every iteration
+                moves = tuple(dataclasses.replace(c, count=c.count * node.repeat,
+                                                  time_s=c.time_s * node.repeat) for c in moves)
+            collectives.extend(moves)
     for out_t, in_t in parts.ties:
         have, need = tensor_spec[out_t], input_spec[in_t]
         if have != need:

@@ -4,12 +4,65 @@ Ops are labelled Weisfeiler-Lehman style: a node's label starts as its strategy 
 (primitive, params, types) and is refined ``rounds`` times with the labels of its operands and
 users. Variables whose root and followers carry equal labels and whose strategy lists agree are
 merged, so where the model repeats a layer the ILP solves it once.
+
+A layer written as a ``scan`` body needs no labels: its equations are in the graph once, for
+every iteration. What the loop adds is :func:`tie_scan_carries`: a carry is one value around
+the loop, so the enter that reads it and the exit that makes it share one decision.
 """
 
 from __future__ import annotations
 
 from autopar.compiler.graph.opgraph import OpGraph
 from autopar.compiler.intra_op.variables import DecisionVariables, Variable, input_key
+
+
+def tie_scan_carries(table: DecisionVariables) -> int:
+    """Merge the variables of each scan carry's enter and exit (see the module docstring), in
+    place; returns how many pairs were merged. Both ends list the specs of one shape in one
+    order, so a choice index means the same spec at both; a pair whose lists disagree (or that
+    already shares a variable) is left as it is."""
+    pairs = []
+    for loop in table.graph.loops:
+        for enter, exit_ in loop.carry_pairs():
+            a, b = table.var_of.get(enter), table.var_of.get(exit_)
+            if a is None or b is None or a == b:
+                continue
+            ins = [s.output_specs[0] for s in table.variables[a].members[enter]]
+            outs = [s.input_specs[0] for s in table.variables[b].members[exit_]]
+            if ins == outs:
+                pairs.append((a, b))
+    if not pairs:
+        return 0
+    # union-find over variable indices: a carry passed through unchanged chains its pairs
+    parent = list(range(len(table.variables)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for a, b in pairs:
+        ra, rb = find(a), find(b)
+        if ra != rb:
+            parent[max(ra, rb)] = min(ra, rb)
+    merged: list[Variable] = []
+    remap: dict[int, int] = {}
+    for var in table.variables:
+        root = find(var.index)
+        if root == var.index:
+            remap[var.index] = len(merged)
+            merged.append(Variable(len(merged), var.root, dict(var.members), list(var.costs)))
+    for var in table.variables:
+        root = find(var.index)
+        if root != var.index:
+            into = merged[remap[root]]
+            into.members.update(var.members)
+            into.costs = [x + y for x, y in zip(into.costs, var.costs, strict=True)]
+            remap[var.index] = remap[root]
+    table.variables = merged
+    table.var_of = {m: remap[v] for m, v in table.var_of.items()}
+    return len(pairs)
 
 
 def structural_labels(

@@ -17,6 +17,7 @@ from autopar.compiler.graph.op_costs import ELEMENTWISE
 from autopar.compiler.graph.opgraph import OpGraph, OpNode, TensorInfo
 from autopar.compiler.intra_op.strategies import strategies_for
 from autopar.compiler.intra_op.strategies.base import Strategy, StrategyContext, specs_on_mesh
+from autopar.compiler.intra_op.strategies.control import repeated
 from autopar.plan import ShardingSpec
 
 # Nodes whose layout is best decided by an operand's: merged into that operand's variable.
@@ -41,6 +42,19 @@ _RANK_CHANGING = frozenset({"reshape", "transpose", "squeeze"})
 # Weight of per-device state bytes in the objective: breaks ties towards less memory without
 # ever outweighing a real cost (1 GiB per device adds about a nanosecond).
 MEMORY_TIE_BREAK_S_PER_BYTE = 1e-18
+# Weight of each collective in the objective: among plans that move the same bytes, the one
+# with fewer collectives wins. Partial sums all-reduced cost exactly what a reduce-scatter plus
+# the all-gathers back to whole cost (a ring all-reduce is both halves), and without this the
+# solver picks either; XLA's own propagation all-reduces, and on CPU XLA runs a
+# reduce-scatter as an all-reduce plus a slice, so the split path is the worse one there.
+COLLECTIVE_TIE_BREAK_S = 1e-10
+
+
+def decision_cost(strategy: Strategy) -> float:
+    """What choosing ``strategy`` adds to the objective: its cost, plus the collective
+    tie-break per collective it runs."""
+    count = sum(c.count for c in strategy.collectives)
+    return strategy.cost + COLLECTIVE_TIE_BREAK_S * count
 
 
 @dataclass
@@ -66,12 +80,19 @@ def input_key(position: int) -> int:
 
 
 def node_signature(graph: OpGraph, node: OpNode) -> tuple:
-    """What a node's strategies depend on: primitive, parameters, operand and result types."""
+    """What a node's strategies depend on: primitive, parameters, operand and result types,
+    and how often it runs per step (inside scan regions)."""
     params = tuple(sorted((k, repr(v)) for k, v in node.params.items()))
     types = tuple(
         (graph.tensors[t].shape, graph.tensors[t].dtype) for t in (*node.inputs, *node.outputs)
     )
-    return (node.primitive, params, types, len(node.inputs))
+    return (node.primitive, params, types, len(node.inputs), node.repeat)
+
+
+def leaf_role(path: str) -> str:
+    """A leaf path with its list indices as ``*``: the same parameter of every layer of a
+    list of layers (``state/params/blocks/*/attn/q/bias``) has one role."""
+    return "/".join("*" if part.isdigit() else part for part in path.split("/"))
 
 
 def input_strategies(
@@ -111,10 +132,15 @@ class DecisionVariables:
         self.variables: list[Variable] = []
         self.var_of: dict[int, int] = {}  # member key -> variable index
         self.tensor_home: dict[int, tuple[int, int]] = {}  # tensor -> (member key, output idx)
-        self.signatures: dict[int, tuple] = {}  # node id -> node_signature
+        # node id -> node_signature, plus the roles and pins of the graph inputs it reads: what
+        # tying's structural labels start from (see node_strategies)
+        self.signatures: dict[int, tuple] = {}
+        # graph-input tensor -> (its role: the leaf path with list indices as "*", its pin)
+        self.input_tags: dict[int, tuple[str, ShardingSpec | None]] = {}
         self._strategy_cache: dict[tuple, list[Strategy]] = {}
         self._interned: dict[tuple, list[Strategy]] = {}
         self._by_spec_cache: dict[tuple, dict] = {}
+        self._ambiguous_cache: dict[tuple, frozenset] = {}
         self._follow_cache: dict[tuple, list[Strategy] | None] = {}
 
     # -- lookups -----------------------------------------------------------------------------
@@ -136,7 +162,8 @@ class DecisionVariables:
     # -- building ----------------------------------------------------------------------------
 
     def new_variable(self, key: int, strategies: list[Strategy]) -> None:
-        var = Variable(len(self.variables), key, {key: strategies}, [s.cost for s in strategies])
+        var = Variable(len(self.variables), key, {key: strategies},
+                       [decision_cost(s) for s in strategies])
         self.variables.append(var)
         self.var_of[key] = var.index
 
@@ -149,6 +176,7 @@ class DecisionVariables:
             info = self.graph.tensors[io.tensor]
             is_batch = io.arg_index in batch_argnums
             pinned = pinned_inputs.get(io.path)
+            self.input_tags[io.tensor] = (leaf_role(io.path), pinned)
             # inputs of one shape and role share one list (and so their cached matrices)
             list_key = ("input", info.shape, info.dtype, is_batch, pinned)
             strategies = self._strategy_cache.get(list_key)
@@ -170,11 +198,23 @@ class DecisionVariables:
 
     def node_strategies(self, node: OpNode) -> list[Strategy]:
         """Strategies depend only on the op's kind, params and shapes: identical ops of
-        repeated layers share one generated list."""
-        key = self.signatures[node.id] = node_signature(self.graph, node)
+        repeated layers share one generated list.
+
+        The node's tying signature adds the role and pin of every graph input it reads
+        (``input_tags``). Identical layers' same parameter has one role (``leaf_role``), so
+        their ops still tie; two parameters of one shape in different roles (a query bias, an
+        output bias) get optimizer updates that look alike for many hops, but where Megatron
+        splits one and keeps the other whole, tying their updates would force one to reshard.
+        Likewise two layers whose kernels are pinned differently are not the same layer."""
+        key = node_signature(self.graph, node)
+        tags = tuple((k, self.input_tags[t]) for k, t in enumerate(node.inputs)
+                     if t in self.input_tags)
+        self.signatures[node.id] = (*key, tags) if tags else key
         found = self._strategy_cache.get(key)
         if found is None:
             found = strategies_for(StrategyContext(node=node, graph=self.graph, mesh=self.mesh))
+            if node.repeat > 1:  # a scan body's op: its own collectives happen every iteration
+                found = repeated(found, node.repeat)
             self._strategy_cache[key] = found
         return found
 
@@ -207,9 +247,29 @@ class DecisionVariables:
             found = {}
             for s in strategies:
                 spec = s.input_specs[k]
-                if spec not in found or s.cost < found[spec].cost:
+                if spec not in found or decision_cost(s) < decision_cost(found[spec]):
                     found[spec] = s
             self._by_spec_cache[key] = found
+        return found
+
+    def _ambiguous_input_specs(
+        self, strategies: list[Strategy], k: int
+    ) -> frozenset[ShardingSpec | None]:
+        """Specs of operand ``k`` that several of the node's strategies read with different
+        output layouts: a broadcasting op whose followed operand lacks some of the output's
+        extent (``eq(x[..., None], iota)``), or a reshape that may put a split on either of
+        two dimensions. Which one is best depends on the node's users, which a follower's
+        per-choice cheapest pick never sees (it would split the broadcast dimension to save
+        a little compute, and every user reading it whole would gather it back): such a node
+        makes a decision of its own."""
+        key = (id(strategies), k)
+        found = self._ambiguous_cache.get(key)
+        if found is None:
+            outputs: dict[ShardingSpec | None, set] = {}
+            for s in strategies:
+                outputs.setdefault(s.input_specs[k], set()).add(s.output_specs)
+            found = frozenset(spec for spec, outs in outputs.items() if len(outs) > 1)
+            self._ambiguous_cache[key] = found
         return found
 
     def try_follow(self, node: OpNode, strategies: list[Strategy]) -> bool:
@@ -226,7 +286,10 @@ class DecisionVariables:
         key = (id(src_list), out, id(strategies), k)
         if key not in self._follow_cache:
             by_spec = self._cheapest_by_input_spec(strategies, k)
+            ambiguous = self._ambiguous_input_specs(strategies, k)
             found = [by_spec.get(s.output_specs[out]) for s in src_list]
+            if any(s.output_specs[out] in ambiguous for s in src_list):
+                found = [None]
             # the same follower of every tied layer shares one list (and its cached matrices)
             self._follow_cache[key] = (
                 None if None in found else self._interned.setdefault(tuple(found), found)
@@ -235,6 +298,6 @@ class DecisionVariables:
         if chosen is None:
             return False
         var.members[node.id] = chosen
-        var.costs = [c + s.cost for c, s in zip(var.costs, chosen, strict=True)]
+        var.costs = [c + decision_cost(s) for c, s in zip(var.costs, chosen, strict=True)]
         self.var_of[node.id] = var.index
         return True

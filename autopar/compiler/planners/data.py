@@ -2,16 +2,17 @@
 
 The simplest complete plan, and the baseline every automatic plan must beat: each batch leaf is
 split along its first dimension over all mesh axes; parameters and optimizer state are whole on
-every device; gradients are all-reduced where the batch split is summed away.
+every device; gradients are all-reduced where the batch split is summed away. Compute is priced
+per node as it runs: split work over the devices, the replicated update whole on each.
 """
 
 from __future__ import annotations
 
 from autopar.cluster import format_mesh_shape
 from autopar.compiler.cost.estimate import (
-    compute_time_s,
-    dominant_float_dtype,
+    split_compute_time_s,
     summarize_collectives,
+    touched_by,
 )
 from autopar.compiler.cost.memory_model import estimate_memory
 from autopar.compiler.cost.mesh import LogicalMesh
@@ -56,8 +57,10 @@ def plan_data_parallel(
     collectives = summarize_collectives(
         ((c.kind, c.nbytes) for c in result.collectives), mesh, axes
     )
-    dtype = dominant_float_dtype(graph)
-    compute_s = compute_time_s(graph.total_flops / n, mesh, dtype)
+    # a node on the split batch runs on 1/n of it; the rest (the optimizer update on the
+    # replicated state) runs whole on every device
+    split = touched_by(graph, {t for t, d in result.split_dim.items() if d is not None})
+    compute_s = split_compute_time_s(graph, mesh, lambda node: n if split(node) else 1)
     comm_s = sum(c.time_s for c in collectives)
 
     # every value the batch split reaches is split n ways on every device

@@ -82,7 +82,13 @@ def plan_shard_parallel(
                 f"mesh axis '{axis}' (size {size}) splits no tensor: no dimension it divides "
                 "was worth splitting, so its devices hold replicas"
             )
-    if not solution.proven_optimal and solution.status != "trivial":
+    if solution.status == "no_solution":
+        notes.append(f"the ILP solver ({solution.solver}) found no plan within its time limit: "
+                     "the greedy plan is used, not proven optimal")
+    elif solution.status == "solver_error":
+        notes.append(f"the ILP solver ({solution.solver}) failed (see the warning logged): "
+                     "the greedy plan is used, not proven optimal")
+    elif not solution.proven_optimal and solution.status != "trivial":
         notes.append(f"ILP stopped at its time limit ({solution.status}): not proven optimal")
     return whole_mesh_plan(
         MethodName.SHARD,

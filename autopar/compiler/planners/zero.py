@@ -33,9 +33,9 @@ from collections import deque
 
 from autopar.cluster import format_mesh_shape
 from autopar.compiler.cost.estimate import (
-    compute_time_s,
-    dominant_float_dtype,
+    split_compute_time_s,
     summarize_collectives,
+    touched_by,
 )
 from autopar.compiler.cost.memory_model import (
     batch_region,
@@ -321,7 +321,10 @@ def plan_zero(
             implied.append((CollectiveKind.ALL_GATHER, graph.tensors[io.tensor].nbytes))
     implied += [(CollectiveKind.ALL_GATHER, graph.tensors[t].nbytes) for t in param_gathers]
     collectives = summarize_collectives(implied, mesh, tuple(range(mesh.ndim)))
-    compute_s = compute_time_s(graph.total_flops / n, mesh, dominant_float_dtype(graph))
+    # split work (the batch's, the sharded state's update) over the devices, the rest whole
+    sharded = touched_by(graph, {t for t, d in split.split_dim.items() if d is not None}
+                         | {t for t, s in layouts.items() if not s.is_replicated})
+    compute_s = split_compute_time_s(graph, mesh, lambda node: n if sharded(node) else 1)
     comm_s = sum(c.time_s for c in collectives)
 
     intermediate_shards = {t: n for t, d in split.split_dim.items() if d is not None}

@@ -24,6 +24,7 @@ from autopar.frontend.progress import Progress
 from autopar.methods import (
     METHOD_NAMES,
     METHOD_TYPES,
+    AutoParallel,
     Method,
     PipeshardParallel,
     method_from_name,
@@ -104,6 +105,8 @@ def _compile(args: argparse.Namespace, given: dict[str, tuple[str, Any]], cluste
         raise InvalidOptionError(
             "--dump-ilp needs --method shard (pipeshard solves one ILP per layer and mesh)"
             if method.name is MethodName.PIPESHARD else
+            "--dump-ilp needs --method shard (the full search plans several methods)"
+            if isinstance(method, AutoParallel) else
             f"--dump-ilp needs an ILP; method '{method.name}' solves none (use --method shard)"
         )
     logger.info("planning %s with %s on %s (%d devices)", source.name, method, cluster.name,
@@ -194,14 +197,20 @@ def resolve_method(args: argparse.Namespace, source: StepSource,
     elif source.method is not None:
         base, fall_back = source.method, False
     else:
-        base, fall_back = PipeshardParallel(), True
+        base, fall_back = AutoParallel(), True
     fields = {f.name for f in dataclasses.fields(base)}
+    pipeline_only = {f.name for f in dataclasses.fields(PipeshardParallel)} - fields
+    if isinstance(base, AutoParallel) and args.method is None and set(given) & pipeline_only:
+        # --stages / --num-stages ask for one pipeline: plan that rather than the full search
+        base, fields = base.pipeline_method(), {f.name for f in dataclasses.fields(
+            PipeshardParallel)}
     changes = {}
     for field, (flag, value) in given.items():
         if field not in fields:
             if field == "mesh_shape":
                 raise InvalidOptionError("--mesh applies to --method shard/data/zero2/zero3; "
-                                         "pipeshard chooses a logical mesh per stage")
+                                         "pipeshard and the full search (auto) choose the "
+                                         "logical meshes")
             users = [m.name for m in METHOD_TYPES
                      if field in {f.name for f in dataclasses.fields(m)}]
             raise InvalidOptionError(f"{flag} applies to --method {'/'.join(users)}, not "
@@ -232,7 +241,7 @@ def given_method_options(args: argparse.Namespace) -> dict[str, tuple[str, Any]]
 def _method_of_saved(plan: Plan) -> Method:
     """A method of the saved plan's kind (plan_train_step takes the plan, not the method)."""
     return method_from_name(plan.method) if plan.method in METHOD_NAMES \
-        else PipeshardParallel()
+        else AutoParallel()
 
 
 def plan_source(source: StepSource, method: Method, cluster: ClusterSpec, *,

@@ -65,10 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     m = c.add_argument_group("method and devices")
     m.add_argument(
         "--method", default=None,
-        help="pipeshard (the full search of stages, submeshes and intra-operator plans), shard, "
-             "data, zero2, zero3 (default: the step's parallelize(method=...), else the full "
-             "search, which falls back to one shard stage for a step without "
-             "autopar.value_and_grad)",
+        help="auto (the full search: data, shard, zero2, zero3 and the pipelined stage search "
+             "compared on one cost model), pipeshard (pipeline stages on submeshes with "
+             "intra-operator plans), shard, data, zero2, zero3 (default: the step's "
+             "parallelize(method=...), else auto, which leaves pipelines out for a step "
+             "without autopar.value_and_grad)",
     )
     m.add_argument("--mesh", default=None,
                    help="logical mesh shape for shard/data/zero2/zero3, e.g. 2x4 or 8")
@@ -87,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ILP time limit in seconds (default 30)")
     m.add_argument("--memory-budget", type=float, default=None,
                    help="per-device memory budget in GiB")
-    p = c.add_argument_group("pipeline (--method pipeshard)")
+    p = c.add_argument_group("pipeline (--method pipeshard, and auto's pipelined candidates)")
     p.add_argument("--microbatches", type=int, default=None,
                    help="microbatches per step (default 4)")
     p.add_argument("--schedule", default=None,

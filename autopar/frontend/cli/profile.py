@@ -174,6 +174,10 @@ def format_calibration(calibration: Any, elapsed_s: float) -> str:
                  f"{link.bandwidth_bytes_per_s / 1e9:.3g} GB/s")
     rates = ", ".join(f"{d} {r / 1e9:.3g}" for d, r in sorted(calibration.peak_flops.items()))
     lines.append(f"matmul GFLOP/s per device, all busy: {rates}")
+    rt = cluster.runtime
+    lines.append(f"runtime: call {rt.call_s * 1e6:.0f} us, pipeline task {rt.task_s * 1e6:.0f} "
+                 f"us, transfer {rt.transfer_s * 1e6:.0f} us, gradient accumulation "
+                 f"{rt.accumulate_bytes_per_s / 1e9:.3g} GB/s")
     return "\n".join(lines)
 
 
@@ -208,12 +212,16 @@ def calibrate_profile(result: ProfileResult, base: ClusterSpec | None = None,
         "matmul_samples": [
             {"dtype": m.dtype, "m": m.m, "n": m.n, "k": m.k, "concurrent": m.concurrent,
              "seconds": m.seconds, "flops_per_s": m.flops_per_s} for m in result.matmuls],
+        "runtime_samples": [
+            {"kind": r.kind, "devices": r.devices, "nbytes": r.nbytes, "seconds": r.seconds}
+            for r in result.runtime],
     }
     return calibrate_cluster(
         result.collectives, result.matmuls, base, num_devices=result.num_devices,
         name=f"calibrated-{result.platform}-{result.num_devices}",
         device_name=_device_name(result), source=source,
         memory_bytes=result.memory_bytes, options=options, measured=measured,
+        runtime=result.runtime,
     )
 
 

@@ -51,20 +51,35 @@ class StepSource:
     num_params: int | None = None
 
 
+# ``--model NAME-scan``: the zoo model with its layers under ``jax.lax.scan`` (stacked
+# parameters), for the families whose config has ``scan_layers`` (gpt)
+SCANNED_SUFFIX = "-scan"
+
+
 def zoo_source(name: str, size: str, batch_size: int | None, layers: int | None) -> StepSource:
     """A zoo model's Adam train step on abstract inputs, differentiated with
     ``autopar.value_and_grad`` (so it can be pipelined; other methods see the same equations),
-    planned with the full search unless ``--method`` says otherwise."""
+    planned with the full search unless ``--method`` says otherwise. ``NAME-scan`` (``gpt-scan``)
+    is the model written with its layers under ``jax.lax.scan``."""
     import autopar
-    from autopar.methods import PipeshardParallel
-    from autopar.models import get_model
+    from autopar.methods import AutoParallel
+    from autopar.models import MODEL_NAMES, get_model
 
-    overrides = {"num_layers": layers} if layers is not None else {}
+    overrides: dict[str, Any] = {"num_layers": layers} if layers is not None else {}
+    if name.endswith(SCANNED_SUFFIX):
+        name = name.removesuffix(SCANNED_SUFFIX)
+        scannable = [m for m in MODEL_NAMES if hasattr(get_model(m).config, "scan_layers")]
+        if name not in scannable:
+            raise InvalidOptionError(
+                f"--model {name}{SCANNED_SUFFIX}: no scanned variant of '{name}'; scanned zoo "
+                f"models: {', '.join(m + SCANNED_SUFFIX for m in scannable)}")
+        overrides["scan_layers"] = True
     model = get_model(name, size, batch_size=batch_size, **overrides)
     marked = model.with_value_and_grad(autopar.value_and_grad)
     return StepSource(
-        name=f"{name} {size}", fn=marked.train_step, args=tuple(marked.abstract_inputs()),
-        batch_argnums=(1,), method=PipeshardParallel(), num_params=model.num_params(),
+        name=f"{name}{SCANNED_SUFFIX if overrides.get('scan_layers') else ''} {size}",
+        fn=marked.train_step, args=tuple(marked.abstract_inputs()),
+        batch_argnums=(1,), method=AutoParallel(), num_params=model.num_params(),
     )
 
 

@@ -115,7 +115,11 @@ def test_device_memory_is_the_default_budget():
     traced = trace_step(model.train_step, (state, batch))
     base = load_cluster("cpu-sim")
     free = plan_traced(traced, autopar.ShardParallel(), base)
-    small = dataclasses.replace(base.device, memory_bytes=int(0.5 * free.peak_memory_bytes))
+    # a device half-way between the least any plan needs and what the fastest plan needs
+    with pytest.raises(InfeasibleMemoryError) as least:
+        plan_traced(traced, autopar.ShardParallel(memory_budget_bytes=1.0), base)
+    between = (least.value.min_peak_bytes + free.peak_memory_bytes) / 2
+    small = dataclasses.replace(base.device, memory_bytes=int(between))
     cluster = ClusterSpec.from_dict(base.to_dict() | {"device": small.to_dict()})
     plan = plan_traced(traced, autopar.ShardParallel(), cluster)
     assert plan.peak_memory_bytes <= small.memory_bytes < free.peak_memory_bytes
@@ -183,10 +187,9 @@ def test_prefer_reduce_scatter_shards_optimizer_state_and_equals_serial():
         if leaf.shape[0] % 8 == 0:
             assert leaf.addressable_shards[0].data.shape[0] == leaf.shape[0] // 8
     plan = step.get_plan(state, batch)
-    free = autopar.parallelize(model.train_step, method=autopar.ShardParallel(),
-                               cache=False).get_plan(state, batch)
-    parts, free_parts = plan.stages[0].memory_breakdown, free.stages[0].memory_breakdown
-    assert parts["optimizer_state"] <= free_parts["optimizer_state"] / 7
+    # the whole optimizer state, cut in eight (the free ILP may shard some of it too)
+    whole = sum(x.nbytes for x in jax.tree_util.tree_leaves(state["opt_state"]))
+    assert plan.stages[0].memory_breakdown["optimizer_state"] <= whole / 7
     hlo = count_collectives(step.get_hlo_text(state, batch))
     predicted = sum(c.nbytes for c in plan.stages[0].collectives
                     if c.kind.value in ("all-reduce", "reduce-scatter"))

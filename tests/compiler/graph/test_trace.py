@@ -19,12 +19,16 @@ def sds(*shape, dtype=jnp.float32):
 def count_leaf_eqns(jaxpr) -> int:
     """Equations after inlining calls, counted independently of autopar's walker. A
     rematerialising call keeps JAX's CSE barrier: one ``optimization_barrier`` per operand
-    that is not a literal."""
+    that is not a literal. A scan is its region: an enter per operand, its body, an exit per
+    result."""
     inlined = {"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
                "remat2", "checkpoint"}
     total = 0
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name in inlined:
+        if eqn.primitive.name == "scan":
+            body = eqn.params["jaxpr"].jaxpr
+            total += len(eqn.invars) + count_leaf_eqns(body) + len(eqn.outvars)
+        elif eqn.primitive.name in inlined:
             body = next(v for k, v in eqn.params.items() if k in ("jaxpr", "call_jaxpr"))
             total += count_leaf_eqns(getattr(body, "jaxpr", body))
             if eqn.params.get("prevent_cse", False):
@@ -62,7 +66,7 @@ def test_batched_matmul_and_conv_flops():
     assert node.flops == 2 * (2 * 8 * 8 * 16) * (3 * 3 * 3)
 
 
-def test_nested_calls_are_inlined_and_control_flow_kept():
+def test_nested_calls_are_inlined_and_scans_expanded():
     @jax.jit
     def inner(x, w):
         return jax.nn.gelu(x @ w)
@@ -86,14 +90,15 @@ def test_nested_calls_are_inlined_and_control_flow_kept():
     args = (sds(8, 8), sds(4, 8))
     traced = trace_step(step, args)
     prims = {n.primitive for n in traced.graph.nodes}
-    assert not prims & {"jit", "pjit", "custom_jvp_call", "custom_vjp_call", "remat2"}
-    assert "scan" in prims
+    assert not prims & {"jit", "pjit", "custom_jvp_call", "custom_vjp_call", "remat2", "scan"}
     closed = jax.make_jaxpr(step)(*args)
     assert traced.graph.num_nodes == count_leaf_eqns(closed.jaxpr)
     assert "optimization_barrier" in prims  # the checkpoint's recompute stays a recompute
-    # the scan's flops come from its body times its length: 2 multiplies of 4x8 x 3 steps
-    scans = [n for n in traced.graph.nodes if n.primitive == "scan"]
-    assert sorted(n.flops for n in scans) == [3 * 32, 3 * 32]
+    # two scan regions (the loop and its transpose), each body a multiply of 4x8 run 3 times:
+    # the body's flops count every iteration
+    assert len(traced.graph.loops) == 2
+    body = [n for n in traced.graph.nodes if n.repeat == 3 and n.flops]
+    assert sorted(n.flops for n in body) == [3 * 32, 3 * 32]
 
 
 def test_inlined_program_computes_the_same_values():

@@ -88,7 +88,8 @@ def test_default_method_equals_serial(name):
     step = autopar.parallelize(model.train_step)
     state = model.init_state(jax.random.key(0))
     plan = step.get_plan(state, model.make_batch(jax.random.key(0)))
-    assert plan.method in ("pipeshard", "shard")
+    # the full search: whichever method it chose, the numerics are the serial step's
+    assert plan.planning.method_options["method"] == "auto"
     assert sorted(d for st in plan.stages for d in st.device_ids) == list(range(8))
     ref_losses, ref_leaves = reference(name, plan.num_microbatches)
     for i in range(STEPS):

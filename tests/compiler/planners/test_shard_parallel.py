@@ -152,13 +152,18 @@ def moe_layer_step(groups=8, group_size=32, hidden=64, experts=8):
     return step, init(params), batch
 
 
-def test_moe_splits_experts_and_moves_tokens_with_all_to_all():
+def test_moe_splits_experts_and_gathers_nothing():
     step, state, batch = moe_layer_step()
     par, plan, hlo = plan_and_hlo(step, state, batch, (4,))
     shardings = plan.shardings()
     assert shardings["state/params/wi"].startswith("P('x'")
     assert shardings["state/params/wo"].startswith("P('x'")
-    assert hlo.count("all-to-all") >= 1
+    # Here (cpu-sim's costs, tokens whole on every device) each device dispatches its own
+    # experts' tokens locally and the combine's partial sums are all-reduced: no all-gather
+    # and no all-to-all (issue 18: an earlier plan split the gate's one-hot masks on the
+    # expert dimension and had to gather them back; with tokens split, as in GShard, the
+    # exchange is all-to-all: tests/compiler/intra_op/test_hand_plan_oracle.py, moe-layer 2x4)
+    assert hlo.count("all-gather") == 0 and hlo.count("all-to-all") == 0
     check_numerics(par, step, state, batch)
 
 

@@ -83,7 +83,7 @@ def test_plans_for_a_described_cluster(capsys):
         (["compile", "--mesh", "axb"], "invalid mesh shape 'axb'"),
         (["compile", "--batch-size", "12", "--devices", "8", "--method", "data"],
          "not divisible by the data-parallel"),
-        (["compile", "--batch-size", "6", "--devices", "8"],
+        (["compile", "--method", "pipeshard", "--batch-size", "6", "--devices", "8"],
          "num_microbatches=4 must divide the batch size 6"),
         (["compile", "--bogus"], "unrecognized arguments: --bogus"),
     ],

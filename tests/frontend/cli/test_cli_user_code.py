@@ -72,11 +72,21 @@ def assert_one_line_error(code, out, err, message):
 
 # -- happy paths --------------------------------------------------------------------------------
 def test_example_with_the_full_search_and_show_of_its_json(tmp_path, capsys):
-    report = tmp_path / "report.json"
-    code, out, err = run(["compile", EXAMPLE, "--time-limit", "5", "--json", report], capsys)
+    auto = tmp_path / "auto.json"
+    code, out, err = run(["compile", EXAMPLE, "--time-limit", "5", "--json", auto], capsys)
     assert code == 0, err
     assert err == ""  # quiet: no log lines at the default level, no progress off a terminal
     assert f"autopar compile report: {EXAMPLE}" in out
+    # the full search lists what it compared, the plan first among the fitting ones
+    assert "candidates compared" in out and "pipeshard: stage DP" in out
+    doc = json.loads(auto.read_text())
+    assert doc["plan"]["planning"]["method_options"]["method"] == "auto"
+    assert doc["method"] == next(c["method"] for c in doc["candidates"] if c["chosen"])
+
+    report = tmp_path / "report.json"
+    code, out, err = run(["compile", EXAMPLE, "--method", "pipeshard", "--time-limit", "5",
+                          "--json", report], capsys)
+    assert code == 0, err
     assert "method            pipeshard" in out and "pipeline: 1f1b, 4 microbatches" in out
     assert "parameters        11.47K" in out  # counted under state["params"]
     assert "graph             195 ops" in out
@@ -144,15 +154,15 @@ def make_step():
 """)
     code, out, err = run(["compile", f"{path}:make_step", "--no-hlo"], capsys)
     assert code == 0, err
-    assert "method            shard" in out
-    assert "note: one stage, no pipeline" in out
+    assert "method            pipeshard" not in out
+    assert "note: no pipelined candidate: PipeshardParallel needs" in out
 
 
 def test_plans_user_code_for_a_described_cluster(capsys):
     code, out, err = run(["compile", EXAMPLE, "--cluster", "aws-p3.16xlarge", "--time-limit",
                           "5"], capsys)
     assert code == 0, err
-    assert "cluster           aws-p3.16xlarge" in out and "pipeline:" in out
+    assert "cluster           aws-p3.16xlarge" in out and "candidates compared" in out
 
 
 def test_show_prints_a_saved_plan_without_a_graph(tmp_path, capsys):
@@ -294,7 +304,7 @@ def test_target_errors_are_one_line(tmp_path, capsys):
         (["compile", EXAMPLE, "--batch-argnums", "5", "--method", "data"],
          "batch argument 5 is out of range"),
         (["compile", EXAMPLE, "--method", "data", "--microbatches", "2"],
-         "--microbatches applies to --method pipeshard, not data"),
+         "--microbatches applies to --method pipeshard/auto, not data"),
         (["compile", "--log-level", "loud"], "argument --log-level: invalid choice: 'loud'"),
         (["compile", EXAMPLE, "--method", "data", "--dump-ilp", "x.json"],
          "--dump-ilp needs an ILP; method 'data' solves none"),

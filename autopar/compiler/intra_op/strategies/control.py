@@ -1,5 +1,24 @@
-"""Strategies for control flow kept as single nodes (``scan``, ``while``, ``cond``), and the
-replicated fallback every unknown primitive gets.
+"""Strategies for control flow: the two ends of an expanded scan region, control flow kept as
+single nodes (``scan``, ``while``, ``cond``), and the replicated fallback every unknown
+primitive gets.
+
+**Scan regions** (``ir.program``: a scan traced with its body numbered once). The body's
+equations are ordinary graph nodes with their per-iteration shapes, so every family's
+strategies apply to them; the ILP chooses them once for all iterations (the body *is* one layer,
+tied across iterations by construction). Their per-step cost is ``repeat`` runs: flops already
+count every iteration (``op_costs``); :func:`repeated` multiplies a strategy's own
+communication, and the edges multiply a use's resharding by the consumer's ``repeat``. The
+region's ends carry layouts across the loop boundary and cost nothing themselves:
+
+* an *enter* takes any spec ``s`` of the body value it makes and reads its scan operand as
+  ``s`` (consts, carries) or as ``s`` behind a whole leading length axis (``xs``: each
+  iteration reads its own slice, so the stacked axis is never split);
+* an *exit* reads the body's result as ``s`` and makes the scan result as ``s`` (the final
+  carry) or ``s`` behind a whole length axis (the stacked ``ys``).
+
+A carry's enter and exit share one decision (``tying.tie_scan_carries``): the loop carry has
+one layout, and a body whose new carry comes out in another layout pays the resharding back on
+every iteration (the edge into the exit, times the length).
 
 Every control-flow node gets the replicated strategy. It also gets a *batch* strategy — dim 0
 of every non-scalar value of its body split over one mesh axis (or over all axes together) —
@@ -32,23 +51,84 @@ dimension tracking through the body, which this module does not do.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 from autopar.compiler.graph.op_costs import ELEMENTWISE
-from autopar.compiler.intra_op.strategies.base import Strategy, StrategyContext, divisible
+from autopar.compiler.intra_op.strategies.base import (
+    Strategy,
+    StrategyContext,
+    divisible,
+    enumerate_specs,
+)
 from autopar.compiler.intra_op.strategies.data_common import (
     active_axes,
     input_spec,
     make_strategy,
     replicated_strategy,
+    spec_name,
 )
-from autopar.ir.program import INLINED_CALLS
+from autopar.ir.program import INLINED_CALLS, SCAN_ENTER, SCAN_EXIT
 from autopar.plan import ShardingSpec
 
-__all__ = ["RULES", "elementwise_body", "replicated_strategy"]
+__all__ = ["RULES", "elementwise_body", "repeated", "replicated_strategy"]
+
+
+def repeated(strategies: Sequence[Strategy], times: int) -> list[Strategy]:
+    """``strategies`` of an op that runs ``times`` per step (inside scan regions): its own
+    collectives happen every run. Compute is left alone: a node's flops already count every
+    run, and its compute time comes from them."""
+    if times == 1:
+        return list(strategies)
+    return [
+        dataclasses.replace(
+            s,
+            communication_time_s=s.communication_time_s * times,
+            collectives=tuple(dataclasses.replace(c, count=c.count * times,
+                                                  time_s=c.time_s * times)
+                              for c in s.collectives),
+        )
+        for s in strategies
+    ]
+
+
+def _stacked(spec: ShardingSpec) -> ShardingSpec:
+    """``spec`` of one slice, as the spec of the stacked array: the length axis whole."""
+    return ShardingSpec(((), *spec.dims))
+
+
+def _scan_enter(ctx: StrategyContext) -> list[Strategy]:
+    """Any spec of the body value; the operand alike (``xs``: behind a whole length axis)."""
+    body, operand = ctx.outputs[0], ctx.inputs[0]
+    xs = ctx.node.params["role"] == "xs"
+    result = []
+    for spec in _specs(body.shape, ctx):
+        need = _stacked(spec) if xs else spec
+        result.append(Strategy(spec_name(spec), (spec,), (input_spec(operand, need),)))
+    return result
+
+
+def _scan_exit(ctx: StrategyContext) -> list[Strategy]:
+    """Any spec of the body's result, read as it is; the scan result alike (``ys``: behind a
+    whole length axis)."""
+    body = ctx.inputs[0]
+    ys = ctx.node.params["role"] == "ys"
+    result = []
+    for spec in _specs(body.shape, ctx):
+        out = _stacked(spec) if ys else spec
+        result.append(Strategy(spec_name(spec), (out,), (input_spec(body, spec),)))
+    return result
+
+
+def _specs(shape: Sequence[int], ctx: StrategyContext) -> list[ShardingSpec]:
+    """Every spec of ``shape`` on the mesh, replicated first (a carry's enter and exit list
+    them in the same order, so one decision index means one spec at both ends)."""
+    if not shape:
+        return [ShardingSpec(())]
+    return list(enumerate_specs(shape, ctx))
 
 # Conversions and copies are elementwise too; op_costs leaves them out (they cost no flops).
 _BODY_OPS = ELEMENTWISE | {"convert_element_type", "copy", "reduce_precision"}
@@ -154,6 +234,8 @@ def _cond(ctx: StrategyContext) -> list[Strategy]:
 
 
 RULES: dict[str, Callable[[StrategyContext], list[Strategy]]] = {
+    SCAN_ENTER.name: _scan_enter,
+    SCAN_EXIT.name: _scan_exit,
     "scan": _scan,
     "while": _while,
     "cond": _cond,

@@ -1,0 +1,175 @@
+"""What a pipelined step costs as a whole: the schedule's device time, the per-step tails, and
+the driver's own work on the host.
+
+The stage search compares stage partitions by Alpa's formula (``stage_dp``); this module is
+the estimate every pipelined candidate is finally judged by, the same one the one-stage
+plans are compared with (``planners/dispatch``: the full search keeps the least of them):
+
+    step = before + max over stages (end of the stage's last task + its tail) + host
+
+- the schedule simulated with each stage's forward and backward times per microbatch
+  (``ir.schedule_timeline``: a forward is a third of a stage's time, a backward two thirds);
+- each stage's *tail* once per step after its last backward: the gradients' reduction over
+  its devices, the step's optimizer update of its parameters and, when the pipeline is
+  replicated over groups of hosts, the replicas' all-reduce of those gradients;
+- *before*: the step's equations before the loss function (batch preprocessing);
+- *host*: the driver's work, one host thread issuing every task, transfer and small
+  operation of the step one after the other (``runtime/pipeline.py``), counted from the
+  pieces and the schedule (:func:`driver_counts`) and priced with the cluster's
+  ``RuntimeCosts``. A one-stage plan pays one call of one program instead.
+
+Pure: no devices, no JAX arrays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from autopar.cluster import ClusterSpec, RuntimeCosts
+from autopar.compiler.cost.collectives import allreduce_time
+from autopar.ir.pipeline_program import Piece, PipelineProgram, piece_roles, plan_segments
+from autopar.ir.schedule_timeline import stage_timeline
+from autopar.ir.schedules import ScheduleName, make_schedule
+
+__all__ = [
+    "DriverCounts",
+    "PipelineEstimate",
+    "driver_counts",
+    "estimate_pipeline",
+    "replica_allreduce_time",
+]
+
+
+@dataclass(frozen=True)
+class DriverCounts:
+    """What the pipeline driver issues per step: ``tasks`` (jitted stage programs: forward,
+    backward and weight-gradient tasks, segments, the losses' means), ``small_ops`` (eager
+    operations: microbatch slices, accumulator zeros, cotangent seeds and sums) and
+    ``transfers`` (``jax.device_put`` calls placing values on a stage)."""
+
+    tasks: int
+    small_ops: int
+    transfers: int
+
+    def seconds(self, runtime: RuntimeCosts) -> float:
+        """Host seconds per step."""
+        return (self.tasks + self.small_ops) * runtime.task_s + self.transfers * runtime.transfer_s
+
+    def to_dict(self) -> dict[str, int]:
+        return {"tasks": self.tasks, "small_ops": self.small_ops, "transfers": self.transfers}
+
+
+def driver_counts(pp: PipelineProgram, pieces: Sequence[Piece], stage_of_piece: Sequence[int],
+                  schedule: str, num_microbatches: int, num_chunks: int = 1) -> DriverCounts:
+    """The driver's operations per step for ``pieces`` owned by ``stage_of_piece`` (as
+    ``runtime.pipeline.PipelineRunner`` runs them: one task per schedule entry, each input of
+    a forward placed on its stage per microbatch unless it is a step input, fetched once per
+    stage; each output cotangent placed for the backward, each input gradient sent back)."""
+    m = num_microbatches
+    stages = max(stage_of_piece) + 1
+    sched = make_schedule(schedule, stages, m, num_chunks)
+    tasks = len(sched.global_order())
+    loss_inputs = set(pp.operand_of)
+    small = transfers = 0
+    fetched: set[tuple[int, int]] = set()
+    for piece in pieces:
+        stage = stage_of_piece[piece.index]
+        roles = piece_roles(pp, piece)
+        per_microbatch = 0
+        for v in (*roles.diff, *roles.nondiff):
+            if v in loss_inputs and v not in pp.split_inputs:
+                fetched.add((pp.operand_of[v], stage))
+            else:
+                per_microbatch += 1
+        per_microbatch += len(roles.float_outputs)  # cotangents placed for the backward
+        per_microbatch += len(roles.acts)  # input gradients sent to their producer
+        transfers += m * per_microbatch
+        small += len(roles.params)  # the accumulators' zeros
+        transfers += len(roles.params)  # placed on the stage
+    transfers += len(fetched)
+    small += m * len(pp.split_inputs)  # microbatch slices
+    small += 2 * m  # the loss's cotangent seed per microbatch, and its sum
+    outputs = len(pp.loss_outputs)
+    tasks += outputs  # the mean over microbatches of each loss output
+    transfers += outputs * m
+    consumers: dict[int, int] = {}
+    for piece in pieces:
+        for v in piece.inputs:
+            consumers[v] = consumers.get(v, 0) + 1
+    for fid in pp.diff_inputs:
+        transfers += max(consumers.get(fid, 0), 1)  # each gradient to its home stage
+        small += max(consumers.get(fid, 0) - 1, 0)  # summed over the pieces reading it
+    segments, _ = plan_segments(pp, list(pieces), list(stage_of_piece))
+    tasks += len(segments)
+    transfers += sum(len(seg.inputs) for seg in segments)
+    return DriverCounts(tasks, small, transfers)
+
+
+def replica_allreduce_time(param_bytes: float, replicas: int, cluster: ClusterSpec) -> float:
+    """Seconds for ``replicas`` copies of a stage, each on its own group of hosts, to
+    all-reduce ``param_bytes`` of gradients per device over the links between hosts."""
+    if replicas <= 1 or param_bytes <= 0:
+        return 0.0
+    link = cluster.inter_host
+    return allreduce_time(param_bytes, replicas, link.alpha, link.beta)
+
+
+@dataclass(frozen=True)
+class PipelineEstimate:
+    """A pipelined step's estimate and its parts (seconds per step)."""
+
+    total_s: float
+    makespan_s: float  # the schedule's tasks, simulated
+    tail_s: float  # what the stages' tails add after the schedule's end
+    before_s: float  # the step's equations before the loss function
+    host_s: float  # the driver's work (see DriverCounts)
+    idle_fraction: float
+    theoretical_idle_fraction: float
+    counts: DriverCounts | None = None
+    # of the schedule's time, per step and summed over the stages: the gradients' additions
+    # into their accumulators (what a one-stage step does not do)
+    accumulate_s: float = 0.0
+
+    @property
+    def device_s(self) -> float:
+        return self.before_s + self.makespan_s + self.tail_s
+
+    def to_dict(self) -> dict[str, Any]:
+        """The parts, for the plan's planning record."""
+        out: dict[str, Any] = {
+            "total_s": self.total_s, "schedule_s": self.makespan_s, "tails_s": self.tail_s,
+            "before_s": self.before_s, "host_s": self.host_s,
+        }
+        out["accumulate_s"] = self.accumulate_s
+        if self.counts is not None:
+            out["driver"] = self.counts.to_dict()
+        return out
+
+
+def estimate_pipeline(schedule: str, num_microbatches: int, stage_times: Sequence[float],
+                      stage_tails: Sequence[float], *, num_chunks: int = 1,
+                      before_s: float = 0.0, host_s: float = 0.0,
+                      counts: DriverCounts | None = None,
+                      accumulate_s: float = 0.0) -> PipelineEstimate:
+    """The step's estimate for stages taking ``stage_times[s]`` per microbatch (forward and
+    backward) and ``stage_tails[s]`` once after their last task (see the module docstring)."""
+    timeline = stage_timeline(schedule, list(stage_times), num_microbatches, num_chunks)
+    ends = [0.0] * len(stage_times)
+    for task, (_, end) in timeline.spans.items():
+        ends[task.stage] = max(ends[task.stage], end)
+    makespan = timeline.makespan
+    finish = max((end + tail for end, tail in zip(ends, stage_tails, strict=True)),
+                 default=makespan)
+    tail = max(finish - makespan, 0.0)
+    total = before_s + makespan + tail + host_s
+    return PipelineEstimate(total, makespan, tail, before_s, host_s, timeline.idle_fraction,
+                            timeline.theoretical_idle_fraction, counts, accumulate_s)
+
+
+def tasks_per_microbatch(schedule: str) -> int:
+    """Tasks a piece runs per microbatch: forward and backward, and the weight gradient
+    apart under zero-bubble schedules."""
+    return 3 if schedule == ScheduleName.ZB_H1 else 2
+

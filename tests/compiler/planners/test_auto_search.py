@@ -1,0 +1,204 @@
+"""The full search (``autopar.AutoParallel``): every method a candidate on one cost model, the
+same work costed the same way by every planner, the runtime's own costs, the stage search's
+candidates and replicas, and the plan's record of what was compared. Nothing here is timed."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from tanh_mlp import tanh_mlp_step
+
+import autopar
+from autopar.api import local_cluster
+from autopar.cluster import RuntimeCosts, load_cluster
+from autopar.compiler.cost.mesh import LogicalMesh
+from autopar.compiler.planners import dispatch
+from autopar.compiler.planners.pipeshard import (
+    layer_cost_cache,
+    range_piece,
+    search_pipelines,
+    stage_ilp_notes,
+)
+from autopar.errors import PlanError
+from autopar.ir.pipeline_program import build_pipeline_program
+from autopar.plan import Plan
+
+
+def mlp_step(opt, widths=(32, 64, 64, 8), batch=16):
+    step = tanh_mlp_step(opt)
+    params = [jnp.full((a, b), 0.01) for a, b in zip(widths[:-1], widths[1:], strict=False)]
+    state = {"params": params, "opt": opt.init(params)}
+    data = {"x": jnp.ones((batch, widths[0])), "y": jnp.zeros((batch, widths[-1]))}
+    return step, (state, data)
+
+
+def planned(step, args, method, cluster):
+    return dispatch.plan(dispatch.trace(step, args, method, (1,)), cluster).plan
+
+
+def one_device():
+    return local_cluster(jax.devices()[:1])
+
+
+@pytest.mark.parametrize("opt", [optax.adam(1e-3), optax.sgd(0.1)], ids=["adam", "sgd"])
+def test_a_replicated_step_is_estimated_alike_by_every_planner(opt):
+    """On one device every plan replicates: the full search, ShardParallel and DataParallel
+    estimate the same step the same (one call of one program), and a pipelined plan's device
+    work is the same forward, backward, update and preprocessing, plus the accumulation of
+    its gradients (its driver on the host comes on top)."""
+    step, args = mlp_step(opt)
+    cluster = one_device()
+    auto = planned(step, args, autopar.AutoParallel(), cluster)
+    shard = planned(step, args, autopar.ShardParallel(), cluster)
+    data = planned(step, args, autopar.DataParallel(), cluster)
+    assert auto.est_step_time_s == pytest.approx(shard.est_step_time_s, rel=0.01)
+    assert data.est_step_time_s == pytest.approx(shard.est_step_time_s, rel=0.01)
+    one = shard.planning.estimate
+    assert one["runtime_s"] == cluster.runtime.call_s and one["communication_s"] == 0
+    for m in (1, 4):
+        pipe = planned(step, args, autopar.PipeshardParallel(num_microbatches=m), cluster)
+        parts = pipe.planning.estimate
+        work = parts["schedule_s"] + parts["tails_s"] + parts["before_s"] - parts["accumulate_s"]
+        assert work == pytest.approx(one["compute_s"], rel=0.01), m
+        assert pipe.est_step_time_s == pytest.approx(work + parts["accumulate_s"]
+                                                     + parts["host_s"], rel=1e-9)
+        # so on these devices, where every call costs, the full search does not pipeline
+        assert pipe.est_step_time_s > auto.est_step_time_s
+
+
+def test_the_full_search_keeps_the_fastest_candidate_and_records_them_all():
+    step, args = mlp_step(optax.adam(1e-3))
+    plan = planned(step, args, autopar.AutoParallel(), local_cluster())
+    rows = plan.planning.candidates
+    names = [r["name"] for r in rows]
+    assert {"data", "shard", "zero2", "zero3", "pipeshard: stage DP", "pipeshard: equal-layer",
+            "pipeshard: equal-operator"} <= set(names)
+    (chosen,) = [r for r in rows if r["chosen"]]
+    assert chosen["method"] == plan.method.value  # the plan says which method made it
+    fitting = [r["est_step_time_s"] for r in rows if r["fits"] and r["est_step_time_s"]]
+    assert plan.est_step_time_s == min(fitting)
+    assert plan.planning.method_options["method"] == "auto"
+    assert plan.notes[0].startswith("the full search compared")
+    # the record survives the strict JSON round trip
+    again = Plan.from_json(plan.to_json())
+    assert again.planning.candidates == rows and again.planning.estimate == plan.planning.estimate
+    # PipeshardParallel still means pipelining
+    pipe = planned(step, args, autopar.PipeshardParallel(), local_cluster())
+    assert pipe.is_pipelined and pipe.method == "pipeshard"
+
+
+def test_candidates_are_restricted_and_checked():
+    step, args = mlp_step(optax.sgd(0.1))
+    plan = planned(step, args, autopar.AutoParallel(candidates=("data", "zero2")),
+                   local_cluster())
+    assert {r["name"] for r in plan.planning.candidates} == {"data", "zero2"}
+    with pytest.raises(autopar.InvalidOptionError, match="unknown candidate method"):
+        autopar.AutoParallel(candidates=("data", "megatron"))
+
+
+def test_pipelines_win_where_the_runtime_is_cheap_and_lose_where_it_is_not():
+    """The same model and devices: with GPU-like per-task costs the pipelined candidates are
+    close to the one-stage ones; with the simulated CPU devices' costs they are far behind.
+    Either way the search's answer is the least estimate."""
+    step, args = mlp_step(optax.adam(1e-3), widths=(256, 1024, 1024, 1024, 256), batch=64)
+    cheap = dataclasses.replace(local_cluster(), runtime=RuntimeCosts())
+    dear = local_cluster()
+    ratios = {}
+    for name, cluster in (("cheap", cheap), ("dear", dear)):
+        plan = planned(step, args, autopar.AutoParallel(), cluster)
+        best_pipe = min(r["est_step_time_s"] for r in plan.planning.candidates
+                        if r["method"] == "pipeshard")
+        ratios[name] = best_pipe / plan.est_step_time_s
+        assert ratios[name] >= 1.0 or plan.is_pipelined
+    assert ratios["dear"] > 3 * ratios["cheap"]
+
+
+def test_a_stage_reduces_its_gradients_once_per_step():
+    """A data-parallel stage: the gradients' all-reduce is in the per-step tail, not in the
+    time per microbatch; the stage candidate spreads it over the microbatches for the DP."""
+    step, args = mlp_step(optax.sgd(0.1), widths=(8, 8, 8), batch=4096)
+    pp = build_pipeline_program(step, args, (1,), 4)
+    method = autopar.PipeshardParallel(num_microbatches=4, layers=1)
+    cache = layer_cost_cache(method)
+    cluster = load_cluster("cpu-sim").with_devices(1, 4)
+    mesh = LogicalMesh.from_cluster(cluster, (4,))
+    cost = cache.cost(pp, range_piece(pp, [], 0, 1), mesh)
+    assert cost.sync_s > 0  # the batch is split: the gradients are summed over 4 devices
+    assert cost.update_s > 0 and cost.param_bytes > 0
+    assert cost.per_microbatch_s(4) == pytest.approx(cost.time_s + (cost.sync_s
+                                                                   + cost.update_s) / 4)
+    assert sum(cache.statuses.values()) == cache.ilp_solves == 1
+
+
+def test_stage_ilp_notes_count_every_unproven_solve():
+    method = autopar.PipeshardParallel()
+    cache = layer_cost_cache(method)
+    assert stage_ilp_notes(cache) == []
+    cache.statuses.update({"proven": 3, "within_gap": 2, "time_limit": 1, "no_solution": 1})
+    notes = " | ".join(stage_ilp_notes(cache))
+    assert "1 of 7 stage-cost ILPs stopped at their time limit (1 s)" in notes
+    assert "2 of 7 stage-cost ILPs stopped within their relative gap" in notes
+    assert "1 of 7 stage-cost ILPs: the solver found no plan in time" in notes
+
+
+def test_the_stage_dp_is_never_worse_than_the_hand_splits_it_is_compared_with():
+    step, args = mlp_step(optax.sgd(0.1), widths=(32, 32, 512, 32, 32), batch=32)
+    pp = build_pipeline_program(step, args, (1,), 4)
+    method = autopar.PipeshardParallel(num_microbatches=4, layers=4)
+    cluster = dataclasses.replace(load_cluster("cpu-sim").with_devices(1, 4),
+                                  runtime=RuntimeCosts())
+    from autopar.compiler.graph.trace import build_graph
+    from autopar.compiler.inter_op.layers import layer_positions
+    from autopar.compiler.planners.pipeshard import CostClock
+
+    positions = layer_positions(pp, build_graph(pp.forward), 4, 4)
+    found = search_pipelines(pp, method, cluster, positions, layer_cost_cache(method),
+                             CostClock())
+    names = [c.name for c in found]
+    assert {"stage DP", "equal-layer", "equal-operator"} <= set(names)
+    totals = [c.estimate.total_s for c in found]
+    assert totals == sorted(totals)  # the plan is the first: none is estimated faster
+    plan = planned(step, args, method, cluster)
+    assert plan.est_step_time_s == pytest.approx(totals[0])
+
+
+def test_pipelines_replicate_over_groups_of_hosts_and_running_one_is_one_line():
+    """On a described multi-host cluster the search also tries the pipeline replicated over
+    groups of hosts; a plan with replicas does not run here: one line says so."""
+    step, args = mlp_step(optax.sgd(0.1), widths=(64, 64, 64, 64), batch=64)
+    cluster = load_cluster("aws-p3.16xlarge-8nodes").with_devices(4, 2)
+    plan = planned(step, args, autopar.PipeshardParallel(num_microbatches=4, layers=2),
+                   cluster)
+    replicas = {r["replicas"] for r in plan.planning.candidates}
+    assert replicas == {1, 2, 4}
+    single = planned(step, args, autopar.PipeshardParallel(num_microbatches=4, layers=2,
+                                                          replicas="none"), cluster)
+    assert {r["replicas"] for r in single.planning.candidates} == {1}
+    for row in plan.planning.candidates:
+        assert row["est_step_time_s"] > 0 and row["num_microbatches"] == 4 // row["replicas"]
+    # a replicated layout round-trips, and the runtime refuses it in one line
+    layout = dataclasses.replace(plan.pipeline, replicas=2)
+    replicated = dataclasses.replace(plan, pipeline=layout)
+    again = Plan.from_json(replicated.to_json())
+    assert again.pipeline.replicas == 2
+    run = autopar.parallelize(step, plan=again, devices=jax.devices()[:len(
+        {d for s in plan.stages for d in s.device_ids})], cache=False)
+    with pytest.raises(PlanError, match="2 data-parallel replicas") as err:
+        run(*args)
+    assert "\n" not in str(err.value)
+
+
+def test_data_parallel_repeats_the_update_that_zero_shards():
+    """Data parallelism runs the optimizer update whole on every device; ZeRO-2 shards it:
+    both priced per node as they run (as the ILP prices them), not as total flops / n."""
+    step, args = mlp_step(optax.adam(1e-3), widths=(64, 256, 256, 64), batch=64)
+    one = planned(step, args, autopar.DataParallel(), one_device())
+    data = planned(step, args, autopar.DataParallel(), local_cluster())
+    zero = planned(step, args, autopar.Zero2Parallel(), local_cluster())
+    n = local_cluster().num_devices
+    compute = {k: p.planning.estimate["compute_s"] for k, p in
+               (("one", one), ("data", data), ("zero", zero))}
+    assert compute["data"] > compute["one"] / n * 1.2
+    assert compute["zero"] < compute["data"]
