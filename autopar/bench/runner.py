@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.bench import baselines as bl
+from autopar.bench.hand_baselines import hand_plan_rows
 from autopar.bench.planning import (
     Searched,
     alpa_gpt_flops,
@@ -145,6 +146,11 @@ def run_case(case: BenchCase, options: RunOptions, phase: Phase) -> dict[str, An
                                         plan)
     row["baselines"] = _baselines(case, cluster, traced, searched, options, local, row,
                                   phase, timings)
+    if case.hand_plans:
+        with phase(f"{case.name}: hand plans (pinned, and jax.jit from their inputs)"):
+            row["hand_plans"] = hand_plan_rows(traced, cluster, est,
+                                               (row["measured"] or {}).get("step_time_s"),
+                                               local, options.ilp_time_limit_s)
     row["simple_vs_default"] = _simple_vs_default(row)
     row["what_if"] = _what_if(case, model, est, cluster.num_devices, row)
     row["wall_s"] = time.perf_counter() - wall

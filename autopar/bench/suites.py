@@ -72,7 +72,9 @@ class BenchCase:
     ``pipeline_layers``: ``"auto"`` or the number of layers the loss forward is clustered into.
     ``comparable``: whether ``published`` describes this very configuration (False for a
     reduced copy that only exercises the what-if path). ``devices``: a local case uses only
-    the first this many local devices (default: all the run has).
+    the first this many local devices (default: all the run has). ``hand_plans``: also plan
+    (and, locally, run with ``jax.jit``) every expert layout of ``bench.hand_plans`` that
+    applies (``bench.hand_baselines``).
     """
 
     model: str
@@ -89,6 +91,7 @@ class BenchCase:
     devices: int | None = None
     warmup_steps: int = 2
     timed_steps: int = 5
+    hand_plans: bool = True
 
     @property
     def local(self) -> bool:

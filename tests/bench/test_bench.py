@@ -116,6 +116,28 @@ def test_local_rows_have_measured_times_hlo_counts_and_cost_model_ratios(smoke):
         assert row["baselines"][-1]["measured_step_time_s"] is None  # estimated only
 
 
+def test_hand_plans_are_planned_everywhere_and_run_with_jit_locally(smoke):
+    """Every case carries the hand plans that apply to it; none is estimated faster than
+    autopar's plan (the free ILP is one of the full search's candidates); locally each runs as
+    ``jax.jit(step, in_shardings=hand)`` with XLA's collectives counted."""
+    _, out, rows = smoke
+    for row in _cases(rows):
+        names = [h["name"] for h in row["hand_plans"]]
+        assert "data" in names and "zero3" in names
+        for h in row["hand_plans"]:
+            assert h["error"] is None and h["est_step_time_s"] > 0
+            assert h["est_ratio"] >= 1 - 1e-9, (row["case"], h)
+        if row["where"] == "local":
+            data = next(h for h in row["hand_plans"] if h["name"] == "data")
+            assert data["measured_step_time_s"] > 0 and data["measured_ratio"] > 0
+            assert data["hlo_collectives"]["all-reduce"]["count"] >= 1  # the gradient
+        else:
+            assert "data-megatron" in names  # 8 devices: a 2x4 mesh
+            assert all(h["measured_step_time_s"] is None for h in row["hand_plans"])
+    text = (out / f"{PREFIX}.md").read_text()
+    assert "| data | 1x2 |" in text and "| data-megatron | 2x4 |" in text
+
+
 def test_what_if_row_sits_beside_the_published_figure(smoke):
     _, _, rows = smoke
     (row,) = [r for r in _cases(rows) if r["what_if"]]

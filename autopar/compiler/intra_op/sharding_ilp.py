@@ -33,7 +33,11 @@ from autopar.compiler.intra_op.problem import (
     ProblemNode,
 )
 from autopar.compiler.intra_op.strategies.base import Strategy
-from autopar.compiler.intra_op.tying import tie_identical_variables, tie_scan_carries
+from autopar.compiler.intra_op.tying import (
+    tie_identical_variables,
+    tie_in_alternation,
+    tie_scan_carries,
+)
 from autopar.compiler.intra_op.variables import (
     FOLLOWERS,
     MEMORY_TIE_BREAK_S_PER_BYTE,
@@ -53,7 +57,6 @@ __all__ = [
     "build_problem",
     "read_solution",
     "solve_intra_op",
-    "tie_in_alternation",
 ]
 
 
@@ -106,39 +109,6 @@ class ProblemParts:
     @property
     def variables(self) -> list[Variable]:
         return self.table.variables
-
-
-def tie_in_alternation(
-    table: DecisionVariables, untied: list[Variable], untied_of: dict[int, int], period: int
-) -> None:
-    """Split every tied decision of ``table`` by occurrence: the k-th of the variables it
-    merged (``untied``, in program order; ``untied_of``: member -> its index there) joins the
-    decision of occurrence ``k mod period``. In place.
-
-    Identical layers tied into one decision must all choose alike, which rules out the plans
-    where consecutive layers differ: in a chain of identical dense layers Megatron's split
-    alternates, column-parallel then row-parallel, so that one all-reduce per pair of layers
-    is all it needs, while every layer splitting alike either gathers or all-reduces at every
-    layer. Occurrences of one op in program order are its layers in order (forward, backward
-    and update each run through the layers in one direction), so period 2 lets even and odd
-    layers decide apart and keeps a deep model's decisions bounded."""
-    groups: dict[int, list[Variable]] = {}
-    for var in untied:
-        groups.setdefault(table.var_of[var.root], []).append(var)
-    merged: list[Variable] = []
-    remap: dict[int, int] = {}
-    for index in sorted(groups):
-        occurrences = groups[index]
-        for phase in range(min(period, len(occurrences))):
-            part = occurrences[phase::period]
-            into = Variable(len(merged), part[0].root, {}, [0.0] * part[0].size)
-            for var in part:
-                into.members.update(var.members)
-                into.costs = [a + b for a, b in zip(into.costs, var.costs, strict=True)]
-                remap[var.index] = into.index
-            merged.append(into)
-    table.variables = merged
-    table.var_of = {m: remap[v] for m, v in untied_of.items()}
 
 
 def build_problem(

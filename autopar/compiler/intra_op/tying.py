@@ -3,7 +3,8 @@
 Ops are labelled Weisfeiler-Lehman style: a node's label starts as its strategy signature
 (primitive, params, types) and is refined ``rounds`` times with the labels of its operands and
 users. Variables whose root and followers carry equal labels and whose strategy lists agree are
-merged, so where the model repeats a layer the ILP solves it once.
+merged, so where the model repeats a layer the ILP solves it once. :func:`tie_in_alternation`
+then lets the odd and the even occurrences decide apart (Megatron's alternation).
 
 A layer written as a ``scan`` body needs no labels: its equations are in the graph once, for
 every iteration. What the loop adds is :func:`tie_scan_carries`: a carry is one value around
@@ -133,3 +134,36 @@ def tie_identical_variables(
         remap[var.index] = target
     table.variables = merged
     table.var_of = {m: remap[v] for m, v in table.var_of.items()}
+
+
+def tie_in_alternation(
+    table: DecisionVariables, untied: list[Variable], untied_of: dict[int, int], period: int
+) -> None:
+    """Split every tied decision of ``table`` by occurrence: the k-th of the variables it
+    merged (``untied``, in program order; ``untied_of``: member -> its index there) joins the
+    decision of occurrence ``k mod period``. In place.
+
+    Identical layers tied into one decision must all choose alike, which rules out the plans
+    where consecutive layers differ: in a chain of identical dense layers Megatron's split
+    alternates, column-parallel then row-parallel, so that one all-reduce per pair of layers
+    is all it needs, while every layer splitting alike either gathers or all-reduces at every
+    layer. Occurrences of one op in program order are its layers in order (forward, backward
+    and update each run through the layers in one direction), so period 2 lets even and odd
+    layers decide apart and keeps a deep model's decisions bounded."""
+    groups: dict[int, list[Variable]] = {}
+    for var in untied:
+        groups.setdefault(table.var_of[var.root], []).append(var)
+    merged: list[Variable] = []
+    remap: dict[int, int] = {}
+    for index in sorted(groups):
+        occurrences = groups[index]
+        for phase in range(min(period, len(occurrences))):
+            part = occurrences[phase::period]
+            into = Variable(len(merged), part[0].root, {}, [0.0] * part[0].size)
+            for var in part:
+                into.members.update(var.members)
+                into.costs = [a + b for a, b in zip(into.costs, var.costs, strict=True)]
+                remap[var.index] = into.index
+            merged.append(into)
+    table.variables = merged
+    table.var_of = {m: remap[v] for m, v in untied_of.items()}
