@@ -82,14 +82,17 @@ def measure_hand(step_fn: Any, inputs: Any, specs: dict, devices: Sequence[Any],
                  mesh_shape: tuple[int, int], warmup: int, repeats: int) -> dict[str, Any]:
     """``jax.jit(step, in_shardings=hand)`` on ``devices``: its median step time and the
     collectives XLA emitted (count by kind, and the bytes the busiest device sends)."""
-    from autopar.bench.measure import time_calls
+    import jax
+
+    from autopar.bench.measure import TrainingLoop, time_calls
 
     args = (inputs.state, inputs.batch)
     summary, jitted = jit_collectives(step_fn, args, specs, devices[:math.prod(mesh_shape)],
                                       mesh_shape, ("x", "y"))
-    # called as the runner calls autopar's plans: the same host-side inputs every step, so
-    # both pay the same transfer onto the devices
-    first, times = time_calls(lambda: jitted(*args), warmup, repeats)
+    # called as autopar's plans are (measure.TrainingLoop): the state in the hand plan's layout
+    # from the previous step, the batch from the host
+    state = jax.device_put(inputs.state, jitted.lower(*args).compile().input_shardings[0][0])
+    first, times = time_calls(TrainingLoop(jitted, state, inputs.batch), warmup, repeats)
     times.sort()
     return {"step_time_s": times[len(times) // 2], "first_call_s": first,
             "hlo_collectives": summary.by_kind(),

@@ -4,6 +4,10 @@ Every plan runs through ``autopar.parallelize(step, plan=..., cache=False)`` on 
 (the plan is the one the harness made, so nothing is planned twice); the single-device
 baseline is plain ``jax.jit`` on the first device. A step time is the median of several calls
 after warm-up calls (the first compiles), each waited for with ``jax.block_until_ready``.
+Steps are called as a training loop calls them (:class:`TrainingLoop`): the state a step
+returned goes back into the next, already on the devices in the plan's layout, and the batch
+comes from the host each time. Passing the initial host-side state to every call instead
+would time moving the whole state onto the devices, which no training step pays.
 """
 
 from __future__ import annotations
@@ -61,6 +65,19 @@ def make_inputs(model: ZooModel, seed: int = 0) -> LocalInputs:
     return LocalInputs(model.init_state(key_state), model.make_batch(key_batch))
 
 
+class TrainingLoop:
+    """A zero-argument call of ``step(state, batch)`` that keeps the state it returns (the
+    first output) for the next call, as a training loop does."""
+
+    def __init__(self, step: Callable, state: Any, batch: Any) -> None:
+        self.step, self.state, self.batch = step, state, batch
+
+    def __call__(self) -> Any:
+        out = self.step(self.state, self.batch)
+        self.state = out[0]
+        return out
+
+
 def time_calls(call: Callable[[], Any], warmup: int, repeats: int) -> tuple[float, list[float]]:
     """The first call's seconds and ``repeats`` timed calls after ``warmup`` calls (at least
     one: the first compiles), each waited for."""
@@ -87,7 +104,7 @@ def measure_plan(step_fn: Callable, plan: Plan, inputs: LocalInputs, devices: Se
     from autopar.runtime.hlo import count_collectives
 
     step = autopar.parallelize(step_fn, plan=plan, devices=list(devices), cache=False)
-    first, times = time_calls(lambda: step(inputs.state, inputs.batch), warmup, repeats)
+    first, times = time_calls(TrainingLoop(step, inputs.state, inputs.batch), warmup, repeats)
     if plan.is_pipelined:
         # the pipeline runs one program per stage task, not one program to inspect
         return Timing(tuple(times), warmup, first, None,
@@ -119,18 +136,19 @@ def measure_plans(step_fn: Callable, plans: dict[str, Plan], inputs: LocalInputs
     for name, plan in plans.items():
         first_name.setdefault(id(plan), name)
     distinct = {name: plan for name, plan in plans.items() if first_name[id(plan)] == name}
-    steps, firsts = {}, {}
+    steps, loops, firsts = {}, {}, {}
     for name, plan in distinct.items():
         step = autopar.parallelize(step_fn, plan=plan, devices=list(devices), cache=False)
-        firsts[name], _ = time_calls(lambda s=step: s(inputs.state, inputs.batch), warmup, 0)
+        loops[name] = TrainingLoop(step, inputs.state, inputs.batch)
+        firsts[name], _ = time_calls(loops[name], warmup, 0)
         steps[name] = step
     import jax
 
     times: dict[str, list[float]] = {name: [] for name in distinct}
     for _ in range(rounds * repeats):
-        for name, step in steps.items():
+        for name, loop in loops.items():
             start = time.perf_counter()
-            jax.block_until_ready(step(inputs.state, inputs.batch))
+            jax.block_until_ready(loop())
             times[name].append(time.perf_counter() - start)
     out = {}
     for name, plan in distinct.items():
@@ -150,9 +168,9 @@ def measure_single_device(step_fn: Callable, inputs: LocalInputs, device: Any, w
     """``jax.jit(step_fn)`` with its inputs on ``device``."""
     import jax
 
-    state, batch = jax.device_put((inputs.state, inputs.batch), device)
+    state = jax.device_put(inputs.state, device)
     jitted = jax.jit(step_fn)
-    first, times = time_calls(lambda: jitted(state, batch), warmup, repeats)
+    first, times = time_calls(TrainingLoop(jitted, state, inputs.batch), warmup, repeats)
     return Timing(tuple(times), warmup, first, None, "one device: no collectives")
 
 

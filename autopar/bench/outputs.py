@@ -349,7 +349,8 @@ How to read these tables:
   whole step's (the pipelines' simulated schedule, tails and driver included).
 - **Measured** step times are medians of several steps after warm-up, on the local devices
   (simulated CPU devices share the host's cores: they measure the plan's overheads, not a GPU
-  cluster's speed). autopar's plan and the one-stage baselines are timed together, in
+  cluster's speed), each step called as a training loop calls it: the state the previous
+  step returned goes back in, the batch comes from the host. autopar's plan and the one-stage baselines are timed together, in
   interleaved rounds, so the machine's changing load falls on all of them alike. *Best
   simple / default* is the faster of data-parallel and intra-op-only measured over autopar's
   plan measured (at least 1: the default is as fast as the simple plans). Pipelined plans run
