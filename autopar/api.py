@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import numpy as np
 
 from autopar.cluster import ClusterSpec, load_cluster
 from autopar.compiler.graph.trace import TracedStep
 from autopar.errors import InvalidOptionError, PlanError
-from autopar.frontend.planning import bind_static_args, plan_train_step
+from autopar.frontend.planning import StaticBinding, bind_static_args, plan_train_step
+from autopar.frontend.static_leaves import array_leaves, signature_part
+from autopar.ir.program import argument_names
 from autopar.methods import METHOD_TYPES, AutoParallel, Method
 from autopar.plan import Plan
 from autopar.runtime.distributed import global_devices, host_layout, same_plan_everywhere
@@ -67,8 +68,9 @@ class CompiledStep:
     plan: Plan
     executable: Any  # ShardedProgram, or a PipelineRunner for pipelined steps
     compile_time_s: float
-    dynamic_argnums: tuple[int, ...]  # the positional arguments the executable takes
-    donated_leaves: tuple[bool, ...]  # per flat input leaf of those arguments
+    binding: StaticBinding  # the static arguments and leaves; maps a call's arguments to
+    # the executable's flat inputs and its results back to the step's outputs
+    donated_leaves: tuple[bool, ...]  # per flat input (array leaf) of the dynamic arguments
     from_cache: bool = False
     measured_idle_fraction: float | None = None
 
@@ -120,7 +122,10 @@ class ParallelizedStep:
         functools.update_wrapper(self, fn)
 
     def _signature_key(self, args: Sequence[Any]) -> tuple:
+        """Static arguments by value; for the others the tree structure, each array leaf's
+        shape and dtype and each non-array (static) leaf's type and value."""
         parts: list[Any] = []
+        names = argument_names(self.fn, len(args))
         for i, arg in enumerate(args):
             if i in self.static_argnums:
                 try:
@@ -132,11 +137,7 @@ class ParallelizedStep:
                     ) from None
                 parts.append(("static", arg))
                 continue
-            leaves, treedef = jax.tree_util.tree_flatten(arg)
-            parts.append((treedef, tuple(
-                (tuple(np.shape(x)), str(x.dtype)) if hasattr(x, "dtype") else ("value", repr(x))
-                for x in leaves
-            )))
+            parts.append(signature_part(names[i], arg))
         return tuple(parts)
 
     def _compiled(self, args: Sequence[Any]) -> CompiledStep:
@@ -181,11 +182,10 @@ class ParallelizedStep:
                 raise PlanError(f"plan field stages[{i}].device_ids names device {beyond[0]}; "
                                 f"this step runs on {len(devices)} device(s), ids 0 to "
                                 f"{len(devices) - 1}")
-        dynamic = tuple(i for i in range(len(args)) if i not in self.static_argnums)
         donated = tuple(
             owner in self.donate_argnums
-            for owner, arg in enumerate(args) if owner in dynamic
-            for _ in jax.tree_util.tree_leaves(arg)
+            for owner in bound.dynamic_argnums
+            for _ in array_leaves(args[owner])
         )
         if planned.pipeline is not None:
             from autopar.runtime.pipeline import PipelineRunner
@@ -195,18 +195,23 @@ class ParallelizedStep:
             executable = ShardedProgram(planned.traced.program, plan, devices,
                                         donated=donated)
         elapsed = time.perf_counter() - start
-        return CompiledStep(planned.traced, plan, executable, elapsed, dynamic, donated,
+        return CompiledStep(planned.traced, plan, executable, elapsed, bound, donated,
                             planned.from_cache)
 
     def _flat_inputs(self, compiled: CompiledStep, args: Sequence[Any]) -> list[Any]:
-        return jax.tree_util.tree_leaves(tuple(args[i] for i in compiled.dynamic_argnums))
+        return compiled.binding.array_inputs(args)
+
+    @staticmethod
+    def _outputs(compiled: CompiledStep, flat_out: Sequence[Any]) -> Any:
+        # the static (non-array) output leaves recorded at trace time go back in
+        return compiled.binding.outputs.restore(flat_out, compiled.traced.program.out_tree)
 
     def __call__(self, *args: Any) -> Any:
         compiled = self._compiled(args)
         flat = self._flat_inputs(compiled, args)
         out = compiled.executable(flat)
         _release_donated(flat, compiled.donated_leaves, out)
-        return jax.tree_util.tree_unflatten(compiled.traced.program.out_tree, out)
+        return self._outputs(compiled, out)
 
     def timed_call(self, *args: Any) -> tuple[Any, list[Any]]:
         """Run one step of a pipelined step with every task waited for and timed; returns the
@@ -225,7 +230,7 @@ class ParallelizedStep:
         records = list(runner.records)
         compiled.measured_idle_fraction = measured_idle_fraction(
             records, len(compiled.plan.stages))
-        return jax.tree_util.tree_unflatten(compiled.traced.program.out_tree, out), records
+        return self._outputs(compiled, out), records
 
     def get_plan(self, *args: Any) -> Plan:
         """The plan for these arguments (arrays or ``jax.ShapeDtypeStruct``)."""
@@ -294,6 +299,11 @@ def parallelize(
     parallelism and into microbatches); the rest is state.
     ``static_argnums``: arguments that are not arrays (flags, config): their values are part of
     the input signature, as with ``jax.jit``; they must be hashable.
+    Non-array leaves of the other arguments (an Equinox module's activation functions, ints,
+    bools, strings; Python scalars too) are static as with ``eqx.filter_jit``: their values are
+    part of the input signature (a new value re-plans) and must be hashable; only array leaves
+    are traced. Outputs may hold non-array leaves too (an updated ``eqx.Module``): they come
+    back as the step returned them when traced. A batch argument must be arrays only.
     ``donate_argnums``: arguments whose buffers the step may reuse (typically the train state);
     after the call they are deleted, as with ``jax.jit``.
     ``devices``: restrict the step to these devices (default: all of this process's).

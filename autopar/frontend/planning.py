@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -19,7 +19,14 @@ import jax
 from autopar.cluster import ClusterSpec
 from autopar.compiler.graph.trace import TracedStep, trace_step
 from autopar.compiler.planners import dispatch
-from autopar.errors import InvalidOptionError, PlanError
+from autopar.errors import InvalidOptionError, PlanError, TraceError
+from autopar.frontend.static_leaves import (
+    StaticOutputs,
+    array_leaves,
+    is_array_leaf,
+    split_leaves,
+)
+from autopar.ir.program import argument_names, leaf_path
 from autopar.methods import Method
 from autopar.plan import Plan
 
@@ -36,20 +43,33 @@ class PlannedStep:
 
 @dataclass(frozen=True)
 class StaticBinding:
-    """A step with its static arguments bound: ``fn(*dynamic)`` is ``step(*all arguments)``."""
+    """A step with its static parts bound: ``fn(*dynamic_args)`` is ``step(*all arguments)``
+    with the static arguments (``static_argnums``) and the static (non-array) leaves of the
+    other arguments put back, returning the outputs' array leaves only (``outputs`` puts their
+    static leaves back; see ``autopar.frontend.static_leaves``)."""
 
     fn: Callable
-    dynamic_args: tuple[Any, ...]
+    dynamic_args: tuple[Any, ...]  # each with None in place of its static leaves
     batch_argnums: tuple[int, ...]  # positions among the dynamic arguments
+    dynamic_argnums: tuple[int, ...] = ()  # positions of the dynamic arguments in the call
+    outputs: StaticOutputs = field(default_factory=StaticOutputs)
+
+    def array_inputs(self, args: Sequence[Any]) -> list[Any]:
+        """The flat inputs of the traced program for a call with ``args`` (same signature)."""
+        return [leaf for i in self.dynamic_argnums for leaf in array_leaves(args[i])]
 
 
 def bind_static_args(
     step: Callable, args: Sequence[Any], static_argnums: Sequence[int],
     batch_argnums: Sequence[int],
 ) -> StaticBinding:
-    """Close ``step`` over the arguments at ``static_argnums`` (their values are part of the
-    input signature, as with ``jax.jit``); the bound function keeps the names of the dynamic
-    parameters, so plans still name leaves ``state/params/w``."""
+    """Close ``step`` over the arguments at ``static_argnums`` and over the non-array leaves of
+    the other arguments (their values are part of the input signature, as with ``jax.jit``'s
+    static arguments and ``eqx.filter_jit``'s non-array leaves); the bound function keeps the
+    names of the dynamic parameters, so plans still name leaves ``state/params/w``.
+
+    A batch argument must be arrays only (``TraceError`` naming the first leaf that is not).
+    """
     static = set(static_argnums)
     for i in static_argnums:
         if i >= len(args):
@@ -58,14 +78,26 @@ def bind_static_args(
     if static & set(batch_argnums):
         raise InvalidOptionError(f"argument(s) {sorted(static & set(batch_argnums))} are in both "
                                  "static_argnums and batch_argnums; a batch must be arrays")
-    if not static:
-        return StaticBinding(step, tuple(args), tuple(batch_argnums))
+    names = argument_names(step, len(args))
+    for i in batch_argnums:
+        if i < len(args):
+            _check_batch_leaves(names[i], args[i])
     dynamic_positions = [i for i in range(len(args)) if i not in static]
     fixed = {i: args[i] for i in static}
+    splits = {i: split_leaves(args[i])[0] for i in dynamic_positions}
+    dynamic_args = tuple(
+        splits[i].arrays_only(jax.tree_util.tree_leaves(args[i]), f"argument '{names[i]}'")
+        if splits[i].has_static else args[i]
+        for i in dynamic_positions)
+    outputs = StaticOutputs()
 
     def bound(*dynamic: Any) -> Any:
-        merged = dict(zip(dynamic_positions, dynamic, strict=True)) | fixed
-        return step(*(merged[i] for i in range(len(args))))
+        merged = dict(fixed)
+        for i, arg in zip(dynamic_positions, dynamic, strict=True):
+            # the traced leaves of `arg` are the array leaves of args[i], in order
+            merged[i] = splits[i].merge(jax.tree_util.tree_leaves(arg)) \
+                if splits[i].has_static else arg
+        return outputs.record(step(*(merged[i] for i in range(len(args)))))
 
     bound.__name__ = getattr(step, "__name__", "train_step")
     try:
@@ -76,8 +108,20 @@ def bind_static_args(
     except (TypeError, ValueError):
         pass  # no signature: leaves are named arg0, arg1, ...
     remap = {old: new for new, old in enumerate(dynamic_positions)}
-    return StaticBinding(bound, tuple(args[i] for i in dynamic_positions),
-                         tuple(remap[i] for i in batch_argnums))
+    return StaticBinding(bound, dynamic_args, tuple(remap[i] for i in batch_argnums),
+                         tuple(dynamic_positions), outputs)
+
+
+def _check_batch_leaves(name: str, batch: Any) -> None:
+    """A batch is split by data parallelism and into microbatches: every leaf must be an array."""
+    for keypath, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        if not is_array_leaf(leaf):
+            shown = f" ({leaf!r})" if isinstance(leaf, (str, int, float, bool)) \
+                and len(repr(leaf)) <= 40 else ""
+            raise TraceError(
+                f"batch leaf '{leaf_path(name, keypath)}' is a {type(leaf).__name__}{shown}, not "
+                "an array; a batch must be a pytree of arrays (non-array leaves are static only "
+                "in the other arguments)")
 
 
 def plan_train_step(

@@ -229,8 +229,8 @@ def _checked_source(target: str, returned: Any,
                 f"{'static_argnums' if i in static else 'batch argument'} {i} is out of range: "
                 f"{target} returned {len(args)} argument(s) for the step"
             )
+    _check_batch_leaves(step, args, set(batch) - set(static), target)  # overlap: below
     bind_static_args(step, args, static, batch)  # both static and batch: one line
-    _check_argument_leaves(step, args, static, target)
     return StepSource(
         name=target, fn=step, args=args, batch_argnums=batch,
         static_argnums=static, method=method, saved_plan=saved,
@@ -238,22 +238,25 @@ def _checked_source(target: str, returned: Any,
     )
 
 
-def _check_argument_leaves(step: Callable, args: Sequence[Any], static: Sequence[int],
-                           target: str) -> None:
+def _check_batch_leaves(step: Callable, args: Sequence[Any], batch: set[int],
+                        target: str) -> None:
+    """The batch arguments must be arrays (other arguments' non-array leaves are static)."""
     import jax
 
-    from autopar.ir.program import argument_names, is_array_like, leaf_path
+    from autopar.frontend.static_leaves import is_array_leaf
+    from autopar.ir.program import argument_names, leaf_path
 
     names = argument_names(step, len(args))
     for i, (name, arg) in enumerate(zip(names, args, strict=True)):
-        if i in static:
+        if i not in batch:
             continue
         for keypath, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
-            if not is_array_like(leaf):
+            if not is_array_leaf(leaf):
                 raise TraceError(
                     f"argument leaf '{leaf_path(name, keypath)}' of the args {target} returned "
-                    f"is {_describe(leaf)}; train-step arguments must be pytrees of arrays or "
-                    "jax.ShapeDtypeStruct"
+                    f"is {_describe(leaf)}; a batch must be a pytree of arrays or "
+                    "jax.ShapeDtypeStruct (non-array leaves are static only in the other "
+                    "arguments)"
                 )
 
 
