@@ -350,14 +350,17 @@ How to read these tables:
 - **Measured** step times are medians of several steps after warm-up, on the local devices
   (simulated CPU devices share the host's cores: they measure the plan's overheads, not a GPU
   cluster's speed), each step called as a training loop calls it: the state the previous
-  step returned goes back in, the batch comes from the host. autopar's plan and the one-stage baselines are timed together, in
-  interleaved rounds, so the machine's changing load falls on all of them alike. *Best
-  simple / default* is the faster of data-parallel and intra-op-only measured over autopar's
-  plan measured (at least 1: the default is as fast as the simple plans). Pipelined plans run
-  one program per stage task: their compiled HLO is not one program to count collectives in.
+  step returned goes back in, the batch comes from the host. autopar's plan and the
+  one-stage baselines are timed together, in interleaved rounds, so the machine's changing
+  load falls on all of them alike. *Best simple / default* is the faster of data-parallel and
+  intra-op-only measured over autopar's plan measured (1 or more: the default is at least as
+  fast as the best simple plan). Pipelined plans run one program per stage task: their
+  compiled HLO is not one program to count collectives in.
 - **Described clusters** are planned from abstract shapes, with memory not enforced:
-  autopar has no rematerialisation yet, and the Alpa sizes keep more activations than a 16 GB
-  V100 holds. The paper suite plans them in fp16, as Alpa ran them (the zoo's default is fp32).
+  without rematerialisation the Alpa sizes keep more activations than a 16 GB V100 holds, and
+  the comparison with Alpa's published runs is on its formula without the recomputed
+  forward (see What-if). The paper suite plans them in fp16, as Alpa ran them (the zoo's
+  default is fp32).
 - **What-if** rows are estimates from the cost model, not measurements, beside figures
   published for real runs."""
 

@@ -9,7 +9,19 @@ Temporaries follow XLA rather than the jaxpr: XLA fuses chains of elementwise, s
 slicing ops into loops, so their intermediates never exist in memory. A temporary is counted
 only where XLA has to write it out: results of ops it does not fuse into a loop (dots,
 convolutions, reductions, sorts, scatters, control flow), operands those ops read, values read
-by more than one op, and the step's outputs. Liveness then runs in program order.
+by more than one op, and the step's outputs. Liveness then runs in program order; a loop
+writes its result over an operand of the same size that it reads for the last time.
+
+A reduction reads its operand's loop in place (input fusion), unless it is big: XLA's CPU
+backend hands a sum, max or min over a float operand of at least ``LIBRARY_MIN_ELEMENTS``
+elements per device to its kernel library (YNNPACK), which reads its operands from memory. It
+folds in the elementwise ops that feed only it (the square of a variance, the product of a
+scale's gradient); the values those read are written out. (A layer norm over replicated
+activations keeps its input, its centred input and its normalised output for the backward.)
+
+The step's outputs hold buffers of their own for the whole step, but XLA lends an output's
+buffer to temporaries that die before the output is written (one at a time, each no bigger
+than the buffer); only the temporaries that find no such buffer add to the peak.
 
 A scan region (``ir.program``) is counted as its body's values at one iteration's size: the
 loop reuses them from iteration to iteration. What outlives the loop is its exits' results:
@@ -24,6 +36,7 @@ only read after the reductions. The ZeRO planner shards by the same rule.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -50,6 +63,12 @@ READS_FUSED_OPERANDS = frozenset(
     "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split()
 )
 
+# Reductions XLA's CPU backend gives its kernel library (YNNPACK) when the operand or the
+# result has at least LIBRARY_MIN_ELEMENTS elements (per device); the library reads its
+# operands from memory instead of fusing their loops.
+LIBRARY_REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min".split())
+LIBRARY_MIN_ELEMENTS = 4096
+
 # Elementwise ops XLA will not duplicate into several consumers' loops (too costly to redo);
 # a cheap one read by several consumers is recomputed in each instead of written out.
 EXPENSIVE_OPS = frozenset(
@@ -72,7 +91,8 @@ class MemoryEstimate:
     state (optimizer moments, counters, running statistics). ``batch``: the batch leaves.
     ``updated_state``: outputs written to fresh buffers (0 when the state is donated).
     ``activations``: the most temporaries alive at once (forward activations kept for the
-    backward, gradients, optimizer temporaries).
+    backward, gradients, optimizer temporaries), less those that borrow an output's buffer
+    before the output is written.
     """
 
     parameters: int
@@ -124,13 +144,69 @@ def parameter_inputs(graph: OpGraph, batch_argnums: Iterable[int]) -> set[int]:
     return classify_state(graph, state, batch_region(graph, split))
 
 
-def materialized_temporaries(graph: OpGraph) -> set[int]:
-    """Intermediate tensors XLA writes to memory (see the module docstring)."""
+def _is_float(dtype: str) -> bool:
+    return "float" in dtype
+
+
+def library_read_operands(
+    graph: OpGraph, shards: Mapping[int, int] | None = None
+) -> set[int]:
+    """Tensors a library reduction reads from memory (see the module docstring): walking up
+    from each reduction big enough for the library (``shards[t]``: how many ways tensor ``t``
+    is split, default whole), through the elementwise ops that feed only it (folded into the
+    library call), to the values those read."""
+    shards = shards or {}
+    producer = graph.producer
+    readers: dict[int, int] = {}
+    for node in graph.nodes:
+        for t in set(node.inputs):
+            readers[t] = readers.get(t, 0) + 1
+    outputs = {io.tensor for io in graph.outputs}
+
+    def elements(t: int) -> int:
+        return graph.tensors[t].size // max(1, shards.get(t, 1))
+
+    read: set[int] = set()
+    for node in graph.nodes:
+        if node.primitive not in LIBRARY_REDUCTIONS or not node.inputs:
+            continue
+        operand = node.inputs[0]
+        if not _is_float(graph.tensors[operand].dtype) or max(
+            elements(operand), *(elements(t) for t in node.outputs)
+        ) < LIBRARY_MIN_ELEMENTS:
+            continue
+        stack, seen = [operand], set()
+        while stack:
+            t = stack.pop()
+            if t in seen or graph.tensors[t].kind == "literal":
+                continue
+            seen.add(t)
+            p = producer.get(t)
+            folded = (
+                p is not None
+                and graph.nodes[p].primitive in FUSED_OPS
+                and readers.get(t, 0) == 1
+                and t not in outputs
+            )
+            if folded:
+                stack.extend(graph.nodes[p].inputs)
+            else:
+                read.add(t)
+    return read
+
+
+def materialized_temporaries(
+    graph: OpGraph, shards: Mapping[int, int] | None = None
+) -> set[int]:
+    """Intermediate tensors XLA writes to memory (see the module docstring) when tensor ``t``
+    is split ``shards[t]`` ways (default: whole; it decides which reductions go to the
+    kernel library)."""
     consumers: dict[int, list[str]] = {}
     for node in graph.nodes:
         for t in set(node.inputs):
             consumers.setdefault(t, []).append(node.primitive)
     outputs = {io.tensor for io in graph.outputs}
+    library_reads = library_read_operands(graph, shards)
     kept = set()
     for node in graph.nodes:
         if node.primitive in ALIASING_OPS:
@@ -141,6 +217,7 @@ def materialized_temporaries(graph: OpGraph) -> set[int]:
             if (
                 not fused_producer
                 or t in outputs
+                or t in library_reads
                 or (len(readers) > 1 and node.primitive in EXPENSIVE_OPS)
                 or any(r not in FUSED_OPS and r not in READS_FUSED_OPERANDS for r in readers)
             ):
@@ -172,10 +249,12 @@ def estimate_memory(
     state = inputs - batch
     # an output that is an input passed through needs no buffer of its own
     fresh_outputs = {io.tensor for io in graph.outputs} - inputs
-    temporaries = materialized_temporaries(graph) - fresh_outputs - inputs
-    # XLA gives the outputs buffers of their own and the temporaries a separate arena
+    temporaries = materialized_temporaries(graph, shards) - fresh_outputs - inputs
+    # XLA gives the outputs buffers of their own (lent to temporaries until they are written:
+    # not when they are the donated inputs' buffers) and the other temporaries an arena
     updated = 0 if donated_state else sum(share(t) for t in fresh_outputs)
-    peak = updated + _peak_live(graph, temporaries, share, resharded or {})
+    lenders = set() if donated_state else fresh_outputs
+    peak = updated + _peak_live(graph, temporaries, share, resharded or {}, lenders)
     return MemoryEstimate(
         parameters=sum(share(t) for t in params),
         optimizer_state=sum(share(t) for t in state - params),
@@ -273,19 +352,65 @@ def last_reads(graph: OpGraph, order: Sequence[int], counted: set[int]) -> dict[
     return last
 
 
-def _peak_live(graph: OpGraph, counted: set[int], share, transient: Mapping[int, float]) -> int:
+def _peak_live(
+    graph: OpGraph,
+    counted: set[int],
+    share,
+    transient: Mapping[int, float],
+    lenders: set[int] = frozenset(),
+) -> int:
     """Peak bytes of ``counted`` tensors alive at once in the memory-greedy order, with each
-    node's ``transient`` bytes alive while it runs."""
+    node's ``transient`` bytes alive while it runs, less the temporaries that borrow the
+    buffer of a ``lenders`` tensor (an output, alive from its writing to the step's end)."""
     order = memory_greedy_order(graph, counted, share)
     last_use = last_reads(graph, order, counted)
-    frees: dict[int, list[int]] = {}
-    live = peak = 0
+    born: dict[int, int] = {}
     for i, n in enumerate(order):
         for t in graph.nodes[n].outputs:
-            if t in counted and t in last_use:
+            born[t] = i
+    spans = {t: (born[t], last_use[t]) for t in counted if t in last_use and t in born}
+    borrowed = _borrowers(spans, {t: born[t] for t in lenders if t in born}, share)
+    frees: dict[int, list[int]] = {}
+    for t, (_, end) in spans.items():
+        if t not in borrowed:
+            frees.setdefault(end, []).append(t)
+    live = peak = 0
+    for i, n in enumerate(order):
+        dying = frees.pop(i, [])
+        in_place = graph.nodes[n].primitive in FUSED_OPS
+        for t in graph.nodes[n].outputs:
+            if t not in spans or t in borrowed:
+                continue
+            # a loop writes its result over an operand it reads for the last time
+            same = next((u for u in dying if in_place and share(u) == share(t)), None)
+            if same is not None:
+                dying.remove(same)
+            else:
                 live += share(t)
-                frees.setdefault(last_use[t], []).append(t)
         peak = max(peak, live + int(transient.get(n, 0)))
-        for t in frees.pop(i, []):
-            live -= share(t)
+        live -= sum(share(t) for t in dying)
     return peak
+
+
+def _borrowers(spans: Mapping[int, tuple[int, int]], lenders: Mapping[int, int], share) -> set[int]:
+    """Temporaries (``spans[t]``: first and last position alive) that XLA's buffer assignment
+    puts into a lender's buffer (``lenders[t]``: the position it is written at): biggest
+    temporaries first, each into the smallest buffer that holds it, is not yet written while
+    the temporary lives, and holds no other borrower at the time."""
+    buffers = sorted(lenders, key=lambda t: (share(t), lenders[t]))
+    sizes = [share(t) for t in buffers]
+    held: dict[int, list[tuple[int, int]]] = {}
+    out = set()
+    for t in sorted(spans, key=lambda t: (-share(t), spans[t])):
+        start, end = spans[t]
+        size = share(t)
+        for b in buffers[bisect.bisect_left(sizes, size):]:
+            if end > lenders[b] or (end == lenders[b] and share(b) != size):
+                continue  # alive once the output is written (unless written over it in place)
+            taken = held.setdefault(b, [])
+            if any(s <= end and start <= e for s, e in taken):
+                continue
+            taken.append((start, end))
+            out.add(t)
+            break
+    return out
