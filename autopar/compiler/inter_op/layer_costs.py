@@ -269,7 +269,7 @@ def optimizer_state_per_parameter(pp: PipelineProgram) -> float:
     2 for Adam, 1 for momentum SGD, 0 for plain SGD. Parameters are the loss function's
     differentiated inputs; the batch is what the pipeline splits into microbatches."""
     outer = pp.outer
-    params = {pp.operand_of[f] for f in pp.diff_inputs}
+    params = set(pp.param_sources().values())
     batch = {pp.operand_of[f] for f in pp.split_inputs}
     param_bytes = sum(_nbytes(outer.avals[v]) for v in params)
     state_bytes = sum(_nbytes(outer.avals[v]) for v in outer.in_ids
