@@ -162,7 +162,9 @@ def piece_train_graph(pp: PipelineProgram, piece: Piece) -> tuple[OpGraph, dict[
         "d": [sds(v) for v in roles.micro],
         "g": [sds(v) for v in roles.float_outputs],
     }
-    program = flatten_step(piece_step, (state, batch))
+    # scans as regions (a layer scan's unit scans, any scan in the piece): the ILP plans the
+    # body once, as one-stage planning does, rather than a scan replicated whole
+    program = flatten_step(piece_step, (state, batch), expand_scans=True)
     paths = {}
     for prefix, ids in (("state/p", roles.params), ("state/c", roles.fixed),
                         ("batch/a", roles.acts), ("batch/d", roles.micro),

@@ -90,6 +90,27 @@ def test_scanned_gpt_pipeline_equals_serial(schedule, stages):
     assert plan.pipeline.schedule == schedule
 
 
+def test_full_search_pipelined_candidate_equals_serial():
+    """The full search with only its pipelined candidates (the stage DP and the hand splits on
+    clustered layers, auto layer count): whatever it keeps runs the scan split, a one-stage
+    pipeline as one scan of every iteration, and gives the serial numbers."""
+    model = scanned_gpt()
+    step = autopar.parallelize(model.train_step, cache=False,
+                               method=autopar.AutoParallel(candidates=("pipeshard",)))
+    want_losses, want_leaves = reference()
+    state = model.init_state(jax.random.key(0))
+    for i in range(STEPS):
+        state, loss = step(state, model.make_batch(jax.random.key(10 + i)))
+        assert float(loss) == pytest.approx(want_losses[i], rel=1e-5, abs=1e-6)
+    atol = 2e-3 * model.config.learning_rate
+    for want, got in zip(want_leaves, jax.tree_util.tree_leaves(state), strict=True):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=atol)
+    plan = step.get_plan(state, model.make_batch(jax.random.key(0)))
+    assert plan.method == "pipeshard"
+    # clustering counted the iterations as layers: every cut falls between two of them
+    assert len(plan.pipeline.layer_positions) == LAYERS - 1
+
+
 def test_stage_dp_cuts_the_scan_between_iterations():
     model = scanned_gpt(layers=8)
     pp = build_pipeline_program(model.train_step, (model.abstract_state(),
