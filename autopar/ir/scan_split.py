@@ -18,8 +18,8 @@ optimizer state live on the stage that owns the slice; a step input that is stac
 where the caller's array lies (``PipelineProgram.input_splits``: the runtime runs those
 slices before the step, no stage receives the whole array), and what the step returns is
 concatenated back into the caller's layout (stacked leaves whole). Anything else that reads a
-stacked value (a global gradient norm, a matmul) reads it whole, concatenated from its slices:
-correct, only not split.
+stacked value reads it whole, concatenated from its slices (correct, only not split), except
+a sum over the leading axis (a global gradient norm), which sums each slice where it lies.
 
 Pure: program forms in, program forms out; compiler and runtime build the same split from the
 same trace, so value ids agree.
@@ -281,6 +281,10 @@ def split_step(outer: FlatProgram, vg_index: int, fwd_in_ids: Sequence[int],
                 ins = [v if not outer.avals[v].shape else need_slices(v)[i] for v in e.inputs]
                 b.copy(e, params=_slice_params(e), inputs=tuple(ins),
                        outputs=tuple(parts[v][i] for v in e.outputs))
+        elif (e.name == "reduce_sum" and e.inputs[0] not in whole and e.inputs[0] in parts
+              and 0 in e.params["axes"]):
+            _split_sum(b, e, parts[e.inputs[0]])
+            whole.update(e.outputs)
         else:
             for v in e.inputs:
                 need_whole(v)
@@ -290,6 +294,25 @@ def split_step(outer: FlatProgram, vg_index: int, fwd_in_ids: Sequence[int],
         need_whole(v)
     program = b.program_with(outer.in_ids, outer.in_paths)
     return SplitStep(program, new_vg, frozenset(input_splits))
+
+
+def _split_sum(b: _Builder, e: FlatEqn, slices: Sequence[int]) -> None:
+    """A sum over the leading axis (a global gradient norm's) as one sum per slice, where the
+    slice lives, then the partial sums added: no stage gathers the whole stacked value."""
+    out = e.outputs[0]
+    if len(slices) == 1:
+        b.copy(e, inputs=(slices[0],))
+        return
+    aval = b.avals[out]
+    partial = [b.value(aval) for _ in slices]
+    for vid, p in zip(slices, partial, strict=True):
+        b.copy(e, inputs=(vid,), outputs=(p,))
+    prim, params = _one_eqn(lambda x, y: x + y, aval, aval)
+    total = partial[0]
+    for k, p in enumerate(partial[1:], start=2):
+        made = out if k == len(partial) else b.value(aval)
+        b.emit(prim, params, [total, p], [made])
+        total = made
 
 
 def _splittable(program: FlatProgram, e: FlatEqn) -> bool:

@@ -166,6 +166,13 @@ def test_checkpointed_reversed_scan_with_ys_equals_jit(schedule):
         want.append(float(loss))
     method = autopar.PipeshardParallel(num_microbatches=4, schedule=schedule,
                                        stages="uniform", num_stages=2, layers=4)
+    # the global norm sums each gradient slice where it lies: every stacked value is
+    # concatenated only to be returned
+    pp = build_pipeline_program(train_step, (state, batch), (1,), 4)
+    outer = pp.outer
+    joins = [e for e in outer.eqns if e.name == "concatenate" and e.index > pp.vg_index]
+    assert len(joins) == 2 * 3  # layers/w and layers/b: parameters, Adam's two moments
+    assert all(e.outputs[0] in set(outer.out_ids) for e in joins)
     step = autopar.parallelize(train_step, method=method, cache=False,
                                devices=jax.devices()[:4])
     got = []
