@@ -25,6 +25,7 @@ import numpy as np
 from autopar.errors import BatchSizeError, NoLossFunctionError, PlanError
 from autopar.ir.loss_markers import PIPELINE_BOUNDARY, VALUE_AND_GRAD, LossFunction
 from autopar.ir.program import FlatProgram, TensorKind, flatten_jaxpr, flatten_step
+from autopar.ir.scan_split import LayerScan, split_forward, split_step
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,10 @@ class PipelineProgram:
     split_inputs: frozenset[int]  # forward inputs cut into microbatches along axis 0
     diff_inputs: tuple[int, ...]  # forward inputs differentiated, in gradient order
     batch_size: int
+    # the loss forward's layer scans, split into unit scans (``ir.scan_split``), and the step's
+    # equations slicing its stacked inputs (the runtime runs them where the input lies)
+    layer_scans: tuple[LayerScan, ...] = ()
+    input_splits: frozenset[int] = frozenset()
 
     @property
     def vg(self) -> Any:
@@ -74,6 +79,13 @@ class PipelineProgram:
     def loss_outputs(self) -> tuple[int, ...]:
         """Forward ids of [loss, *aux]."""
         return tuple(self.forward.out_ids)
+
+    def param_sources(self) -> dict[int, int]:
+        """For each differentiated forward input, the step value it is (or is a slice of,
+        for a stacked parameter split by ``ir.scan_split``)."""
+        sliced = {self.outer.eqns[i].outputs[0]: self.outer.eqns[i].inputs[0]
+                  for i in self.input_splits}
+        return {f: sliced.get(self.operand_of[f], self.operand_of[f]) for f in self.diff_inputs}
 
     def boundary_positions(self) -> list[int]:
         """Cut positions after each ``mark_pipeline_boundary`` in the forward."""
@@ -159,8 +171,20 @@ def build_pipeline_program(
     diff = tuple(forward.in_ids[consts + i] for i in loss.diff_leaves)
     if split & set(diff):
         raise PlanError("autopar.value_and_grad differentiates a value computed from the batch")
+    layered = split_forward(forward, diff)
+    if layered is None:
+        return PipelineProgram(
+            outer, vg.index, loss, forward, operand_of, frozenset(split), diff, batch_size
+        )
+    # scans over stacked layers: one unit scan per iteration, the step split to match
+    step = split_step(outer, vg.index, forward.in_ids, layered.slices, diff, 1 + loss.num_aux)
+    new_vg = step.program.eqns[step.vg_index]
+    forward = layered.forward
+    operand_of = dict(zip(forward.in_ids, new_vg.inputs, strict=True))
+    diff = tuple(x for fid in diff for x in layered.slices.get(fid, (fid,)))
     return PipelineProgram(
-        outer, vg.index, loss, forward, operand_of, frozenset(split), diff, batch_size
+        step.program, step.vg_index, loss, forward, operand_of, frozenset(split), diff,
+        batch_size, layered.scans, step.input_splits
     )
 
 
@@ -214,6 +238,16 @@ def cut_pieces(forward: FlatProgram, positions: Sequence[int]) -> list[Piece]:
     return pieces
 
 
+def stage_scan_iterations(pp: PipelineProgram, pieces: Sequence[Piece],
+                          stage_of_piece: Sequence[int]) -> list[int]:
+    """How many iterations of the forward's layer scans each stage runs (its unit scans)."""
+    units = {u for scan in pp.layer_scans for u in scan.units}
+    counts = [0] * (max(stage_of_piece, default=-1) + 1)
+    for piece in pieces:
+        counts[stage_of_piece[piece.index]] += sum(1 for i in piece.eqns if i in units)
+    return counts
+
+
 def input_consumers(pieces: Sequence[Piece]) -> dict[int, list[int]]:
     """For each value read across pieces: the pieces that read it, in order."""
     found: dict[int, list[int]] = {}
@@ -248,8 +282,9 @@ def plan_segments(
 
     after = _depends_on_outputs(outer, pp.vg_index)
     eqn_home: dict[int, int] = {}
+    skipped = {pp.vg_index, *pp.input_splits}  # run by the driver itself
     for e in outer.eqns:  # after the gradients: follow the operand bytes
-        if e.index == pp.vg_index or e.index not in after:
+        if e.index in skipped or e.index not in after:
             continue
         weight: dict[int, float] = {}
         for v in e.inputs:
@@ -265,7 +300,7 @@ def plan_segments(
             readers.setdefault(v, []).append(e.index)
     out_ids = set(outer.out_ids)
     for e in reversed(outer.eqns):  # the rest: where their first consumer is
-        if e.index == pp.vg_index or e.index in eqn_home:
+        if e.index in skipped or e.index in eqn_home:
             continue
         stages = []
         for v in e.outputs:
@@ -294,19 +329,20 @@ def _group(pp: PipelineProgram, eqn_home: dict[int, int], after: set[int]) -> li
     outer = pp.outer
     made_by: dict[int, int] = {v: e.index for e in outer.eqns for v in e.outputs}
     level: dict[int, int] = {}
+    skipped = {pp.vg_index, *pp.input_splits}  # the driver runs them: their results are given
     for e in outer.eqns:
-        if e.index == pp.vg_index:
+        if e.index in skipped:
             continue
         lv = 0
         for v in e.inputs:
             src = made_by.get(v)
-            if src is None or src == pp.vg_index or (src in after) != (e.index in after):
+            if src is None or src in skipped or (src in after) != (e.index in after):
                 continue
             lv = max(lv, level[src] + (eqn_home[src] != eqn_home[e.index]))
         level[e.index] = lv
     groups: dict[tuple[str, int, int], list[int]] = {}
     for e in outer.eqns:
-        if e.index == pp.vg_index:
+        if e.index in skipped:
             continue
         phase = "after" if e.index in after else "before"
         groups.setdefault((phase, level[e.index], eqn_home[e.index]), []).append(e.index)

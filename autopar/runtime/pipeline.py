@@ -34,6 +34,7 @@ from autopar.ir.pipeline_program import (
 )
 from autopar.ir.program import run_eqns
 from autopar.ir.remat_loss import layer_function
+from autopar.ir.scan_split import run_forward_eqns
 from autopar.ir.schedules import Schedule, TaskKind, make_schedule
 from autopar.plan import Plan
 from autopar.runtime.distributed import put
@@ -126,6 +127,7 @@ class PipelineRunner:
         self.remat_stages = list(remat_stages) or [False] * len(stages)
         self.tasks = [self._piece_tasks(p) for p in self.pieces]
         self.segment_fns = [jax.jit(self._segment_fn(s)) for s in self.segments]
+        self.input_split_fns = self._input_split_fns()
         self.records: list[TaskRecord] = []
         self._accumulate = jax.jit(lambda acc, g: [a + b for a, b in zip(acc, g, strict=True)])
 
@@ -193,8 +195,8 @@ class PipelineRunner:
                     ins = [v for v in layer.inputs if v in env]
                     outs = jax.checkpoint(layer_function(fwd, layer, ins))([env[v] for v in ins])
                     env.update(zip(layer.outputs, outs, strict=True))
-            else:
-                run_eqns(fwd, piece.eqns, env)
+            else:  # a stage's unit scans run as one shorter scan over its slices
+                run_forward_eqns(fwd, piece.eqns, env, self.pp.layer_scans)
             return [env[v] for v in float_out], [env[v] for v in other_out]
 
         def forward(diff_vals, nondiff_vals):
@@ -219,6 +221,27 @@ class PipelineRunner:
         t.backward_weight = jax.jit(backward_weight, donate_argnums=(2,))
         return t
 
+    def _input_split_fns(self) -> list[tuple[int, list[int], Any]]:
+        """Per stacked step input: (its id, its slices' ids, a jitted function making them).
+        They run before the step where the caller's array lies, so each stage then receives
+        only its slices, never the whole stacked leaf."""
+        outer = self.pp.outer
+        by_input: dict[int, list[int]] = {}
+        for i in sorted(self.pp.input_splits):
+            by_input.setdefault(outer.eqns[i].inputs[0], []).append(i)
+        fns = []
+        for vid, eqns in by_input.items():
+            outs = [outer.eqns[i].outputs[0] for i in eqns]
+
+            def run(x: Any, vid: int = vid, eqns: list[int] = eqns,
+                    outs: list[int] = outs) -> list[Any]:
+                env = {vid: x}
+                run_eqns(outer, eqns, env)
+                return [env[v] for v in outs]
+
+            fns.append((vid, outs, jax.jit(run)))
+        return fns
+
     def _segment_fn(self, segment: Segment):
         outer = self.pp.outer
 
@@ -236,6 +259,8 @@ class PipelineRunner:
         st = _StepState(env=dict(zip(outer.in_ids, flat_args, strict=True)))
         self.records = []
         start = time.perf_counter()
+        for vid, outs, fn in self.input_split_fns:
+            st.env.update(zip(outs, fn(st.env[vid]), strict=True))
         for k, seg in enumerate(self.segments):
             if seg.phase == "before":
                 self._run_segment(st, k, seg)

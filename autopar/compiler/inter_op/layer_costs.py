@@ -162,7 +162,9 @@ def piece_train_graph(pp: PipelineProgram, piece: Piece) -> tuple[OpGraph, dict[
         "d": [sds(v) for v in roles.micro],
         "g": [sds(v) for v in roles.float_outputs],
     }
-    program = flatten_step(piece_step, (state, batch))
+    # scans as regions (a layer scan's unit scans, any scan in the piece): the ILP plans the
+    # body once, as one-stage planning does, rather than a scan replicated whole
+    program = flatten_step(piece_step, (state, batch), expand_scans=True)
     paths = {}
     for prefix, ids in (("state/p", roles.params), ("state/c", roles.fixed),
                         ("batch/a", roles.acts), ("batch/d", roles.micro),
@@ -269,7 +271,7 @@ def optimizer_state_per_parameter(pp: PipelineProgram) -> float:
     2 for Adam, 1 for momentum SGD, 0 for plain SGD. Parameters are the loss function's
     differentiated inputs; the batch is what the pipeline splits into microbatches."""
     outer = pp.outer
-    params = {pp.operand_of[f] for f in pp.diff_inputs}
+    params = set(pp.param_sources().values())
     batch = {pp.operand_of[f] for f in pp.split_inputs}
     param_bytes = sum(_nbytes(outer.avals[v]) for v in params)
     state_bytes = sum(_nbytes(outer.avals[v]) for v in outer.in_ids

@@ -530,9 +530,13 @@ def stage_ilp_notes(cache: LayerCostCache) -> list[str]:
 
 
 def _input_paths(pp: PipelineProgram, specs: dict) -> dict:
-    """The specs of loss inputs that are step inputs (parameters, batch leaves), by path."""
+    """The specs of loss inputs that are step inputs (parameters, batch leaves), or slices of
+    stacked ones, by path."""
     outer = pp.outer
     path_of = dict(zip(outer.in_ids, outer.in_paths, strict=True))
+    for i in pp.input_splits:  # a slice of a stacked input (a scan's layer): ``path[layer]``
+        e = outer.eqns[i]
+        path_of[e.outputs[0]] = f"{path_of[e.inputs[0]]}[{e.params['start_indices'][0]}]"
     found = {}
     for fid, spec in specs.items():
         path = path_of.get(pp.operand_of.get(fid, -1))

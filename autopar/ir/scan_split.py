@@ -1,0 +1,411 @@
+"""Scans over stacked layers, split so that a pipeline can cut them between iterations.
+
+A model written with ``jax.lax.scan`` over stacked layers (MaxText, Levanter, Flax ``nn.scan``)
+has one ``scan`` equation in its loss forward, reading every layer's parameters as one stacked
+array (``xs``). Kept whole, that equation lands in one pipeline stage with every layer. Here
+such a *layer scan* becomes ``length`` *unit scans* (the same body, ``length=1``), each
+reading its own ``[1, ...]`` slice of the stacked parameters as a loss input of its own, the
+carry chained from one to the next. The pipeline pass then sees one layer per iteration:
+clustering counts iterations, the stage DP may cut between them, and each stage holds only its
+slices. The runtime runs a stage's consecutive unit scans as one shorter scan over its slices
+(``run_forward_eqns``), so a stage's layers still run as a loop, ``jax.checkpoint`` in the
+body included.
+
+The step around the loss is split to match (``split_step``): every equation of the step that
+is elementwise on a stacked value (the optimizer update: Adam's moments and the parameter
+update are elementwise in the gradient) runs once per slice, so each slice's update and
+optimizer state live on the stage that owns the slice; a step input that is stacked is sliced
+where the caller's array lies (``PipelineProgram.input_splits``: the runtime runs those
+slices before the step, no stage receives the whole array), and what the step returns is
+concatenated back into the caller's layout (stacked leaves whole). Anything else that reads a
+stacked value reads it whole, concatenated from its slices (correct, only not split), except
+a sum over the leading axis (a global gradient norm), which sums each slice where it lies.
+
+Pure: program forms in, program forms out; compiler and runtime build the same split from the
+same trace, so value ids agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import jax
+
+from autopar.ir.program import FlatEqn, FlatProgram, TensorKind, bind_eqn
+
+# Primitives that act element by element on operands of one shape (rank-0 operands broadcast):
+# slicing their leading axis commutes with them, so they can run once per layer slice.
+ELEMENTWISE = frozenset({
+    "abs", "add", "add_any", "and", "atan2", "cbrt", "ceil", "clamp", "convert_element_type",
+    "copy", "copy_p", "cos", "div", "eq", "erf", "exp", "exp2", "expm1", "floor", "ge", "gt",
+    "integer_pow", "is_finite", "le", "log", "log1p", "logistic", "lt", "max", "min", "mul",
+    "ne", "neg", "nextafter", "not", "or", "pow", "reduce_precision", "rem", "round", "rsqrt",
+    "select_n", "sign", "sin", "sqrt", "square", "stop_gradient", "sub", "tan", "tanh", "xor",
+})
+
+
+@dataclass(frozen=True)
+class LayerScan:
+    """One layer scan of the loss forward, split: ``units`` are the forward equation indices
+    of its unit scans in the order they run (iteration ``length - 1`` first when ``reverse``);
+    ``iterations[k]`` is the iteration unit ``k`` runs."""
+
+    units: tuple[int, ...]
+    iterations: tuple[int, ...]
+    reverse: bool
+
+    @property
+    def length(self) -> int:
+        return len(self.units)
+
+
+@dataclass(frozen=True)
+class SplitForward:
+    """The loss forward with its layer scans split: ``slices`` maps each stacked parameter
+    input of the original forward to its slices' input ids (in iteration order)."""
+
+    forward: FlatProgram
+    slices: dict[int, tuple[int, ...]]
+    scans: tuple[LayerScan, ...]
+
+
+class _Builder:
+    """A program's equations rebuilt in order, with new values numbered after the old."""
+
+    def __init__(self, program: FlatProgram) -> None:
+        self.program = program
+        self.eqns: list[FlatEqn] = []
+        self.avals = dict(program.avals)
+        self.kinds = dict(program.kinds)
+        self.next_id = max(program.avals, default=-1) + 1
+
+    def value(self, aval: Any, kind: str = TensorKind.INTERMEDIATE) -> int:
+        vid = self.next_id
+        self.next_id += 1
+        self.avals[vid] = aval
+        self.kinds[vid] = kind
+        return vid
+
+    def copy(self, eqn: FlatEqn, **changes: Any) -> int:
+        index = len(self.eqns)
+        self.eqns.append(replace(eqn, index=index, **changes))
+        return index
+
+    def emit(self, primitive: Any, params: dict[str, Any], inputs: Sequence[int],
+             outputs: Sequence[int]) -> int:
+        index = len(self.eqns)
+        self.eqns.append(FlatEqn(index, primitive, dict(params), tuple(inputs), tuple(outputs)))
+        return index
+
+    def slice(self, vid: int, i: int) -> tuple[int, int]:
+        """Emit ``vid[i:i + 1]``; returns (equation index, slice id)."""
+        aval = self.avals[vid]
+        out = self.value(slice_aval(aval))
+        prim, params = _one_eqn(lambda x: jax.lax.slice_in_dim(x, i, i + 1), aval)
+        return self.emit(prim, params, [vid], [out]), out
+
+    def concat(self, parts: Sequence[int], out: int) -> int:
+        """Emit ``out = concatenate(parts, axis 0)``."""
+        prim, params = _one_eqn(lambda *xs: jax.lax.concatenate(xs, 0),
+                                *[self.avals[p] for p in parts])
+        return self.emit(prim, params, parts, [out])
+
+    def program_with(self, in_ids: Sequence[int], in_paths: Sequence[str]) -> FlatProgram:
+        p = self.program
+        return FlatProgram(self.eqns, self.avals, self.kinds, p.values, list(in_ids),
+                           list(p.out_ids), list(in_paths), list(p.out_paths), p.in_tree,
+                           p.out_tree, [(0, len(in_ids))] if p.in_tree is None
+                           else list(p.arg_leaf_ranges))
+
+
+def slice_aval(aval: Any) -> jax.ShapeDtypeStruct:
+    """The aval of one leading-axis slice (``[1, ...]``) of ``aval``."""
+    return jax.ShapeDtypeStruct((1, *aval.shape[1:]), aval.dtype)
+
+
+def _one_eqn(fn: Any, *avals: Any) -> tuple[Any, dict[str, Any]]:
+    """The primitive and parameters of the single equation ``fn`` traces to."""
+    args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+    (eqn,) = jax.make_jaxpr(fn)(*args).jaxpr.eqns
+    return eqn.primitive, dict(eqn.params)
+
+
+def find_layer_scans(forward: FlatProgram, diff_inputs: Sequence[int]) -> dict[int, list[int]]:
+    """Layer scans of ``forward`` (equation index -> their stacked parameter inputs): scans of
+    more than one iteration reading, as ``xs``, differentiated loss inputs that nothing else
+    reads (a stacked parameter read elsewhere too stays whole, and so does its scan)."""
+    readers: dict[int, list[int]] = {}
+    for e in forward.eqns:
+        for v in e.inputs:
+            readers.setdefault(v, []).append(e.index)
+    diff = set(diff_inputs)
+    found: dict[int, list[int]] = {}
+    for e in forward.eqns:
+        if e.name != "scan" or int(e.params["length"]) < 2:
+            continue
+        first_x = e.params["num_consts"] + e.params["num_carry"]
+        stacked = [v for v in e.inputs[first_x:] if v in diff and readers[v] == [e.index]]
+        if stacked:
+            found[e.index] = list(dict.fromkeys(stacked))
+    return found
+
+
+def split_forward(forward: FlatProgram, diff_inputs: Sequence[int]) -> SplitForward | None:
+    """``forward`` with every layer scan split into unit scans (None when it has none).
+
+    Each stacked parameter input becomes ``length`` inputs (its ``[1, ...]`` slices, in its
+    place among the inputs); other ``xs`` are sliced by equations before the first unit scan;
+    the ``ys`` are concatenated after the last, under their original ids, and the last unit
+    makes the final carries under theirs, so everything after the scan is unchanged."""
+    scans = find_layer_scans(forward, diff_inputs)
+    if not scans:
+        return None
+    b = _Builder(forward)
+    slices: dict[int, tuple[int, ...]] = {}
+    for fids in scans.values():
+        for fid in fids:
+            aval = forward.avals[fid]
+            slices[fid] = tuple(b.value(slice_aval(aval), TensorKind.INPUT)
+                                for _ in range(aval.shape[0]))
+    in_ids, in_paths = [], []
+    for vid, path in zip(forward.in_ids, forward.in_paths, strict=True):
+        parts = slices.get(vid, (vid,))
+        in_ids.extend(parts)
+        in_paths.extend([path] if vid not in slices else
+                        [f"{path}[{i}]" for i in range(len(parts))])
+    split: list[LayerScan] = []
+    for e in forward.eqns:
+        if e.index not in scans:
+            b.copy(e)
+            continue
+        split.append(_split_scan(b, e, slices))
+    return SplitForward(b.program_with(in_ids, in_paths), slices, tuple(split))
+
+
+def _split_scan(b: _Builder, e: FlatEqn, slices: dict[int, tuple[int, ...]]) -> LayerScan:
+    p = e.params
+    nc, nk, length = p["num_consts"], p["num_carry"], int(p["length"])
+    consts, carry, xs = e.inputs[:nc], list(e.inputs[nc:nc + nk]), e.inputs[nc + nk:]
+    xs_parts = [slices[v] if v in slices else tuple(b.slice(v, i)[1] for i in range(length))
+                for v in xs]
+    ys = e.outputs[nk:]
+    ys_parts: list[list[int]] = [[0] * length for _ in ys]
+    order = list(range(length))[::-1] if p["reverse"] else list(range(length))
+    unit_params = dict(p, length=1, unroll=1)
+    units = []
+    for k, i in enumerate(order):
+        last = k == length - 1
+        outs = list(e.outputs[:nk]) if last else [b.value(b.avals[c]) for c in e.outputs[:nk]]
+        y_ids = [b.value(slice_aval(b.avals[y])) for y in ys]
+        for j, y in enumerate(y_ids):
+            ys_parts[j][i] = y
+        units.append(b.copy(e, params=unit_params,
+                            inputs=(*consts, *carry, *[parts[i] for parts in xs_parts]),
+                            outputs=(*outs, *y_ids)))
+        carry = outs
+    for y, parts in zip(ys, ys_parts, strict=True):
+        b.concat(parts, y)
+    return LayerScan(tuple(units), tuple(order), bool(p["reverse"]))
+
+
+@dataclass(frozen=True)
+class SplitStep:
+    """The step with its stacked values split: ``program`` (same inputs and outputs as the
+    step), the index of its loss equation, and the equations slicing step inputs."""
+
+    program: FlatProgram
+    vg_index: int
+    input_splits: frozenset[int]
+
+
+def split_step(outer: FlatProgram, vg_index: int, fwd_in_ids: Sequence[int],
+               slices: dict[int, tuple[int, ...]], diff_inputs: Sequence[int],
+               first_grad: int) -> SplitStep:
+    """The step ``outer`` with its loss equation reading the stacked parameters' slices and
+    making their gradients' slices, and every elementwise equation on a stacked value run once
+    per slice (see the module docstring).
+
+    ``fwd_in_ids``: the original forward's inputs (aligned with the loss equation's operands);
+    ``slices``: the stacked ones' slices (``split_forward``); ``diff_inputs``: the original
+    differentiated inputs (aligned with the gradients, which start at output ``first_grad``)."""
+    vg = outer.eqns[vg_index]
+    seeds = {vg.inputs[k] for k, fid in enumerate(fwd_in_ids) if fid in slices}
+    grads = {vg.outputs[first_grad + k]: fid for k, fid in enumerate(diff_inputs)
+             if fid in slices}
+    stacked = _stacked_values(outer, vg_index, seeds | set(grads))
+    b = _Builder(outer)
+    parts: dict[int, list[int]] = {}
+    whole = set(outer.in_ids) | set(outer.values)
+    input_splits: set[int] = set()
+    inputs = set(outer.in_ids)
+
+    def need_slices(v: int) -> list[int]:
+        if v not in parts:
+            made = [b.slice(v, i) for i in range(outer.avals[v].shape[0])]
+            if v in inputs:
+                input_splits.update(index for index, _ in made)
+            parts[v] = [out for _, out in made]
+        return parts[v]
+
+    def need_whole(v: int) -> None:
+        if v not in whole:
+            b.concat(parts[v], v)
+            whole.add(v)
+
+    new_vg = vg_index
+    for e in outer.eqns:
+        if e.index == vg_index:
+            ins: list[int] = []
+            for fid, v in zip(fwd_in_ids, e.inputs, strict=True):
+                if fid in slices:
+                    ins.extend(need_slices(v))
+                else:
+                    need_whole(v)
+                    ins.append(v)
+            outs: list[int] = []
+            for v in e.outputs:
+                if v in grads:
+                    parts[v] = [b.value(b.avals[f]) for f in slices[grads[v]]]
+                    outs.extend(parts[v])
+                else:
+                    outs.append(v)
+                    whole.add(v)
+            new_vg = b.copy(e, inputs=tuple(ins), outputs=tuple(outs))
+        elif e.outputs and e.outputs[0] in stacked and _splittable(outer, e):
+            count = outer.avals[e.outputs[0]].shape[0]
+            for v in e.outputs:
+                parts[v] = [b.value(slice_aval(outer.avals[v])) for _ in range(count)]
+            for i in range(count):
+                ins = [v if not outer.avals[v].shape else need_slices(v)[i] for v in e.inputs]
+                b.copy(e, params=_slice_params(e), inputs=tuple(ins),
+                       outputs=tuple(parts[v][i] for v in e.outputs))
+        elif (e.name == "reduce_sum" and e.inputs[0] not in whole and e.inputs[0] in parts
+              and 0 in e.params["axes"]):
+            _split_sum(b, e, parts[e.inputs[0]])
+            whole.update(e.outputs)
+        else:
+            for v in e.inputs:
+                need_whole(v)
+            b.copy(e)
+            whole.update(e.outputs)
+    for v in outer.out_ids:
+        need_whole(v)
+    program = b.program_with(outer.in_ids, outer.in_paths)
+    return SplitStep(program, new_vg, frozenset(input_splits))
+
+
+def _split_sum(b: _Builder, e: FlatEqn, slices: Sequence[int]) -> None:
+    """A sum over the leading axis (a global gradient norm's) as one sum per slice, where the
+    slice lives, then the partial sums added: no stage gathers the whole stacked value."""
+    out = e.outputs[0]
+    if len(slices) == 1:
+        b.copy(e, inputs=(slices[0],))
+        return
+    aval = b.avals[out]
+    partial = [b.value(aval) for _ in slices]
+    for vid, p in zip(slices, partial, strict=True):
+        b.copy(e, inputs=(vid,), outputs=(p,))
+    prim, params = _one_eqn(lambda x, y: x + y, aval, aval)
+    total = partial[0]
+    for k, p in enumerate(partial[1:], start=2):
+        made = out if k == len(partial) else b.value(aval)
+        b.emit(prim, params, [total, p], [made])
+        total = made
+
+
+def _splittable(program: FlatProgram, e: FlatEqn) -> bool:
+    """Elementwise over one shape with a leading axis (rank-0 operands broadcast), or a
+    broadcast that does not map an operand dimension onto the leading axis."""
+    shape = tuple(program.avals[e.outputs[0]].shape)
+    if not shape or any(tuple(program.avals[v].shape) != shape for v in e.outputs):
+        return False
+    if e.name == "broadcast_in_dim":
+        return 0 not in e.params["broadcast_dimensions"]
+    if e.name not in ELEMENTWISE:
+        return False
+    return all(tuple(program.avals[v].shape) in ((), shape) for v in e.inputs)
+
+
+def _slice_params(e: FlatEqn) -> dict[str, Any]:
+    if e.name == "broadcast_in_dim":
+        return dict(e.params, shape=(1, *e.params["shape"][1:]))
+    return e.params
+
+
+def _stacked_values(outer: FlatProgram, vg_index: int, seeds: set[int]) -> set[int]:
+    """Values tied to ``seeds`` through splittable equations (operands and results of one
+    shape), found with a union-find over those equations."""
+    parent: dict[int, int] = {}
+
+    def find(v: int) -> int:
+        parent.setdefault(v, v)
+        while parent[v] != v:
+            parent[v] = parent[parent[v]]
+            v = parent[v]
+        return v
+
+    for e in outer.eqns:
+        if e.index == vg_index or not e.outputs or not _splittable(outer, e):
+            continue
+        shape = tuple(outer.avals[e.outputs[0]].shape)
+        tied = [v for v in (*e.inputs, *e.outputs) if tuple(outer.avals[v].shape) == shape]
+        for v in tied[1:]:
+            parent[find(v)] = find(tied[0])
+    roots = {find(s) for s in seeds}
+    return {v for v in list(parent) if find(v) in roots} | seeds
+
+
+def run_forward_eqns(forward: FlatProgram, eqn_indices: Sequence[int], env: dict[int, Any],
+                     scans: Sequence[LayerScan]) -> None:
+    """Apply the forward equations ``eqn_indices`` to ``env``, running each run of
+    consecutive unit scans of one layer scan as one scan over their slices (the stage's
+    shorter scan), every other equation as ``program.run_eqns`` would."""
+    unit_of = {u: (s, k) for s, scan in enumerate(scans) for k, u in enumerate(scan.units)}
+    indices = list(eqn_indices)
+    i = 0
+    while i < len(indices):
+        index = indices[i]
+        if index not in unit_of:
+            eqn = forward.eqns[index]
+            operands = [env[v] if v in env else forward.values[v] for v in eqn.inputs]
+            env.update(zip(eqn.outputs, bind_eqn(eqn, operands), strict=True))
+            i += 1
+            continue
+        s, k = unit_of[index]
+        run = [index]
+        while (i + len(run) < len(indices) and unit_of.get(indices[i + len(run)]) ==
+               (s, k + len(run))):
+            run.append(indices[i + len(run)])
+        _run_units(forward, [forward.eqns[u] for u in run], scans[s].reverse, env)
+        i += len(run)
+
+
+def _run_units(forward: FlatProgram, units: list[FlatEqn], reverse: bool,
+               env: dict[int, Any]) -> None:
+    """Consecutive unit scans as one scan of ``len(units)`` iterations: consts and initial
+    carries from the first, each ``xs`` the units' slices concatenated in iteration order,
+    the final carries under the last unit's ids and each unit's ``ys`` sliced back out."""
+    first = units[0]
+    if len(units) == 1:
+        operands = [env[v] if v in env else forward.values[v] for v in first.inputs]
+        env.update(zip(first.outputs, bind_eqn(first, operands), strict=True))
+        return
+    p = first.params
+    nc, nk, n = p["num_consts"], p["num_carry"], len(units)
+    in_order = units[::-1] if reverse else units  # iteration order, as xs are stacked
+
+    def read(v: int) -> Any:
+        return env[v] if v in env else forward.values[v]
+
+    xs = [jax.numpy.concatenate([read(u.inputs[j]) for u in in_order])
+          for j in range(nc + nk, len(first.inputs))]
+    operands = [read(v) for v in first.inputs[:nc + nk]] + xs
+    merged = replace(first, params=dict(p, length=n))
+    results = bind_eqn(merged, operands)
+    env.update(zip(units[-1].outputs[:nk], results[:nk], strict=True))
+    for j, ys in enumerate(results[nk:]):
+        for i, u in enumerate(in_order):
+            env[u.outputs[nk + j]] = jax.lax.slice_in_dim(ys, i, i + 1)
+
