@@ -212,17 +212,19 @@ def read_solution(
     return node_strategy, input_spec, operand_specs, tensor_spec, collectives
 
 
-def choices_memory(parts: ProblemParts, choices: Sequence[int],
-                   options: IntraOpOptions) -> MemoryEstimate:
+def choices_memory(parts: ProblemParts, choices: Sequence[int], options: IntraOpOptions,
+                   copies: bool = True) -> MemoryEstimate:
     """``estimate_memory`` of the plan ``choices`` make (what the plan reports as its peak):
-    its tensors' shards, and the operand copies it reshards."""
+    its tensors' shards, and the operand copies it reshards (left out with ``copies=False``:
+    what holds the least-memory plan's memory, whose layouts disagree from op to op as an
+    artefact of picking each op's least memory on its own)."""
     _, _, operand_specs, tensor_spec, _ = read_solution(parts, choices)
     mesh = parts.table.mesh
     sizes = {a: mesh.axis_size(a) for a in mesh.axis_names}
     shards = {t: spec.num_shards(sizes) for t, spec in tensor_spec.items()}
     resharded = resharded_operand_bytes(
         parts.table.graph, {use: spec.num_shards(sizes) for use, spec in operand_specs.items()},
-        shards)
+        shards) if copies else {}
     return estimate_memory(parts.table.graph, batch_argnums=options.batch_argnums,
                            shards=shards, resharded=resharded)
 
@@ -249,7 +251,8 @@ def solve_intra_op(
         choices = least_memory_choices(problem)
         least = choices_memory(parts, choices, options)
         if least.total > error.budget:
-            raise InfeasibleMemoryError(error.budget, least.total, least.dominant()) from None
+            raise InfeasibleMemoryError(error.budget, least.total, choices_memory(
+                parts, choices, options, copies=False).dominant()) from None
         solution = IntraOpSolution(choices, evaluate(problem, choices), LEAST_MEMORY, False,
                                    None, "least-memory", 0, 0,
                                    time.perf_counter() - start - build_time, 0.0)

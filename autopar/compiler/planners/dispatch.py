@@ -420,10 +420,8 @@ def _plan_one_stage(
             except InfeasibleMemoryError as err:
                 # the least memory known: the least-memory plan's or the fastest plan's
                 if fastest.peak_memory_bytes < err.min_peak_bytes:
-                    parts = fastest.stages[0].memory_breakdown
-                    raise InfeasibleMemoryError(
-                        err.budget, fastest.peak_memory_bytes,
-                        max(parts, key=parts.get).replace("_", " ")) from None
+                    raise InfeasibleMemoryError(err.budget, fastest.peak_memory_bytes,
+                                                err.dominant) from None
                 raise
             what = ("the memory budget" if budget is not None
                     else f"the device's {limit / 2**30:.1f} GiB")
