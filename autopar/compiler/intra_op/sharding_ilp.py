@@ -20,11 +20,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from autopar.compiler.cost.memory_model import estimate_memory
+from autopar.compiler.cost.memory_model import (
+    MemoryEstimate,
+    estimate_memory,
+    resharded_operand_bytes,
+)
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.opgraph import OpGraph
 from autopar.compiler.intra_op.edges import ReshardingEdges, state_ties
-from autopar.compiler.intra_op.ilp import least_memory_choices, solve
+from autopar.compiler.intra_op.ilp import evaluate, least_memory_choices, solve
 from autopar.compiler.intra_op.memory_rows import live_sets, memory_vectors
 from autopar.compiler.intra_op.problem import (
     InfeasibleMemoryError,
@@ -45,6 +49,10 @@ from autopar.compiler.intra_op.variables import (
     Variable,
 )
 from autopar.plan import CollectiveEstimate, ShardingSpec
+
+# The solution's status when the memory rows admit no plan but the memory model finds the
+# least-memory plan within the budget (``solve_intra_op``): that plan, not the cheapest.
+LEAST_MEMORY = "least_memory"
 
 # re-exported: the pass's public vocabulary lives in this module
 __all__ = [
@@ -204,16 +212,21 @@ def read_solution(
     return node_strategy, input_spec, operand_specs, tensor_spec, collectives
 
 
-def _dominant_part(parts: ProblemParts, problem: IntraOpProblem, options: IntraOpOptions) -> str:
-    """What holds most of the memory in the least-memory plan (for the infeasibility error).
-    Its layouts disagree from op to op; the copies that would cost are left out, as they are
-    an artefact of picking each op's least memory on its own."""
-    _, _, _, tensor_spec, _ = read_solution(parts, least_memory_choices(problem))
+def choices_memory(parts: ProblemParts, choices: Sequence[int], options: IntraOpOptions,
+                   copies: bool = True) -> MemoryEstimate:
+    """``estimate_memory`` of the plan ``choices`` make (what the plan reports as its peak):
+    its tensors' shards, and the operand copies it reshards (left out with ``copies=False``:
+    what holds the least-memory plan's memory, whose layouts disagree from op to op as an
+    artefact of picking each op's least memory on its own)."""
+    _, _, operand_specs, tensor_spec, _ = read_solution(parts, choices)
     mesh = parts.table.mesh
     sizes = {a: mesh.axis_size(a) for a in mesh.axis_names}
     shards = {t: spec.num_shards(sizes) for t, spec in tensor_spec.items()}
+    resharded = resharded_operand_bytes(
+        parts.table.graph, {use: spec.num_shards(sizes) for use, spec in operand_specs.items()},
+        shards) if copies else {}
     return estimate_memory(parts.table.graph, batch_argnums=options.batch_argnums,
-                           shards=shards).dominant()
+                           shards=shards, resharded=resharded)
 
 
 def solve_intra_op(
@@ -231,8 +244,18 @@ def solve_intra_op(
         solution = solve(problem, solver=options.solver, time_limit_s=options.time_limit_s,
                          relative_gap=options.relative_gap)
     except InfeasibleMemoryError as error:
-        raise InfeasibleMemoryError(error.budget, error.min_peak_bytes,
-                                    _dominant_part(parts, problem, options)) from None
+        # The rows are linear and cruder than the memory model (they know neither which
+        # temporaries borrow an output's buffer nor which result overwrites its operand), so
+        # they may overstate a plan's memory: the least-memory plan is judged by the model,
+        # which is what every plan's peak is, and the minimum stated is that plan's figure.
+        choices = least_memory_choices(problem)
+        least = choices_memory(parts, choices, options)
+        if least.total > error.budget:
+            raise InfeasibleMemoryError(error.budget, least.total, choices_memory(
+                parts, choices, options, copies=False).dominant()) from None
+        solution = IntraOpSolution(choices, evaluate(problem, choices), LEAST_MEMORY, False,
+                                   None, "least-memory", 0, 0,
+                                   time.perf_counter() - start - build_time, 0.0)
     node_strategy, input_spec, operand_specs, tensor_spec, collectives = read_solution(
         parts, solution.choices
     )

@@ -393,6 +393,7 @@ def _plan_one_stage(
                   devices_per_host=cluster.devices_per_host)
     if isinstance(method, ShardParallel):
         # imported here: the ILP stack (PuLP, strategies) loads only when a plan needs it
+        from autopar.compiler.intra_op.problem import InfeasibleMemoryError
         from autopar.compiler.intra_op.sharding_ilp import IntraOpOptions
         from autopar.compiler.planners.shard import plan_shard_parallel
 
@@ -413,7 +414,15 @@ def _plan_one_stage(
         budget = method.memory_budget_bytes
         limit = float(budget if budget is not None else cluster.device.memory_bytes)
         if plan.peak_memory_bytes > limit:
-            plan = solve_within(limit)
+            fastest = plan
+            try:
+                plan = solve_within(limit)
+            except InfeasibleMemoryError as err:
+                # the least memory known: the least-memory plan's or the fastest plan's
+                if fastest.peak_memory_bytes < err.min_peak_bytes:
+                    raise InfeasibleMemoryError(err.budget, fastest.peak_memory_bytes,
+                                                err.dominant) from None
+                raise
             what = ("the memory budget" if budget is not None
                     else f"the device's {limit / 2**30:.1f} GiB")
             plan.notes.append(f"the fastest plan did not fit {what}; solved again with it as "

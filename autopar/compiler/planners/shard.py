@@ -9,7 +9,12 @@ from autopar.compiler.cost.estimate import summarize_collectives
 from autopar.compiler.cost.memory_model import estimate_memory, resharded_operand_bytes
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.trace import TracedStep
-from autopar.compiler.intra_op.sharding_ilp import IntraOpOptions, IntraOpResult, solve_intra_op
+from autopar.compiler.intra_op.sharding_ilp import (
+    LEAST_MEMORY,
+    IntraOpOptions,
+    IntraOpResult,
+    solve_intra_op,
+)
 from autopar.compiler.planners.common import whole_mesh_plan
 from autopar.plan import MethodName, Plan, ShardingSpec
 
@@ -88,6 +93,9 @@ def plan_shard_parallel(
     elif solution.status == "solver_error":
         notes.append(f"the ILP solver ({solution.solver}) failed (see the warning logged): "
                      "the greedy plan is used, not proven optimal")
+    elif solution.status == LEAST_MEMORY:
+        notes.append("the memory rows of the ILP admitted no plan within the memory budget; "
+                     "the least-memory plan, which the memory model finds within it, is used")
     elif not solution.proven_optimal and solution.status != "trivial":
         notes.append(f"ILP stopped at its time limit ({solution.status}): not proven optimal")
     return whole_mesh_plan(
