@@ -70,7 +70,13 @@ def test_saved_remat_plan_retraces_the_same_program(tmp_path):
 
 
 def test_auto_remat_only_when_memory_is_short():
-    model = marked_zoo("mlp", batch_size=2048)
+    # GPT at batch 64: activations dominate and the model sees remat's saving (4.6 -> 3.5 MB).
+    # Not the MLP at batch 2048 any more: XLA saves one activation there (552676 -> 487140
+    # bytes, test_remat_saves_memory_in_xla_and_the_model_follows), but the memory model's op
+    # order runs the last layer's weight gradient before the backward matmul below it, which
+    # XLA:CPU runs after, so without remat the model counts one activation fewer than XLA and
+    # sees no saving (a known gap of the model's schedule, in the issue 18 note)
+    model = marked_zoo("gpt", batch_size=64)
     state, batch = model.init_state(jax.random.key(0)), model.make_batch(jax.random.key(1))
     base = load_cluster("cpu-sim")
     args = (model.train_step, (state, batch))
