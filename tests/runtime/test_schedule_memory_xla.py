@@ -49,7 +49,8 @@ from tanh_mlp import tanh_mlp_step
 
 import autopar
 from autopar.api import local_cluster
-from autopar.compiler.planners.pipeshard import layer_cost_cache, plan_pipeshard
+from autopar.compiler.planners.pipeshard import plan_pipeshard
+from autopar.compiler.planners.stage_costs import layer_cost_cache
 from autopar.ir.pipeline_program import build_pipeline_program
 from autopar.ir.schedules import ScheduleName, TaskKind, activation_counts
 from autopar.models import get_model

@@ -15,14 +15,12 @@ what the runtime places.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from autopar.cluster import ClusterSpec
-from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.trace import build_graph
 from autopar.compiler.inter_op.layer_costs import LayerCostCache, step_work
 from autopar.compiler.inter_op.layers import layer_positions
@@ -30,12 +28,9 @@ from autopar.compiler.inter_op.pipeline_cost import (
     PipelineEstimate,
     driver_counts,
     estimate_pipeline,
-    replica_allreduce_time,
-    tasks_per_microbatch,
 )
-from autopar.compiler.inter_op.remat import is_remat_key, remat_candidates
+from autopar.compiler.inter_op.remat import is_remat_key
 from autopar.compiler.inter_op.stages import (
-    StageCandidate,
     StageCostTable,
     StageDPOptions,
     StagePartition,
@@ -43,12 +38,18 @@ from autopar.compiler.inter_op.stages import (
     manual_stages,
     place_submeshes,
     solve_stages,
-    submesh_shapes,
     uniform_stages,
 )
-from autopar.compiler.intra_op.sharding_ilp import IntraOpOptions
-from autopar.errors import InvalidOptionError, PlanError
-from autopar.ir.pipeline_program import Piece, PipelineProgram, cut_pieces, piece_roles
+from autopar.compiler.planners.stage_costs import (
+    CostClock,
+    layer_cost_cache,
+    range_piece,
+    stage_cost_table,
+    stage_dp_options,
+    submesh_mesh,
+)
+from autopar.errors import PlanError
+from autopar.ir.pipeline_program import PipelineProgram
 from autopar.ir.schedules import ScheduleName
 from autopar.methods import ManualStages, PipeshardParallel
 from autopar.plan import (
@@ -59,161 +60,6 @@ from autopar.plan import (
     PlanningRecord,
     StagePlan,
 )
-
-
-def _span(positions: Sequence[int], n: int, start: int, end: int) -> tuple[int, int]:
-    cuts = [0, *positions, n]
-    return cuts[start], cuts[end]
-
-
-def range_piece(pp: PipelineProgram, positions: Sequence[int], start: int, end: int) -> Piece:
-    """Layers ``[start, end)`` as one piece."""
-    n = len(pp.forward.eqns)
-    a, b = _span(positions, n, start, end)
-    pieces = cut_pieces(pp.forward, [p for p in (a, b) if 0 < p < n])
-    return next(p for p in pieces if p.eqns and p.eqns[0] == a)
-
-
-def logical_shapes(submesh: SubmeshShape) -> list[tuple[int, ...]]:
-    """Logical meshes tried on a submesh: one axis over all its devices, and a 2-D one: hosts x
-    devices per host across hosts (the slow links on one axis), 2 x n/2 inside a host."""
-    n = submesh.num_devices
-    shapes: list[tuple[int, ...]] = [(n,)]
-    if submesh.num_hosts > 1:
-        shapes.append((submesh.num_hosts, submesh.devices_per_host))
-    elif n >= 4:
-        shapes.append((2, n // 2))
-    return shapes
-
-
-def _submesh_mesh(cluster: ClusterSpec, submesh: SubmeshShape, shape: tuple[int, ...],
-                  device_ids: Sequence[int] | None = None) -> LogicalMesh:
-    ids = device_ids if device_ids is not None else range(submesh.num_devices)
-    return LogicalMesh.from_cluster(cluster, shape, device_ids=tuple(ids))
-
-
-@dataclass
-class CostClock:
-    """Seconds spent costing layers (tracing their train graphs and solving their ILPs) while
-    the stage DP reads the table: the table is filled lazily, so the DP's own time is the
-    search's total minus this."""
-
-    seconds: float = 0.0
-
-
-@dataclass(frozen=True)
-class _RangeFacts:
-    """What a layer range sends, receives and holds, for the driver's and links' costs."""
-
-    params: int
-    fixed: int
-    puts_per_microbatch: int
-    bytes_per_microbatch: float  # activations in, cotangents back
-
-
-def _range_facts(pp: PipelineProgram, positions: Sequence[int]):
-    """``facts(start, end)`` of the piece of layers ``[start, end)`` (cached)."""
-    found: dict[tuple[int, int], _RangeFacts] = {}
-    fwd = pp.forward
-
-    def nbytes(v: int) -> float:
-        aval = fwd.avals[v]
-        return float(math.prod(aval.shape)) * aval.dtype.itemsize
-
-    def facts(start: int, end: int) -> _RangeFacts:
-        if (start, end) not in found:
-            roles = piece_roles(pp, range_piece(pp, positions, start, end))
-            incoming = [*roles.acts, *roles.micro]
-            found[(start, end)] = _RangeFacts(
-                params=len(roles.params), fixed=len(roles.fixed),
-                puts_per_microbatch=len(incoming) + len(roles.float_outputs) + len(roles.acts),
-                # activations in from earlier stages, their cotangents back (the microbatch
-                # data is the step's input, which a one-stage plan is not charged for either)
-                bytes_per_microbatch=2 * sum(nbytes(v) for v in roles.acts))
-        return found[(start, end)]
-
-    return facts
-
-
-def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: PipeshardParallel,
-                     cluster: ClusterSpec, cache: LayerCostCache,
-                     clock: CostClock | None = None, *, num_microbatches: int | None = None,
-                     replicas: int = 1, whole: ClusterSpec | None = None) -> StageCostTable:
-    """Candidates for every layer range and submesh: per logical mesh shape, the sum of the
-    layers' ILP costs (filled lazily: the DP reads every entry, baselines only a few), with
-    what the runtime adds per microbatch (the accumulation of the gradients, the transfers in
-    and out) and per step (the tail: gradient reduction, update, and with ``replicas`` > 1 the
-    replicas' all-reduce over ``whole``'s links between hosts; the driver's host time).
-    ``num_microbatches``: per pipeline (default the method's). ``clock``: accumulates the
-    seconds spent in the layers' cost lookups and solves."""
-    layers = cut_pieces(pp.forward, positions)
-    m = num_microbatches or method.num_microbatches
-    runtime = cluster.runtime
-    facts = _range_facts(pp, positions)
-    per_task = tasks_per_microbatch(method.schedule)
-    whole = whole or cluster
-
-    def candidates(start: int, end: int, submesh: SubmeshShape) -> list[StageCandidate]:
-        found = []
-        start_s = time.perf_counter()
-        f = facts(start, end)
-        link = cluster.inter_host if submesh.num_hosts > 1 else cluster.intra_host
-        transfer = f.bytes_per_microbatch * link.beta
-        host = (m * (per_task * runtime.task_s + f.puts_per_microbatch * runtime.transfer_s)
-                + f.params * (runtime.task_s + 2 * runtime.transfer_s)
-                + f.fixed * runtime.transfer_s)
-        for shape in logical_shapes(submesh):
-            mesh = _submesh_mesh(cluster, submesh, shape)
-            costs = [cache.cost(pp, layers[k], mesh) for k in range(start, end)]
-            param_bytes = sum(c.param_bytes for c in costs)
-            tail = sum(c.sync_s + c.update_s for c in costs) + replica_allreduce_time(
-                param_bytes, replicas, whole)
-            extra = transfer + param_bytes / runtime.accumulate_bytes_per_s
-            found.extend(remat_candidates(costs, shape, method.remat, extra_time=extra,
-                                          tail_time=tail, host_time=host,
-                                          param_bytes=param_bytes))
-        if clock is not None:
-            clock.seconds += time.perf_counter() - start_s
-        return found
-
-    submeshes = submesh_shapes(cluster.num_hosts, cluster.devices_per_host)
-    return StageCostTable(len(positions) + 1, submeshes, candidates)
-
-
-def _dp_options(method: PipeshardParallel, cluster: ClusterSpec,
-                num_microbatches: int | None = None) -> StageDPOptions:
-    """The stage search's options: the method's real schedule and chunks, so that every stage
-    is sized with the microbatches that schedule holds on it (``activation_counts``)."""
-    budget = method.memory_budget_bytes or cluster.device.memory_bytes
-    interleaved = method.schedule == ScheduleName.INTERLEAVED_1F1B
-    if interleaved and method.num_chunks < 2:
-        raise InvalidOptionError(
-            f"interleaved-1f1b needs num_chunks >= 2, got {method.num_chunks}")
-    return StageDPOptions(num_microbatches=num_microbatches or method.num_microbatches,
-                          schedule=method.schedule, memory_budget_bytes=budget,
-                          num_stages=method.num_stages,
-                          num_chunks=method.num_chunks if interleaved else 1)
-
-
-# Stage costs feed a DP whose inputs are estimates anyway: 0.1% of a layer's time is far below
-# the cost model's own error, and proving the last 0.1% is most of HiGHS's time on big layers.
-STAGE_COST_RELATIVE_GAP = 1e-3
-# The stage search solves one ILP per distinct layer and mesh; on multi-host 2-D meshes HiGHS
-# can take 10+ s to prove what its first seconds found. Each gets at most this long (the best
-# plan so far is used when it runs out), the chosen stages' own solves included.
-STAGE_COST_TIME_LIMIT_S = 1.0
-
-
-def _intra_options(method: PipeshardParallel) -> IntraOpOptions:
-    return IntraOpOptions(solver=method.solver,
-                          time_limit_s=min(method.time_limit_s, STAGE_COST_TIME_LIMIT_S),
-                          batch_argnums=(1,), relative_gap=STAGE_COST_RELATIVE_GAP)
-
-
-def layer_cost_cache(method: PipeshardParallel) -> LayerCostCache:
-    """An empty cache of layer costs with the ILP options ``method`` plans with: pass the same
-    one to ``plan_pipeshard`` and ``stage_baselines`` to solve each layer and mesh once."""
-    return LayerCostCache(_intra_options(method), num_microbatches=method.num_microbatches)
 
 
 def hand_split_counts(dp_stages: int, max_tries: int = 4) -> list[int]:
@@ -238,7 +84,7 @@ def stage_baselines(pp: PipelineProgram, method: PipeshardParallel, cluster: Clu
     devices evenly)."""
     graph = build_graph(pp.forward)
     cache = cache if cache is not None else layer_cost_cache(method)
-    options = _dp_options(method, cluster)
+    options = stage_dp_options(method, cluster)
     hosts, per_host = cluster.num_hosts, cluster.devices_per_host
     positions = layer_positions(pp, graph, method.layers, cluster.num_devices)
     table = stage_cost_table(pp, positions, method, cluster, cache)
@@ -299,7 +145,7 @@ def _estimate(pp: PipelineProgram, partition: StagePartition, positions: Sequenc
     pieces = [range_piece(pp, positions, a, b) for a, b in ranges]
     counts = driver_counts(pp, pieces, owner, schedule, m, chunks)
     first = partition.stages[0]
-    mesh = _submesh_mesh(cluster, first.submesh, first.candidate.logical_mesh_shape)
+    mesh = submesh_mesh(cluster, first.submesh, first.candidate.logical_mesh_shape)
     work = cache.work or step_work(pp)
     before = work.before_seconds(mesh, first.submesh.num_devices)
     accumulate = m * sum(st.candidate.param_bytes for st in partition.stages) \
@@ -336,7 +182,7 @@ def search_pipelines(pp: PipelineProgram, method: PipeshardParallel, cluster: Cl
         group = cluster.with_hosts(cluster.num_hosts // r)
         m = method.num_microbatches // r
         hosts, per_host = group.num_hosts, group.devices_per_host
-        options = _dp_options(method, group, m)
+        options = stage_dp_options(method, group, m)
         table = stage_cost_table(pp, positions, method, group, cache, clock,
                                  num_microbatches=m, replicas=r, whole=cluster)
         try:
@@ -371,7 +217,7 @@ def hand_splits(pp: PipelineProgram, method: PipeshardParallel, cluster: Cluster
     """The equal-layer and equal-operator splits beside a DP that chose ``dp_stages`` (as
     many stages, or the nearest count that splits evenly: :func:`hand_split_counts`), each
     with its whole-step estimate; [] when no count near it splits evenly."""
-    options = _dp_options(method, cluster)
+    options = stage_dp_options(method, cluster)
     hosts, per_host = cluster.num_hosts, cluster.devices_per_host
     m = method.num_microbatches
     for count in hand_split_counts(dp_stages):
@@ -420,14 +266,14 @@ def plan_pipeshard(pp: PipelineProgram, method: PipeshardParallel, cluster: Clus
     partition, chunks, m, group = best.partition, best.chunks, best.num_microbatches, best.cluster
     positions = list(best.positions)
     hosts, per_host = group.num_hosts, group.devices_per_host
-    dp_options = _dp_options(method, group, m)
+    dp_options = stage_dp_options(method, group, m)
     placed = place_submeshes(list(partition.submeshes), hosts, per_host)
     layout, piece_ranges = _layout(method, partition, positions, chunks, best.replicas)
     pieces = [range_piece(pp, positions, a, b) for a, b in piece_ranges]
     stages = []
     for s, assignment in enumerate(partition.stages):
         shape = assignment.candidate.logical_mesh_shape
-        mesh = _submesh_mesh(group, assignment.submesh, shape, placed[s])
+        mesh = submesh_mesh(group, assignment.submesh, shape, placed[s])
         specs, compute = {}, 0.0
         for k, piece in enumerate(pieces):
             if layout.stage_of_piece[k] == s:

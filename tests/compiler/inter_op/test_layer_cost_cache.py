@@ -7,7 +7,7 @@ from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.trace import build_graph
 from autopar.compiler.inter_op.layer_costs import piece_signature
 from autopar.compiler.inter_op.layers import layer_positions
-from autopar.compiler.planners.pipeshard import layer_cost_cache, range_piece
+from autopar.compiler.planners.stage_costs import layer_cost_cache, range_piece
 from autopar.ir.pipeline_program import build_pipeline_program
 from autopar.models import get_model
 

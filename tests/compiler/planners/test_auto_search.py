@@ -15,12 +15,8 @@ from autopar.api import local_cluster
 from autopar.cluster import RuntimeCosts, load_cluster
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.planners import dispatch
-from autopar.compiler.planners.pipeshard import (
-    layer_cost_cache,
-    range_piece,
-    search_pipelines,
-    stage_ilp_notes,
-)
+from autopar.compiler.planners.pipeshard import search_pipelines, stage_ilp_notes
+from autopar.compiler.planners.stage_costs import CostClock, layer_cost_cache, range_piece
 from autopar.errors import PlanError
 from autopar.ir.pipeline_program import build_pipeline_program
 from autopar.plan import Plan
@@ -151,7 +147,6 @@ def test_the_stage_dp_is_never_worse_than_the_hand_splits_it_is_compared_with():
                                   runtime=RuntimeCosts())
     from autopar.compiler.graph.trace import build_graph
     from autopar.compiler.inter_op.layers import layer_positions
-    from autopar.compiler.planners.pipeshard import CostClock
 
     positions = layer_positions(pp, build_graph(pp.forward), 4, 4)
     found = search_pipelines(pp, method, cluster, positions, layer_cost_cache(method),

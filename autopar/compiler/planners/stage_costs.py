@@ -1,0 +1,188 @@
+"""What a pipeline stage costs: per layer range, submesh and logical mesh, the sum of its
+layers' ILP costs (``LayerCostCache``) with what the runtime adds per microbatch (gradient
+accumulation, transfers in and out) and per step (gradient reduction, update, the replicas'
+all-reduce, the driver's host time). ``stage_cost_table`` is what the stage DP reads;
+``planners/pipeshard`` runs the search on it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from autopar.cluster import ClusterSpec
+from autopar.compiler.cost.mesh import LogicalMesh
+from autopar.compiler.inter_op.layer_costs import LayerCostCache
+from autopar.compiler.inter_op.pipeline_cost import replica_allreduce_time, tasks_per_microbatch
+from autopar.compiler.inter_op.remat import remat_candidates
+from autopar.compiler.inter_op.stages import (
+    StageCandidate,
+    StageCostTable,
+    StageDPOptions,
+    SubmeshShape,
+    submesh_shapes,
+)
+from autopar.compiler.intra_op.sharding_ilp import IntraOpOptions
+from autopar.errors import InvalidOptionError
+from autopar.ir.pipeline_program import Piece, PipelineProgram, cut_pieces, piece_roles
+from autopar.ir.schedules import ScheduleName
+from autopar.methods import PipeshardParallel
+
+
+def _span(positions: Sequence[int], n: int, start: int, end: int) -> tuple[int, int]:
+    cuts = [0, *positions, n]
+    return cuts[start], cuts[end]
+
+
+def range_piece(pp: PipelineProgram, positions: Sequence[int], start: int, end: int) -> Piece:
+    """Layers ``[start, end)`` as one piece."""
+    n = len(pp.forward.eqns)
+    a, b = _span(positions, n, start, end)
+    pieces = cut_pieces(pp.forward, [p for p in (a, b) if 0 < p < n])
+    return next(p for p in pieces if p.eqns and p.eqns[0] == a)
+
+
+def logical_shapes(submesh: SubmeshShape) -> list[tuple[int, ...]]:
+    """Logical meshes tried on a submesh: one axis over all its devices, and a 2-D one: hosts x
+    devices per host across hosts (the slow links on one axis), 2 x n/2 inside a host."""
+    n = submesh.num_devices
+    shapes: list[tuple[int, ...]] = [(n,)]
+    if submesh.num_hosts > 1:
+        shapes.append((submesh.num_hosts, submesh.devices_per_host))
+    elif n >= 4:
+        shapes.append((2, n // 2))
+    return shapes
+
+
+def submesh_mesh(cluster: ClusterSpec, submesh: SubmeshShape, shape: tuple[int, ...],
+                 device_ids: Sequence[int] | None = None) -> LogicalMesh:
+    """The logical mesh ``shape`` over a submesh of ``cluster`` (its first devices, or
+    ``device_ids``)."""
+    ids = device_ids if device_ids is not None else range(submesh.num_devices)
+    return LogicalMesh.from_cluster(cluster, shape, device_ids=tuple(ids))
+
+
+@dataclass
+class CostClock:
+    """Seconds spent costing layers (tracing their train graphs and solving their ILPs) while
+    the stage DP reads the table: the table is filled lazily, so the DP's own time is the
+    search's total minus this."""
+
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class _RangeFacts:
+    """What a layer range sends, receives and holds, for the driver's and links' costs."""
+
+    params: int
+    fixed: int
+    puts_per_microbatch: int
+    bytes_per_microbatch: float  # activations in, cotangents back
+
+
+def _range_facts(pp: PipelineProgram, positions: Sequence[int]):
+    """``facts(start, end)`` of the piece of layers ``[start, end)`` (cached)."""
+    found: dict[tuple[int, int], _RangeFacts] = {}
+    fwd = pp.forward
+
+    def nbytes(v: int) -> float:
+        aval = fwd.avals[v]
+        return float(math.prod(aval.shape)) * aval.dtype.itemsize
+
+    def facts(start: int, end: int) -> _RangeFacts:
+        if (start, end) not in found:
+            roles = piece_roles(pp, range_piece(pp, positions, start, end))
+            incoming = [*roles.acts, *roles.micro]
+            found[(start, end)] = _RangeFacts(
+                params=len(roles.params), fixed=len(roles.fixed),
+                puts_per_microbatch=len(incoming) + len(roles.float_outputs) + len(roles.acts),
+                # activations in from earlier stages, their cotangents back (the microbatch
+                # data is the step's input, which a one-stage plan is not charged for either)
+                bytes_per_microbatch=2 * sum(nbytes(v) for v in roles.acts))
+        return found[(start, end)]
+
+    return facts
+
+
+def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: PipeshardParallel,
+                     cluster: ClusterSpec, cache: LayerCostCache,
+                     clock: CostClock | None = None, *, num_microbatches: int | None = None,
+                     replicas: int = 1, whole: ClusterSpec | None = None) -> StageCostTable:
+    """Candidates for every layer range and submesh: per logical mesh shape, the sum of the
+    layers' ILP costs (filled lazily: the DP reads every entry, baselines only a few), with
+    what the runtime adds per microbatch (the accumulation of the gradients, the transfers in
+    and out) and per step (the tail: gradient reduction, update, and with ``replicas`` > 1 the
+    replicas' all-reduce over ``whole``'s links between hosts; the driver's host time).
+    ``num_microbatches``: per pipeline (default the method's). ``clock``: accumulates the
+    seconds spent in the layers' cost lookups and solves."""
+    layers = cut_pieces(pp.forward, positions)
+    m = num_microbatches or method.num_microbatches
+    runtime = cluster.runtime
+    facts = _range_facts(pp, positions)
+    per_task = tasks_per_microbatch(method.schedule)
+    whole = whole or cluster
+
+    def candidates(start: int, end: int, submesh: SubmeshShape) -> list[StageCandidate]:
+        found = []
+        start_s = time.perf_counter()
+        f = facts(start, end)
+        link = cluster.inter_host if submesh.num_hosts > 1 else cluster.intra_host
+        transfer = f.bytes_per_microbatch * link.beta
+        host = (m * (per_task * runtime.task_s + f.puts_per_microbatch * runtime.transfer_s)
+                + f.params * (runtime.task_s + 2 * runtime.transfer_s)
+                + f.fixed * runtime.transfer_s)
+        for shape in logical_shapes(submesh):
+            mesh = submesh_mesh(cluster, submesh, shape)
+            costs = [cache.cost(pp, layers[k], mesh) for k in range(start, end)]
+            param_bytes = sum(c.param_bytes for c in costs)
+            tail = sum(c.sync_s + c.update_s for c in costs) + replica_allreduce_time(
+                param_bytes, replicas, whole)
+            extra = transfer + param_bytes / runtime.accumulate_bytes_per_s
+            found.extend(remat_candidates(costs, shape, method.remat, extra_time=extra,
+                                          tail_time=tail, host_time=host,
+                                          param_bytes=param_bytes))
+        if clock is not None:
+            clock.seconds += time.perf_counter() - start_s
+        return found
+
+    submeshes = submesh_shapes(cluster.num_hosts, cluster.devices_per_host)
+    return StageCostTable(len(positions) + 1, submeshes, candidates)
+
+
+def stage_dp_options(method: PipeshardParallel, cluster: ClusterSpec,
+                     num_microbatches: int | None = None) -> StageDPOptions:
+    """The stage search's options: the method's real schedule and chunks, so that every stage
+    is sized with the microbatches that schedule holds on it (``activation_counts``)."""
+    budget = method.memory_budget_bytes or cluster.device.memory_bytes
+    interleaved = method.schedule == ScheduleName.INTERLEAVED_1F1B
+    if interleaved and method.num_chunks < 2:
+        raise InvalidOptionError(
+            f"interleaved-1f1b needs num_chunks >= 2, got {method.num_chunks}")
+    return StageDPOptions(num_microbatches=num_microbatches or method.num_microbatches,
+                          schedule=method.schedule, memory_budget_bytes=budget,
+                          num_stages=method.num_stages,
+                          num_chunks=method.num_chunks if interleaved else 1)
+
+
+# Stage costs feed a DP whose inputs are estimates anyway: 0.1% of a layer's time is far below
+# the cost model's own error, and proving the last 0.1% is most of HiGHS's time on big layers.
+STAGE_COST_RELATIVE_GAP = 1e-3
+# The stage search solves one ILP per distinct layer and mesh; on multi-host 2-D meshes HiGHS
+# can take 10+ s to prove what its first seconds found. Each gets at most this long (the best
+# plan so far is used when it runs out), the chosen stages' own solves included.
+STAGE_COST_TIME_LIMIT_S = 1.0
+
+
+def _intra_options(method: PipeshardParallel) -> IntraOpOptions:
+    return IntraOpOptions(solver=method.solver,
+                          time_limit_s=min(method.time_limit_s, STAGE_COST_TIME_LIMIT_S),
+                          batch_argnums=(1,), relative_gap=STAGE_COST_RELATIVE_GAP)
+
+
+def layer_cost_cache(method: PipeshardParallel) -> LayerCostCache:
+    """An empty cache of layer costs with the ILP options ``method`` plans with: pass the same
+    one to ``plan_pipeshard`` and ``stage_baselines`` to solve each layer and mesh once."""
+    return LayerCostCache(_intra_options(method), num_microbatches=method.num_microbatches)
