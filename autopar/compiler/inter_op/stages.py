@@ -22,8 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autopar.compiler.inter_op.stage_dp import pipeline_time, prepare_problems, search_stages
+from autopar.compiler.inter_op.stage_dp import pipeline_time, prepare_problems
 from autopar.compiler.inter_op.stage_options import StageDPOptions
+from autopar.compiler.inter_op.stage_search import search_stages
 from autopar.compiler.inter_op.submesh import (
     CandidateFn,
     StageCandidate,
