@@ -8,26 +8,11 @@ import numpy as np
 import optax
 import pytest
 from flax_models import BATCH, linen_setup, linen_train_step, make_nnx_train_step, nnx_setup
+from step_runs import assert_same_run, run_steps
 
 import autopar
 
-STEPS = 3
 PIPE = autopar.PipeshardParallel(num_microbatches=2, num_stages=2)
-
-
-def run(step, state, *rest, steps=STEPS):
-    losses = []
-    for _ in range(steps):
-        state, loss = step(state, *rest)
-        losses.append(float(loss))
-    return losses, state
-
-
-def assert_same(got, want):
-    (gl, gs), (wl, ws) = got, want
-    np.testing.assert_allclose(gl, wl, rtol=2e-5)
-    for a, b in zip(jax.tree_util.tree_leaves(gs), jax.tree_util.tree_leaves(ws), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-6)
 
 
 @pytest.mark.parametrize("method,dropout", [
@@ -37,9 +22,9 @@ def assert_same(got, want):
 ], ids=["data", "shard", "pipeshard"])
 def test_linen_train_state_with_dropout_matches_jit(method, dropout):
     state, batch, key = linen_setup(dropout)
-    want = run(jax.jit(linen_train_step), state, batch, key)
+    want = run_steps(jax.jit(linen_train_step), state, batch, key)
     step = autopar.parallelize(linen_train_step, method=method, cache=False)
-    assert_same(run(step, state, batch, key), want)
+    assert_same_run(run_steps(step, state, batch, key), want)
     assert type(step.get_plan(state, batch, key)).__name__ == "Plan"
 
 
@@ -74,12 +59,12 @@ def test_pipelined_dropout_is_drawn_per_microbatch_and_the_plan_says_so():
     step = autopar.parallelize(linen_train_step, method=PIPE, cache=False)
     plan = step.get_plan(state, batch, key)
     assert any("each microbatch draws its own" in note for note in plan.notes), plan.notes
-    got = run(step, state, batch, key)
+    got = run_steps(step, state, batch, key)
     # the numbers of a serial step that draws its masks per microbatch ...
-    want = run(jax.jit(per_microbatch_dropout_step(PIPE.num_microbatches)), state, batch, key)
-    assert_same(got, want)
+    want = run_steps(jax.jit(per_microbatch_dropout_step(PIPE.num_microbatches)), state, batch, key)
+    assert_same_run(got, want)
     # ... which are not those of the unpipelined step, as the note says
-    full_batch_losses, _ = run(jax.jit(linen_train_step), state, batch, key)
+    full_batch_losses, _ = run_steps(jax.jit(linen_train_step), state, batch, key)
     assert not np.allclose(got[0], full_batch_losses, rtol=1e-3)
 
 
@@ -92,6 +77,6 @@ def test_pipelined_dropout_is_drawn_per_microbatch_and_the_plan_says_so():
 def test_nnx_split_state_matches_jit(method):
     graphdef, state, batch = nnx_setup()
     train_step = make_nnx_train_step(graphdef)
-    want = run(jax.jit(train_step), state, batch)
+    want = run_steps(jax.jit(train_step), state, batch)
     step = autopar.parallelize(train_step, method=method, cache=False)
-    assert_same(run(step, state, batch), want)
+    assert_same_run(run_steps(step, state, batch), want)

@@ -16,6 +16,7 @@ from flax_models import scan_lm_setup
 from hlo_loops import split_by_loop
 from scan_steps import odd_train_step
 from serial_reference import serial_run
+from step_runs import assert_same_run, run_steps
 
 import autopar
 from autopar.models import get_model
@@ -68,30 +69,15 @@ def test_scanned_gpt_matches_the_serial_step(method):
         assert emitted == pytest.approx(predicted, rel=0.1)
 
 
-def run(step, state, batch):
-    losses = []
-    for _ in range(STEPS):
-        state, loss = step(state, batch)
-        losses.append(float(loss))
-    return losses, state
-
-
-def assert_same(got, want):
-    (gl, gs), (wl, ws) = got, want
-    np.testing.assert_allclose(gl, wl, rtol=2e-5)
-    for a, b in zip(jax.tree_util.tree_leaves(gs), jax.tree_util.tree_leaves(ws), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-6)
-
-
 @pytest.mark.parametrize("kind, method", [
     ("linen", SHARD), ("linen", None), ("linen-remat", SHARD), ("nnx", SHARD), ("nnx", None),
 ], ids=["linen-shard", "linen-default", "linen-remat-shard", "nnx-shard", "nnx-default"])
 def test_flax_scanned_layers_match_jit(kind, method):
     train_step, state, batch = scan_lm_setup(kind)
-    want = run(jax.jit(train_step), state, batch)
+    want = run_steps(jax.jit(train_step), state, batch)
     step = autopar.parallelize(train_step, method=method, cache=False,
                                devices=devices_for(method))
-    assert_same(run(step, state, batch), want)
+    assert_same_run(run_steps(step, state, batch), want)
     plan = step.get_plan(state, batch)
     assert plan.method.value in ("shard", "data", "zero2", "zero3")
 
@@ -100,6 +86,6 @@ def test_flax_scanned_layers_match_jit(kind, method):
                                     autopar.DataParallel()], ids=["shard", "data"])
 def test_nested_and_unusual_scans_match_jit(method):
     train_step, state, batch = odd_train_step()
-    want = run(jax.jit(train_step), state, batch)
+    want = run_steps(jax.jit(train_step), state, batch)
     step = autopar.parallelize(train_step, method=method, cache=False)
-    assert_same(run(step, state, batch), want)
+    assert_same_run(run_steps(step, state, batch), want)

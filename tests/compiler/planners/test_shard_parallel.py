@@ -8,8 +8,8 @@ check the solver arrives there; the compiled HLO is the judge of what is communi
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
+from hand_plan_models import adam_step
 
 import autopar
 from autopar.cluster import load_cluster
@@ -21,22 +21,6 @@ from autopar.compiler.planners.dispatch import plan_traced
 from autopar.models import moe
 from autopar.runtime.hlo import count_collectives
 from autopar.runtime.shard import ShardedProgram
-
-
-def adam_step(loss_fn, learning_rate=1e-2):
-    # eps 1e-3 as in the zoo's tiny models: see ZooModel.optimizer for why tests need it
-    opt = optax.adam(learning_rate, eps=1e-3)
-
-    def train_step(state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch)
-        updates, opt_state = opt.update(grads, state["opt_state"], state["params"])
-        return {"params": optax.apply_updates(state["params"], updates),
-                "opt_state": opt_state}, loss
-
-    def init(params):
-        return {"params": params, "opt_state": opt.init(params)}
-
-    return train_step, init
 
 
 def mlp_block_loss(params, batch):
