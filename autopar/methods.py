@@ -242,8 +242,10 @@ class AutoParallel:
     every candidate with its estimate.
 
     ``candidates``: the methods compared, among ``data`` (``DataParallel``), ``shard``
-    (``ShardParallel``), ``zero2``, ``zero3`` and ``pipeshard`` (the stage search:
-    ``PipeshardParallel`` with the options below; a step without ``autopar.value_and_grad``,
+    (``ShardParallel`` on one mesh axis, and on the 2-D mesh a stage over every device gets:
+    hosts x devices per host, or 2 x n/2 on one host), ``zero2``, ``zero3`` and ``pipeshard``
+    (the stage search: ``PipeshardParallel`` with the options below; a step without
+    ``autopar.value_and_grad``,
     or whose batch the microbatches do not divide, is not pipelined, with a note).
     ``num_microbatches``, ``layers``, ``schedule``, ``num_chunks``: the pipelined candidates'
     (see ``PipeshardParallel``). ``memory_budget_bytes``: per-device memory every plan must

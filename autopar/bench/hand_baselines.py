@@ -6,7 +6,7 @@ For each hand plan the row holds two figures that answer different questions:
 * **estimated**: autopar's cost model on the ILP plan with the hand plan's inputs pinned (the
   ILP only places the intermediates). The full search's candidates include the free ILP, whose
   objective is at most any pinned one's, so "est. / autopar's" below 1 means the search space
-  misses the expert's layout (a 2-D mesh the one-stage candidates do not try, say).
+  misses the expert's layout.
 * **measured** (local cases): ``jax.jit(step, in_shardings=hand)``, which is what XLA's own
   sharding propagation makes of the expert's inputs, timed and its compiled collectives
   counted: the plan a user gets without autopar.

@@ -9,6 +9,7 @@ to. This module is the only place that dispatches on the method's type.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -19,7 +20,9 @@ from autopar.compiler.cost.estimate import one_call_time_s
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.trace import TracedStep, build_graph, trace_step
 from autopar.compiler.inter_op.layers import remat_layer_positions
+from autopar.compiler.inter_op.submesh import SubmeshShape
 from autopar.compiler.planners.data import plan_data_parallel
+from autopar.compiler.planners.stage_costs import logical_shapes
 from autopar.compiler.planners.zero import optimizer_state_pins, plan_zero
 from autopar.errors import (
     AutoparError,
@@ -203,8 +206,7 @@ def _plan_auto(step: StepProgram, cluster: ClusterSpec,
     found: dict[str, PlannedProgram] = {}
     rows: list[dict[str, Any]] = []
     phases: dict[str, float] = {}
-    for candidate in method.one_stage_methods():
-        name = candidate.name.value
+    for name, candidate in _one_stage_candidates(method, cluster):
         single = StepProgram(step.traced, candidate, step.batch_argnums, fn=step.fn,
                              args=step.args)
         began = time.perf_counter()
@@ -279,6 +281,23 @@ def _plan_auto(step: StepProgram, cluster: ClusterSpec,
     plan.planning.planning_time_s = time.perf_counter() - start
     plan.planning.phases = phases | {"total_s": plan.planning.planning_time_s}
     return PlannedProgram(best.traced, plan, best.pipeline, candidates=found)
+
+
+def _one_stage_candidates(method: AutoParallel, cluster: ClusterSpec
+                          ) -> list[tuple[str, Method]]:
+    """The full search's one-stage candidates by name. ShardParallel runs on every logical
+    mesh the stage search gives a stage over the whole cluster (``logical_shapes``): one axis,
+    and a 2-D one (hosts x devices per host, or 2 x n/2 on one host), where the ILP can put
+    the batch on one axis and the model on the other, as a data x tensor expert plan does."""
+    found: list[tuple[str, Method]] = []
+    whole = SubmeshShape(cluster.num_hosts, cluster.devices_per_host)
+    for candidate in method.one_stage_methods():
+        found.append((candidate.name.value, candidate))
+        if isinstance(candidate, ShardParallel):
+            for shape in logical_shapes(whole)[1:]:
+                found.append((f"shard {format_mesh_shape(shape)}",
+                              dataclasses.replace(candidate, mesh_shape=shape)))
+    return found
 
 
 def _fits_budget(plan: Plan, budget: float) -> bool:

@@ -19,6 +19,7 @@ from autopar.compiler.planners.pipeshard import search_pipelines, stage_ilp_note
 from autopar.compiler.planners.stage_costs import CostClock, layer_cost_cache, range_piece
 from autopar.errors import PlanError
 from autopar.ir.pipeline_program import build_pipeline_program
+from autopar.models import get_model
 from autopar.plan import Plan
 
 
@@ -83,6 +84,32 @@ def test_the_full_search_keeps_the_fastest_candidate_and_records_them_all():
     # PipeshardParallel still means pipelining
     pipe = planned(step, args, autopar.PipeshardParallel(), local_cluster())
     assert pipe.is_pipelined and pipe.method == "pipeshard"
+
+
+def test_the_one_stage_candidates_include_a_2d_mesh_where_data_x_tensor_wins():
+    """A GPT whose hidden size is large for its batch, on 8 devices: neither one-axis plan
+    (all data or all tensor) is best; the expert's data x Megatron layout on 2x4 beats both.
+    The full search tries ShardParallel on the 2-D mesh too, and its plan is at least as good
+    as that expert plan under the same cost model."""
+    from autopar.bench.hand_baselines import applicable_hand_plans, plan_hand
+    from autopar.compiler.graph.trace import trace_step
+
+    model = get_model("gpt", "tiny", hidden_size=256, num_layers=2, seq_len=32,
+                                     batch_size=16, vocab_size=512)
+    args = (model.init_state(jax.random.key(0)), model.make_batch(jax.random.key(1)))
+    cluster = local_cluster()
+    plan = planned(model.train_step, args, autopar.AutoParallel(candidates=("data", "shard")),
+                   cluster)
+    rows = {r["name"]: r for r in plan.planning.candidates}
+    assert set(rows) == {"data", "shard", "shard 2x4"}
+    assert rows["shard 2x4"]["chosen"] and plan.stages[0].logical_mesh_shape == (2, 4)
+    traced = trace_step(model.train_step, args)
+    (mesh, specs), = [(mesh, specs) for hand, mesh, specs in applicable_hand_plans(traced, cluster)
+                      if hand.name == "data-megatron"]
+    expert = plan_hand(traced, cluster, mesh, specs, time_limit_s=30.0)
+    one_axis = min(rows["data"]["est_step_time_s"], rows["shard"]["est_step_time_s"])
+    assert expert.est_step_time_s < one_axis  # the case needs the 2-D mesh
+    assert plan.est_step_time_s <= expert.est_step_time_s * (1 + 1e-9)
 
 
 def test_candidates_are_restricted_and_checked():
