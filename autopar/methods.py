@@ -245,8 +245,8 @@ class AutoParallel:
     (``ShardParallel`` on one mesh axis, and on the 2-D mesh a stage over every device gets:
     hosts x devices per host, or 2 x n/2 on one host), ``zero2``, ``zero3`` and ``pipeshard``
     (the stage search: ``PipeshardParallel`` with the options below; a step without
-    ``autopar.value_and_grad``,
-    or whose batch the microbatches do not divide, is not pipelined, with a note).
+    ``autopar.value_and_grad``, or whose batch the microbatches do not divide, is not
+    pipelined, with a note).
     ``num_microbatches``, ``layers``, ``schedule``, ``num_chunks``: the pipelined candidates'
     (see ``PipeshardParallel``). ``memory_budget_bytes``: per-device memory every plan must
     fit (default: the cluster's device memory). ``solver``, ``time_limit_s``: the ILPs'.
