@@ -113,25 +113,32 @@ class OracleCase:
         return f"{self.model}-{self.mesh[0]}x{self.mesh[1]}"
 
 
-# Every model, mesh and hand plan appears; each case is what an expert would try on that model.
-# Most of the time is XLA compiling two or three programs a hand plan (measured on 2 shared
-# cores: 34 s with the compilation cache warm, 2 min cold at a load of 5).
+MESHES = ((1, 4), (2, 2), (2, 4))
+
+# What an expert would try on each model: (on the 1-D mesh 1x4, on the 2-D meshes). A model's
+# plans must apply on its meshes (checked below), so 2-D plans name data x tensor splits.
+EXPERT_PLANS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "deep-mlp": (("megatron", "data"), ("data-megatron", "megatron")),
+    "wide-batch-mlp": (("data", "zero2"), ("data", "zero2")),
+    "bert": (("megatron",), ("data-megatron",)),
+    "moe-layer": (("experts", "megatron"), ("experts",)),
+    "conv-bn": (("conv-data-head-tensor",), ("conv-data-head-tensor",)),
+    "tied-embedding": (("data", "zero3"), ("data", "zero3")),
+    "zoo-mlp": (("megatron", "zero2"), ("data-megatron", "zero2")),
+    "zoo-gpt": (("megatron",), ("data-megatron",)),
+    "zoo-moe": (("experts",), ("experts",)),
+    "zoo-wresnet": (("conv-data-head-tensor",), ("conv-data-head-tensor",)),
+}
+# the cases that also compare the free plan's numbers with the serial step's
+NUMERICS = {("deep-mlp", (1, 4)), ("wide-batch-mlp", (2, 2)), ("moe-layer", (1, 4)),
+            ("tied-embedding", (2, 2))}
+
+# Every model on every mesh. Most of the time is XLA compiling two or three programs a hand
+# plan, and the free ILP of the larger 2-D cases.
 CASES = [
-    OracleCase("deep-mlp", (1, 4), ("megatron", "data"), numerics=True),
-    OracleCase("deep-mlp", (2, 4), ("megatron", "data-megatron")),
-    OracleCase("wide-batch-mlp", (2, 2), ("data", "zero2"), numerics=True),
-    OracleCase("bert", (1, 4), ("megatron",)),
-    # (not on 2x2: there the free ILP alone takes ~26 s to prove its plan optimal, a MIP of
-    # ~50k columns; the solver's speed is the gap, not the plan)
-    OracleCase("bert", (2, 4), ("data-megatron",)),
-    OracleCase("moe-layer", (1, 4), ("experts", "megatron"), numerics=True),
-    OracleCase("moe-layer", (2, 4), ("experts",)),
-    OracleCase("conv-bn", (2, 4), ("conv-data-head-tensor",)),
-    OracleCase("tied-embedding", (2, 2), ("data", "zero3"), numerics=True),
-    OracleCase("zoo-mlp", (2, 4), ("data-megatron", "zero2")),
-    OracleCase("zoo-gpt", (1, 4), ("megatron",)),
-    OracleCase("zoo-moe", (1, 4), ("experts",)),
-    OracleCase("zoo-wresnet", (1, 4), ("conv-data-head-tensor",)),
+    OracleCase(model, mesh, EXPERT_PLANS[model][0 if mesh[0] == 1 else 1],
+               numerics=(model, mesh) in NUMERICS)
+    for model in MODELS for mesh in MESHES
 ]
 
 
