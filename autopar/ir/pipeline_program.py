@@ -25,7 +25,8 @@ import numpy as np
 from autopar.errors import BatchSizeError, NoLossFunctionError, PlanError
 from autopar.ir.loss_markers import PIPELINE_BOUNDARY, VALUE_AND_GRAD, LossFunction
 from autopar.ir.program import FlatProgram, TensorKind, flatten_jaxpr, flatten_step
-from autopar.ir.scan_split import LayerScan, split_forward, split_step
+from autopar.ir.scan_split import split_forward, split_step
+from autopar.ir.scan_units import LayerScan
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class PipelineProgram:
     split_inputs: frozenset[int]  # forward inputs cut into microbatches along axis 0
     diff_inputs: tuple[int, ...]  # forward inputs differentiated, in gradient order
     batch_size: int
-    # the loss forward's layer scans, split into unit scans (``ir.scan_split``), and the step's
+    # the loss forward's layer scans, inlined as units (``ir.scan_split``), and the step's
     # equations slicing its stacked inputs (the runtime runs them where the input lies)
     layer_scans: tuple[LayerScan, ...] = ()
     input_splits: frozenset[int] = frozenset()
@@ -176,7 +177,7 @@ def build_pipeline_program(
         return PipelineProgram(
             outer, vg.index, loss, forward, operand_of, frozenset(split), diff, batch_size
         )
-    # scans over stacked layers: one unit scan per iteration, the step split to match
+    # scans over stacked layers: inlined, one unit per iteration, the step split to match
     step = split_step(outer, vg.index, forward.in_ids, layered.slices, diff, 1 + loss.num_aux)
     new_vg = step.program.eqns[step.vg_index]
     forward = layered.forward
@@ -240,11 +241,12 @@ def cut_pieces(forward: FlatProgram, positions: Sequence[int]) -> list[Piece]:
 
 def stage_scan_iterations(pp: PipelineProgram, pieces: Sequence[Piece],
                           stage_of_piece: Sequence[int]) -> list[int]:
-    """How many iterations of the forward's layer scans each stage runs (its unit scans)."""
-    units = {u for scan in pp.layer_scans for u in scan.units}
+    """How many iterations of the forward's layer scans each stage runs: a unit cut between
+    two stages counts for the stage that finishes it."""
+    last = {u.stop - 1 for scan in pp.layer_scans for u in scan.units if u.stop > u.start}
     counts = [0] * (max(stage_of_piece, default=-1) + 1)
     for piece in pieces:
-        counts[stage_of_piece[piece.index]] += sum(1 for i in piece.eqns if i in units)
+        counts[stage_of_piece[piece.index]] += sum(1 for i in piece.eqns if i in last)
     return counts
 
 

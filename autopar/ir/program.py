@@ -568,6 +568,18 @@ def flatten_step(fn: Callable, args: Sequence[Any], keep_markers: bool = False,
     return numberer.program(in_ids, out_ids, in_paths, out_paths, in_tree, out_tree, ranges)
 
 
+def flatten_closed_jaxpr(closed: Any, keep_markers: bool = True) -> FlatProgram:
+    """A ``FlatProgram`` of a closed jaxpr (a scan's body): its invars are the inputs, its
+    consts constants; calls inlined, scans kept whole, as everywhere."""
+    numberer = _Numberer(keep_markers)
+    in_ids = [numberer.new_id(v.aval, TensorKind.INPUT) for v in closed.jaxpr.invars]
+    out_ids = numberer.walk(closed.jaxpr, closed.consts, in_ids)
+    return numberer.program(
+        in_ids, out_ids, [f"in/{i}" for i in range(len(in_ids))],
+        [f"out/{i}" for i in range(len(out_ids))], None, None, [(0, len(in_ids))]
+    )
+
+
 def flatten_jaxpr(jaxpr: Any, in_paths: Sequence[str], keep_markers: bool = True) -> FlatProgram:
     """A ``FlatProgram`` of an open jaxpr whose constvars, then invars, are its inputs (the loss
     function of ``autopar.value_and_grad``: closed-over values, then argument leaves)."""

@@ -1,15 +1,17 @@
-"""Scans over stacked layers, split so that a pipeline can cut them between iterations.
+"""Scans over stacked layers, inlined so that a pipeline can cut them anywhere.
 
 A model written with ``jax.lax.scan`` over stacked layers (MaxText, Levanter, Flax ``nn.scan``)
 has one ``scan`` equation in its loss forward, reading every layer's parameters as one stacked
 array (``xs``). Kept whole, that equation lands in one pipeline stage with every layer. Here
-such a *layer scan* becomes ``length`` *unit scans* (the same body, ``length=1``), each
-reading its own ``[1, ...]`` slice of the stacked parameters as a loss input of its own, the
-carry chained from one to the next. The pipeline pass then sees one layer per iteration:
-clustering counts iterations, the stage DP may cut between them, and each stage holds only its
-slices. The runtime runs a stage's consecutive unit scans as one shorter scan over its slices
-(``run_forward_eqns``), so a stage's layers still run as a loop, ``jax.checkpoint`` in the
-body included.
+such a *layer scan* is inlined: each iteration becomes a *unit* (``ir.scan_units``), the
+body's equations renumbered, reading its own ``[1, ...]`` slice of each stacked parameter as a
+loss input of its own (squeezed where the body first reads it), the carry chained from one
+unit to the next. The pipeline pass then sees the layers as the unrolled model's: clustering
+counts their operations, so it may cut between iterations or inside one (between a block's
+attention and its MLP, to balance the stages), and each stage holds only its slices. The
+runtime runs a stage's whole consecutive units as one shorter scan over its slices
+(``scan_units.run_forward_eqns``), so a stage's layers still run as a loop,
+``jax.checkpoint`` in the body included.
 
 The step around the loss is split to match (``split_step``): every equation of the step that
 is elementwise on a stacked value (the optimizer update: Adam's moments and the parameter
@@ -33,7 +35,8 @@ from typing import Any
 
 import jax
 
-from autopar.ir.program import FlatEqn, FlatProgram, TensorKind, bind_eqn
+from autopar.ir.program import FlatEqn, FlatProgram, TensorKind, flatten_closed_jaxpr
+from autopar.ir.scan_units import LayerScan, ScanUnit
 
 # Primitives that act element by element on operands of one shape (rank-0 operands broadcast):
 # slicing their leading axis commutes with them, so they can run once per layer slice.
@@ -44,21 +47,6 @@ ELEMENTWISE = frozenset({
     "ne", "neg", "nextafter", "not", "or", "pow", "reduce_precision", "rem", "round", "rsqrt",
     "select_n", "sign", "sin", "sqrt", "square", "stop_gradient", "sub", "tan", "tanh", "xor",
 })
-
-
-@dataclass(frozen=True)
-class LayerScan:
-    """One layer scan of the loss forward, split: ``units`` are the forward equation indices
-    of its unit scans in the order they run (iteration ``length - 1`` first when ``reverse``);
-    ``iterations[k]`` is the iteration unit ``k`` runs."""
-
-    units: tuple[int, ...]
-    iterations: tuple[int, ...]
-    reverse: bool
-
-    @property
-    def length(self) -> int:
-        return len(self.units)
 
 
 @dataclass(frozen=True)
@@ -79,13 +67,16 @@ class _Builder:
         self.eqns: list[FlatEqn] = []
         self.avals = dict(program.avals)
         self.kinds = dict(program.kinds)
+        self.values = dict(program.values)
         self.next_id = max(program.avals, default=-1) + 1
 
-    def value(self, aval: Any, kind: str = TensorKind.INTERMEDIATE) -> int:
+    def value(self, aval: Any, kind: str = TensorKind.INTERMEDIATE, constant: Any = None) -> int:
         vid = self.next_id
         self.next_id += 1
         self.avals[vid] = aval
         self.kinds[vid] = kind
+        if kind in (TensorKind.CONST, TensorKind.LITERAL):
+            self.values[vid] = constant
         return vid
 
     def copy(self, eqn: FlatEqn, **changes: Any) -> int:
@@ -112,9 +103,20 @@ class _Builder:
                                 *[self.avals[p] for p in parts])
         return self.emit(prim, params, parts, [out])
 
+    def reshape(self, vid: int, out: int) -> int:
+        """Emit ``out = reshape(vid)`` to ``out``'s shape (a slice squeezed, or stacked)."""
+        shape = tuple(self.avals[out].shape)
+        prim, params = _one_eqn(lambda x: jax.lax.reshape(x, shape), self.avals[vid])
+        return self.emit(prim, params, [vid], [out])
+
+    def same(self, vid: int, out: int) -> int:
+        """Emit ``out = copy(vid)``: a result under an id of its own."""
+        prim, params = _one_eqn(lambda x: jax.numpy.array(x, copy=True), self.avals[vid])
+        return self.emit(prim, params, [vid], [out])
+
     def program_with(self, in_ids: Sequence[int], in_paths: Sequence[str]) -> FlatProgram:
         p = self.program
-        return FlatProgram(self.eqns, self.avals, self.kinds, p.values, list(in_ids),
+        return FlatProgram(self.eqns, self.avals, self.kinds, self.values, list(in_ids),
                            list(p.out_ids), list(in_paths), list(p.out_paths), p.in_tree,
                            p.out_tree, [(0, len(in_ids))] if p.in_tree is None
                            else list(p.arg_leaf_ranges))
@@ -153,12 +155,12 @@ def find_layer_scans(forward: FlatProgram, diff_inputs: Sequence[int]) -> dict[i
 
 
 def split_forward(forward: FlatProgram, diff_inputs: Sequence[int]) -> SplitForward | None:
-    """``forward`` with every layer scan split into unit scans (None when it has none).
+    """``forward`` with every layer scan inlined as units (None when it has none).
 
     Each stacked parameter input becomes ``length`` inputs (its ``[1, ...]`` slices, in its
-    place among the inputs); other ``xs`` are sliced by equations before the first unit scan;
-    the ``ys`` are concatenated after the last, under their original ids, and the last unit
-    makes the final carries under theirs, so everything after the scan is unchanged."""
+    place among the inputs); other ``xs`` are sliced by equations before the first unit; the
+    ``ys`` are concatenated after the last, under their original ids, and the last unit makes
+    the final carries under theirs, so everything after the scan is unchanged."""
     scans = find_layer_scans(forward, diff_inputs)
     if not scans:
         return None
@@ -180,34 +182,74 @@ def split_forward(forward: FlatProgram, diff_inputs: Sequence[int]) -> SplitForw
         if e.index not in scans:
             b.copy(e)
             continue
-        split.append(_split_scan(b, e, slices))
+        split.append(_inline_scan(b, e, slices))
     return SplitForward(b.program_with(in_ids, in_paths), slices, tuple(split))
 
 
-def _split_scan(b: _Builder, e: FlatEqn, slices: dict[int, tuple[int, ...]]) -> LayerScan:
+def _inline_scan(b: _Builder, e: FlatEqn, slices: dict[int, tuple[int, ...]]) -> LayerScan:
     p = e.params
     nc, nk, length = p["num_consts"], p["num_carry"], int(p["length"])
     consts, carry, xs = e.inputs[:nc], list(e.inputs[nc:nc + nk]), e.inputs[nc + nk:]
     xs_parts = [slices[v] if v in slices else tuple(b.slice(v, i)[1] for i in range(length))
                 for v in xs]
+    body = flatten_closed_jaxpr(p["jaxpr"])
+    # the body's constants and literals: one value each, shared by every iteration
+    shared = {v: b.value(body.avals[v], body.kinds[v], c) for v, c in body.values.items()}
     ys = e.outputs[nk:]
     ys_parts: list[list[int]] = [[0] * length for _ in ys]
     order = list(range(length))[::-1] if p["reverse"] else list(range(length))
-    unit_params = dict(p, length=1, unroll=1)
     units = []
     for k, i in enumerate(order):
         last = k == length - 1
-        outs = list(e.outputs[:nk]) if last else [b.value(b.avals[c]) for c in e.outputs[:nk]]
-        y_ids = [b.value(slice_aval(b.avals[y])) for y in ys]
+        outs = tuple(e.outputs[:nk]) if last else tuple(b.value(b.avals[c])
+                                                         for c in e.outputs[:nk])
+        y_ids = tuple(b.value(slice_aval(b.avals[y])) for y in ys)
         for j, y in enumerate(y_ids):
             ys_parts[j][i] = y
-        units.append(b.copy(e, params=unit_params,
-                            inputs=(*consts, *carry, *[parts[i] for parts in xs_parts]),
-                            outputs=(*outs, *y_ids)))
-        carry = outs
+        x_ids = tuple(parts[i] for parts in xs_parts)
+        start = len(b.eqns)
+        _inline_iteration(b, body, (*consts, *carry), x_ids, outs, y_ids, shared)
+        units.append(ScanUnit(start, len(b.eqns), tuple(carry), x_ids, outs, y_ids))
+        carry = list(outs)
     for y, parts in zip(ys, ys_parts, strict=True):
         b.concat(parts, y)
-    return LayerScan(tuple(units), tuple(order), bool(p["reverse"]))
+    return LayerScan(e, tuple(units), tuple(order), bool(p["reverse"]))
+
+
+def _inline_iteration(b: _Builder, body: FlatProgram, leading: Sequence[int],
+                      x_ids: Sequence[int], carry_out: Sequence[int], y_ids: Sequence[int],
+                      shared: dict[int, int]) -> None:
+    """Emit one iteration of ``body``: its consts and carries read ``leading``, each ``xs``
+    the slice in ``x_ids`` squeezed where the body first reads it (a slice squeezed early would
+    be live, as an activation, across every cut up to its use, which the unrolled layer's
+    parameter never is); its new carries made as ``carry_out`` and its ``ys`` stacked as
+    ``y_ids``."""
+    ids = dict(shared)
+    ids.update(zip(body.in_ids, leading, strict=False))
+    squeeze = dict(zip(body.in_ids[len(leading):], x_ids, strict=True))
+    # a new carry that a body equation makes is made under its unit's id directly
+    made = {v for eqn in body.eqns for v in eqn.outputs}
+    direct: dict[int, int] = {}
+    for v, target in zip(body.out_ids, carry_out, strict=False):
+        if v in made and v not in direct:
+            direct[v] = target
+
+    def read(v: int) -> int:
+        if v in squeeze:
+            ids[v] = b.value(body.avals[v])
+            b.reshape(squeeze.pop(v), ids[v])
+        return ids[v]
+
+    for eqn in body.eqns:
+        inputs = tuple(read(v) for v in eqn.inputs)
+        for v in eqn.outputs:
+            ids[v] = direct[v] if v in direct else b.value(body.avals[v])
+        b.copy(eqn, inputs=inputs, outputs=tuple(ids[v] for v in eqn.outputs))
+    for v, target in zip(body.out_ids, carry_out, strict=False):
+        if direct.get(v) != target:  # a carry passed through, a constant, a repeated result
+            b.same(read(v), target)
+    for v, y in zip(body.out_ids[len(carry_out):], y_ids, strict=True):
+        b.reshape(read(v), y)
 
 
 @dataclass(frozen=True)
@@ -355,57 +397,3 @@ def _stacked_values(outer: FlatProgram, vg_index: int, seeds: set[int]) -> set[i
             parent[find(v)] = find(tied[0])
     roots = {find(s) for s in seeds}
     return {v for v in list(parent) if find(v) in roots} | seeds
-
-
-def run_forward_eqns(forward: FlatProgram, eqn_indices: Sequence[int], env: dict[int, Any],
-                     scans: Sequence[LayerScan]) -> None:
-    """Apply the forward equations ``eqn_indices`` to ``env``, running each run of
-    consecutive unit scans of one layer scan as one scan over their slices (the stage's
-    shorter scan), every other equation as ``program.run_eqns`` would."""
-    unit_of = {u: (s, k) for s, scan in enumerate(scans) for k, u in enumerate(scan.units)}
-    indices = list(eqn_indices)
-    i = 0
-    while i < len(indices):
-        index = indices[i]
-        if index not in unit_of:
-            eqn = forward.eqns[index]
-            operands = [env[v] if v in env else forward.values[v] for v in eqn.inputs]
-            env.update(zip(eqn.outputs, bind_eqn(eqn, operands), strict=True))
-            i += 1
-            continue
-        s, k = unit_of[index]
-        run = [index]
-        while (i + len(run) < len(indices) and unit_of.get(indices[i + len(run)]) ==
-               (s, k + len(run))):
-            run.append(indices[i + len(run)])
-        _run_units(forward, [forward.eqns[u] for u in run], scans[s].reverse, env)
-        i += len(run)
-
-
-def _run_units(forward: FlatProgram, units: list[FlatEqn], reverse: bool,
-               env: dict[int, Any]) -> None:
-    """Consecutive unit scans as one scan of ``len(units)`` iterations: consts and initial
-    carries from the first, each ``xs`` the units' slices concatenated in iteration order,
-    the final carries under the last unit's ids and each unit's ``ys`` sliced back out."""
-    first = units[0]
-    if len(units) == 1:
-        operands = [env[v] if v in env else forward.values[v] for v in first.inputs]
-        env.update(zip(first.outputs, bind_eqn(first, operands), strict=True))
-        return
-    p = first.params
-    nc, nk, n = p["num_consts"], p["num_carry"], len(units)
-    in_order = units[::-1] if reverse else units  # iteration order, as xs are stacked
-
-    def read(v: int) -> Any:
-        return env[v] if v in env else forward.values[v]
-
-    xs = [jax.numpy.concatenate([read(u.inputs[j]) for u in in_order])
-          for j in range(nc + nk, len(first.inputs))]
-    operands = [read(v) for v in first.inputs[:nc + nk]] + xs
-    merged = replace(first, params=dict(p, length=n))
-    results = bind_eqn(merged, operands)
-    env.update(zip(units[-1].outputs[:nk], results[:nk], strict=True))
-    for j, ys in enumerate(results[nk:]):
-        for i, u in enumerate(in_order):
-            env[u.outputs[nk + j]] = jax.lax.slice_in_dim(ys, i, i + 1)
-

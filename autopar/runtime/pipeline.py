@@ -34,7 +34,7 @@ from autopar.ir.pipeline_program import (
 )
 from autopar.ir.program import run_eqns
 from autopar.ir.remat_loss import layer_function
-from autopar.ir.scan_split import run_forward_eqns
+from autopar.ir.scan_units import run_forward_eqns
 from autopar.ir.schedules import Schedule, TaskKind, make_schedule
 from autopar.plan import Plan
 from autopar.runtime.distributed import put
@@ -195,7 +195,7 @@ class PipelineRunner:
                     ins = [v for v in layer.inputs if v in env]
                     outs = jax.checkpoint(layer_function(fwd, layer, ins))([env[v] for v in ins])
                     env.update(zip(layer.outputs, outs, strict=True))
-            else:  # a stage's unit scans run as one shorter scan over its slices
+            else:  # a stage's whole units of a layer scan run as one shorter scan
                 run_forward_eqns(fwd, piece.eqns, env, self.pp.layer_scans)
             return [env[v] for v in float_out], [env[v] for v in other_out]
 

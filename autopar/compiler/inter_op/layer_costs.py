@@ -29,7 +29,7 @@ from typing import Any
 import jax
 
 from autopar.compiler.cost.mesh import LogicalMesh
-from autopar.compiler.graph.opgraph import OpGraph
+from autopar.compiler.graph.opgraph import SCAN_EXIT, OpGraph
 from autopar.compiler.graph.trace import build_graph
 from autopar.compiler.intra_op.ilp import solve
 from autopar.compiler.intra_op.sharding_ilp import (
@@ -39,15 +39,21 @@ from autopar.compiler.intra_op.sharding_ilp import (
     read_solution,
 )
 from autopar.ir.pipeline_program import Piece, PieceRoles, PipelineProgram, piece_roles
-from autopar.ir.program import flatten_step, run_eqns
+from autopar.ir.program import flatten_step
+from autopar.ir.scan_units import run_forward_eqns, whole_unit_runs
 from autopar.plan import ShardingSpec
 
 # Ops a parameter's gradient passes through on its way from the node that sums it over the
 # batch (a weight gradient's dot, a bias gradient's reduce) to the update: the walk back from
-# the update stops at the first op not in this list, which is that node.
+# the update stops at the first op not in this list, which is that node. A scan region's exit
+# is one too, and a split or slice: a scanned layer's gradient is made inside the body (each
+# iteration's slice of a stacked parameter's gradient, a ``ys``), the exit only stacks it and
+# the split (the transpose of the concatenation that feeds a stage's layers to one scan over
+# their slices) cuts each layer's out; stopping there would leave the body's reduction priced
+# per microbatch, not per step as the unrolled layer's.
 _GRADIENT_PASS_THROUGH = frozenset({
     "transpose", "reshape", "convert_element_type", "copy", "copy_p", "squeeze", "add",
-    "add_any", "reduce_precision",
+    "add_any", "reduce_precision", "slice", "split", SCAN_EXIT,
 })
 
 
@@ -148,7 +154,7 @@ def piece_train_graph(pp: PipelineProgram, piece: Piece) -> tuple[OpGraph, dict[
             env = dict(zip(roles.diff, diff_vals, strict=True))
             env.update(zip(roles.fixed, state["c"], strict=True))
             env.update(zip(roles.micro, batch["d"], strict=True))
-            run_eqns(fwd, piece.eqns, env)
+            run_forward_eqns(fwd, piece.eqns, env, pp.layer_scans)
             return [env[v] for v in roles.float_outputs], [env[v] for v in roles.other_outputs]
 
         outs, vjp_fn, others = jax.vjp(run, [*state["p"], *batch["a"]], has_aux=True)
@@ -162,8 +168,9 @@ def piece_train_graph(pp: PipelineProgram, piece: Piece) -> tuple[OpGraph, dict[
         "d": [sds(v) for v in roles.micro],
         "g": [sds(v) for v in roles.float_outputs],
     }
-    # scans as regions (a layer scan's unit scans, any scan in the piece): the ILP plans the
-    # body once, as one-stage planning does, rather than a scan replicated whole
+    # scans as regions (the scan its whole units of a layer scan run as, as at run time, and
+    # any scan in the piece): the ILP plans the body once, as one-stage planning does, rather
+    # than a scan replicated whole
     program = flatten_step(piece_step, (state, batch), expand_scans=True)
     paths = {}
     for prefix, ids in (("state/p", roles.params), ("state/c", roles.fixed),
@@ -196,6 +203,9 @@ def piece_signature(pp: PipelineProgram, piece: Piece) -> str:
         parts.append(f"{e.name}{params}({','.join(name(v) for v in e.inputs)})->"
                      f"{','.join(name(v) for v in e.outputs)}")
     parts.append(",".join(name(v) for v in piece.outputs))
+    # where whole units of a layer scan lie: those run (and are costed) as a scan
+    parts.append(repr([(r.position, r.span) for r in whole_unit_runs(piece.eqns,
+                                                                       pp.layer_scans)]))
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 

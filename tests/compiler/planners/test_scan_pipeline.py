@@ -1,5 +1,5 @@
-"""A model whose layers run under ``jax.lax.scan`` pipelines (issue 14): the scan is split
-into one unit scan per iteration (``ir.scan_split``), the stage DP cuts between iterations,
+"""A model whose layers run under ``jax.lax.scan`` pipelines (issue 14): the scan is inlined
+as one unit per iteration (``ir.scan_split``), the stage DP cuts between iterations,
 each stage holds and updates only its slices of the stacked parameters and optimizer state,
 and the step's results come back in the caller's layout.
 
@@ -21,6 +21,7 @@ import autopar
 from autopar.cluster import load_cluster
 from autopar.compiler.planners.pipeshard import plan_pipeshard
 from autopar.ir.pipeline_program import build_pipeline_program, cut_pieces, stage_scan_iterations
+from autopar.ir.scan_units import whole_unit_runs
 from autopar.ir.schedules import ScheduleName
 from autopar.models import get_model
 
@@ -46,13 +47,28 @@ def test_the_scan_becomes_one_unit_per_iteration_and_the_update_one_per_slice():
                                                    model.abstract_batch()), (1,), 2)
     (scan,) = pp.layer_scans
     assert scan.length == LAYERS and scan.iterations == tuple(range(LAYERS))
-    units = [pp.forward.eqns[u] for u in scan.units]
-    assert all(e.name == "scan" and e.params["length"] == 1 for e in units)
-    # every stacked parameter is a loss input per layer: [1, ...] slices, one unit reads each
-    stacked = [f for f in pp.diff_inputs if pp.forward.avals[f].shape[:1] == (1,)]
+    # the scan is inlined: its units are the body's equations, back to back, no scan left
+    fwd = pp.forward
+    assert not any(e.name == "scan" for e in fwd.eqns)
+    starts = [u.start for u in scan.units]
+    assert all(u.stop > u.start for u in scan.units)
+    assert [u.stop for u in scan.units[:-1]] == starts[1:]
+    body = len(scan.scan.params["jaxpr"].jaxpr.eqns)
+    assert all(u.stop - u.start >= body for u in scan.units)
+    # every stacked parameter is a loss input per layer: [1, ...] slices, each read once, by
+    # its own unit (squeezed there)
+    stacked = [f for f in pp.diff_inputs if fwd.avals[f].shape[:1] == (1,)]
     assert len(stacked) == 15 * LAYERS
-    readers = {v: e.index for e in pp.forward.eqns for v in e.inputs}
-    assert {readers[f] for f in stacked} == set(scan.units)
+    readers: dict[int, list[int]] = {}
+    for e in fwd.eqns:
+        for v in e.inputs:
+            readers.setdefault(v, []).append(e.index)
+    for u in scan.units:
+        assert all(u.start <= readers[f][0] < u.stop and len(readers[f]) == 1 for f in u.xs)
+        assert set(u.xs) <= set(stacked) and len(u.xs) == 15
+    # run whole, the forward's units make one loop of every iteration
+    (run,) = whole_unit_runs(range(len(fwd.eqns)), pp.layer_scans)
+    assert run.units == tuple(range(LAYERS))
     # the step's stacked inputs (parameters, Adam's two moments) are sliced by the driver;
     # no equation after the gradients reads a whole stacked leaf except to return it
     outer = pp.outer
@@ -107,7 +123,7 @@ def test_full_search_pipelined_candidate_equals_serial():
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=atol)
     plan = step.get_plan(state, model.make_batch(jax.random.key(0)))
     assert plan.method == "pipeshard"
-    # clustering counted the iterations as layers: every cut falls between two of them
+    # clustering into as many layers as iterations (one per two of the 8 devices)
     assert len(plan.pipeline.layer_positions) == LAYERS - 1
 
 
