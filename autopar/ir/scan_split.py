@@ -27,7 +27,7 @@ same trace, so value ids agree.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -358,10 +358,13 @@ def _stacked_values(outer: FlatProgram, vg_index: int, seeds: set[int]) -> set[i
 
 
 def run_forward_eqns(forward: FlatProgram, eqn_indices: Sequence[int], env: dict[int, Any],
-                     scans: Sequence[LayerScan]) -> None:
+                     scans: Sequence[LayerScan],
+                     on_value: Callable[[int, Any], Any] | None = None) -> None:
     """Apply the forward equations ``eqn_indices`` to ``env``, running each run of
     consecutive unit scans of one layer scan as one scan over their slices (the stage's
-    shorter scan), every other equation as ``program.run_eqns`` would."""
+    shorter scan), every other equation as ``program.run_eqns`` would. ``on_value(id,
+    value)``, when given, may replace each equation's result as it is made (the runtime puts
+    the stage plan's sharding constraints there)."""
     unit_of = {u: (s, k) for s, scan in enumerate(scans) for k, u in enumerate(scan.units)}
     indices = list(eqn_indices)
     i = 0
@@ -370,7 +373,10 @@ def run_forward_eqns(forward: FlatProgram, eqn_indices: Sequence[int], env: dict
         if index not in unit_of:
             eqn = forward.eqns[index]
             operands = [env[v] if v in env else forward.values[v] for v in eqn.inputs]
-            env.update(zip(eqn.outputs, bind_eqn(eqn, operands), strict=True))
+            results = bind_eqn(eqn, operands)
+            if on_value is not None:
+                results = [on_value(v, x) for v, x in zip(eqn.outputs, results, strict=True)]
+            env.update(zip(eqn.outputs, results, strict=True))
             i += 1
             continue
         s, k = unit_of[index]

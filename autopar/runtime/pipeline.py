@@ -89,6 +89,20 @@ class _StepState:
     saved_cots: dict[tuple[int, int], list[Any]] = field(default_factory=dict)
     accum: dict[int, list[Any] | None] = field(default_factory=dict)
     loss_parts: dict[int, list[Any]] = field(default_factory=dict)
+    # when given, every program the step runs is logged here (``runtime.pipeline_hlo``)
+    calls: list[ProgramCall] | None = None
+
+
+@dataclass(frozen=True)
+class ProgramCall:
+    """One call of a jitted program by the driver: ``label`` says which (``F2``: the forward
+    of piece 2, ``segment3``, ...), ``stage`` where it runs (None: where the caller's input
+    lies), ``args`` its arguments as abstract values (shape, dtype, sharding)."""
+
+    label: str
+    stage: int | None
+    fn: Any
+    args: tuple[Any, ...]
 
 
 class PipelineRunner:
@@ -186,6 +200,15 @@ class PipelineRunner:
         inside = set(piece.eqns)
         layers = [layer for layer in self.remat_layers if layer.eqns and layer.eqns[0] in inside]
         rematerialise = self.remat_stages[t.stage] and layers
+        # the stage plan's layout of what the piece computes: held to it as it is made, so
+        # XLA communicates where the plan does (the backward, derived by jax.vjp, follows:
+        # a constraint's transpose constrains the cotangent alike)
+        mesh, specs = self.meshes[t.stage], self.specs[t.stage]
+        made = {v for i in piece.eqns for v in fwd.eqns[i].outputs}
+        held = {v: NamedSharding(mesh, partition_spec(specs[v])) for v in made if v in specs}
+
+        def hold(v: int, x: Any) -> Any:
+            return jax.lax.with_sharding_constraint(x, held[v]) if v in held else x
 
         def run(diff_vals: list[Any], nondiff_vals: list[Any]) -> tuple[list[Any], list[Any]]:
             env = dict(zip(diff, diff_vals, strict=True))
@@ -196,7 +219,8 @@ class PipelineRunner:
                     outs = jax.checkpoint(layer_function(fwd, layer, ins))([env[v] for v in ins])
                     env.update(zip(layer.outputs, outs, strict=True))
             else:  # a stage's unit scans run as one shorter scan over its slices
-                run_forward_eqns(fwd, piece.eqns, env, self.pp.layer_scans)
+                run_forward_eqns(fwd, piece.eqns, env, self.pp.layer_scans,
+                                 hold if held else None)
             return [env[v] for v in float_out], [env[v] for v in other_out]
 
         def forward(diff_vals, nondiff_vals):
@@ -254,13 +278,17 @@ class PipelineRunner:
 
     # -- the step ------------------------------------------------------------------------------
 
-    def __call__(self, flat_args: Sequence[Any], record: bool = False) -> list[Any]:
+    def __call__(self, flat_args: Sequence[Any], record: bool = False,
+                 calls: list[ProgramCall] | None = None) -> list[Any]:
+        """One step on the step's flat inputs; its flat outputs. ``record``: wait for and time
+        every task (``records``); ``calls``: log every program run into this list."""
         outer = self.pp.outer
-        st = _StepState(env=dict(zip(outer.in_ids, flat_args, strict=True)))
+        st = _StepState(env=dict(zip(outer.in_ids, flat_args, strict=True)), calls=calls)
         self.records = []
         start = time.perf_counter()
-        for vid, outs, fn in self.input_split_fns:
-            st.env.update(zip(outs, fn(st.env[vid]), strict=True))
+        for k, (vid, outs, fn) in enumerate(self.input_split_fns):
+            st.env.update(zip(outs, self._call(st, f"split{k}", None, fn, st.env[vid]),
+                              strict=True))
         for k, seg in enumerate(self.segments):
             if seg.phase == "before":
                 self._run_segment(st, k, seg)
@@ -285,9 +313,16 @@ class PipelineRunner:
             st.placed[key] = self._put(st.env[vid], stage, fid)
         return st.placed[key]
 
+    def _call(self, st: _StepState, label: str, stage: int | None, fn: Any, *args: Any) -> Any:
+        """``fn(*args)``, logged in ``st.calls`` when the step keeps a log."""
+        if st.calls is not None:
+            st.calls.append(ProgramCall(label, stage, fn, _abstract(args)))
+        return fn(*args)
+
     def _run_segment(self, st: _StepState, k: int, seg: Segment) -> None:
         values = [self._fetch(st, v, seg.stage) for v in seg.inputs]
-        st.env.update(zip(seg.outputs, self.segment_fns[k](*values), strict=True))
+        outs = self._call(st, f"segment{k}", seg.stage, self.segment_fns[k], *values)
+        st.env.update(zip(seg.outputs, outs, strict=True))
 
     def _split_batch(self, st: _StepState) -> None:
         """Each microbatch of every split loss input, on the stages that read it."""
@@ -308,7 +343,7 @@ class PipelineRunner:
         if task.kind == TaskKind.F:
             diff = [self._input(st, v, i, t.stage) for v in t.diff]
             nondiff = [self._input(st, v, i, t.stage) for v in t.nondiff]
-            outs, others, vjp_fn = t.forward(diff, nondiff)
+            outs, others, vjp_fn = self._call(st, f"F{piece}", t.stage, t.forward, diff, nondiff)
             for v, x in zip(t.float_outputs + t.other_outputs, outs + others, strict=True):
                 st.acts[(v, i)] = x
             st.vjps[(piece, i)] = vjp_fn
@@ -316,15 +351,17 @@ class PipelineRunner:
         vjp_fn = st.vjps[(piece, i)]
         if task.kind == TaskKind.W:  # the output cotangents its B task used
             cots = st.saved_cots.pop((piece, i))
-            st.accum[piece] = t.backward_weight(vjp_fn, cots, self._acc(st, t))
+            st.accum[piece] = self._call(st, f"W{piece}", t.stage, t.backward_weight, vjp_fn,
+                                         cots, self._acc(st, t))
             del st.vjps[(piece, i)]
             return st.accum[piece]
         cots = [self._cotangent(st, v, i, t.stage) for v in t.float_outputs]
         if self.schedule.splits_backward:
-            act_grads = t.backward_input(vjp_fn, cots)
+            act_grads = self._call(st, f"Bi{piece}", t.stage, t.backward_input, vjp_fn, cots)
             st.saved_cots[(piece, i)] = cots
         else:
-            act_grads, st.accum[piece] = t.backward(vjp_fn, cots, self._acc(st, t))
+            act_grads, st.accum[piece] = self._call(st, f"B{piece}", t.stage, t.backward,
+                                                    vjp_fn, cots, self._acc(st, t))
             del st.vjps[(piece, i)]
         for v, g in zip(t.diff[len(t.params) :], act_grads, strict=True):
             self._add_cotangent(st, v, i, g)
@@ -348,7 +385,8 @@ class PipelineRunner:
 
     def _add_cotangent(self, st: _StepState, vid: int, i: int, g: Any) -> None:
         stage = self._producer_stage(vid)
-        g = self._put(g, stage, batched=True)
+        # laid out as the value is on its producer's stage: its backward reads it so
+        g = self._put(g, stage, vid, batched=True)
         key = (vid, i)
         st.cots[key] = g if key not in st.cots else st.cots[key] + g
 
@@ -361,7 +399,7 @@ class PipelineRunner:
             total = seed if total is None else total + seed
         if total is None:
             total = jnp.zeros(aval.shape, aval.dtype)
-        return self._put(total, stage, batched=True)
+        return self._put(total, stage, vid, batched=True)
 
     def _finish_pipeline(self, st: _StepState) -> None:
         """The loss function's results as the step sees them: means over microbatches, and each
@@ -371,7 +409,7 @@ class PipelineRunner:
             out_id = vg.outputs[k]
             stage = self.home.get(out_id, self.stage_of_piece[-1])
             parts = [self._put(st.acts[(fid, i)], stage) for i in range(self.m)]
-            st.env[out_id] = _mean(parts)
+            st.env[out_id] = self._call(st, f"mean{k}", stage, _mean, parts)
         for fid, gid in self.pp.grad_outputs().items():
             stage = self.home[gid]
             total = None
@@ -393,6 +431,20 @@ def measured_idle_fraction(records: Sequence[TaskRecord], num_stages: int) -> fl
     span = max(r.end_s for r in records) - min(r.start_s for r in records)
     busy = sum(r.end_s - r.start_s for r in records)
     return max(0.0, 1.0 - busy / (num_stages * span)) if span > 0 else 0.0
+
+
+def _abstract(args: Any) -> Any:
+    """``args`` with every array as its shape, dtype and (when committed) sharding: enough to
+    compile the program again, without keeping its buffers alive (or reading donated ones)."""
+    def leaf(x: Any) -> Any:
+        if isinstance(x, jax.Array):
+            sharding = x.sharding if x.committed else None
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+        if isinstance(x, np.ndarray):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype)
+        return x
+
+    return jax.tree.map(leaf, args)
 
 
 @jax.jit
