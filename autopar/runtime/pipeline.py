@@ -143,6 +143,12 @@ class PipelineRunner:
         self.segment_fns = [jax.jit(self._segment_fn(s)) for s in self.segments]
         self.input_split_fns = self._input_split_fns()
         self.records: list[TaskRecord] = []
+        # every device of the plan, in plan order: where the step's small outputs go
+        self.everywhere = NamedSharding(
+            Mesh(np.array([by_id[i] for i in sorted({d for s in stages
+                                                      for d in s.device_ids})]), ("all",)),
+            PartitionSpec())
+        self.shared_outputs = shared_outputs(pp)
         self._accumulate = jax.jit(lambda acc, g: [a + b for a, b in zip(acc, g, strict=True)])
 
     @classmethod
@@ -304,7 +310,17 @@ class PipelineRunner:
         for k, seg in enumerate(self.segments):
             if seg.phase == "after":
                 self._run_segment(st, k, seg)
-        return [st.env[v] if v in st.env else outer.values[v] for v in outer.out_ids]
+        return [self._output(st, v) for v in outer.out_ids]
+
+    def _output(self, st: _StepState, vid: int) -> Any:
+        """The step's result ``vid``: a small one (``shared_outputs``) on every device of the
+        plan, so that every process of a run can read it (``float(loss)``); the rest (the new
+        state) where its segment made it, as global arrays (``distributed.to_host`` reads
+        them anywhere)."""
+        value = st.env[vid] if vid in st.env else self.pp.outer.values[vid]
+        if vid in self.shared_outputs and isinstance(value, jax.Array):
+            return put(value, self.everywhere)
+        return value
 
     def _fetch(self, st: _StepState, vid: int, stage: int, fid: int | None = None) -> Any:
         """Step value ``vid`` on ``stage`` (as loss input ``fid`` when given)."""
@@ -422,6 +438,17 @@ class PipelineRunner:
                 aval = self.pp.forward.avals[fid]
                 total = self._put(jnp.zeros(aval.shape, aval.dtype), stage)
             st.env[gid] = total
+
+
+def shared_outputs(pp: PipelineProgram) -> frozenset[int]:
+    """The step's results a pipelined step returns on every device: the loss function's loss
+    and aux (means over the microbatches: metrics, not per-example values) as the step returns
+    them, and every scalar it returns (a metric computed after the loss, say). Not: its other
+    results, the new state, which stays where the stages hold it."""
+    outer = pp.outer
+    loss_results = set(pp.vg.outputs[: 1 + pp.loss.num_aux])
+    return frozenset(v for v in outer.out_ids
+                     if v in loss_results or not getattr(outer.avals[v], "shape", ()))
 
 
 def measured_idle_fraction(records: Sequence[TaskRecord], num_stages: int) -> float:
