@@ -32,7 +32,8 @@ from autopar.ir.pipeline_program import (
     piece_roles,
     plan_segments,
 )
-from autopar.ir.program import run_eqns
+from autopar.ir.program import bind_eqn, run_eqns
+from autopar.ir.random_draws import RandomDraw
 from autopar.ir.remat_loss import layer_function
 from autopar.ir.scan_split import run_forward_eqns
 from autopar.ir.schedules import Schedule, TaskKind, make_schedule
@@ -141,6 +142,7 @@ class PipelineRunner:
         self.remat_stages = list(remat_stages) or [False] * len(stages)
         self.tasks = [self._piece_tasks(p) for p in self.pieces]
         self.segment_fns = [jax.jit(self._segment_fn(s)) for s in self.segments]
+        self.draw_fns = [jax.jit(_draw_fn(d)) for d in pp.draws]
         self.input_split_fns = self._input_split_fns()
         self.records: list[TaskRecord] = []
         # every device of the plan, in plan order: where the step's small outputs go
@@ -298,6 +300,7 @@ class PipelineRunner:
         for k, seg in enumerate(self.segments):
             if seg.phase == "before":
                 self._run_segment(st, k, seg)
+        self._draw(st)
         self._split_batch(st)
         for task in self.schedule.global_order():
             t0 = time.perf_counter() - start
@@ -339,6 +342,16 @@ class PipelineRunner:
         values = [self._fetch(st, v, seg.stage) for v in seg.inputs]
         outs = self._call(st, f"segment{k}", seg.stage, self.segment_fns[k], *values)
         st.env.update(zip(seg.outputs, outs, strict=True))
+
+    def _draw(self, st: _StepState) -> None:
+        """The whole batch's bits of each per-example random draw (``ir.random_draws``), on
+        the stage of the first piece reading them: the serial step's own draw, which
+        ``_split_batch`` then cuts like the batch."""
+        for k, (d, fn) in enumerate(zip(self.pp.draws, self.draw_fns, strict=True)):
+            readers = self.consumers.get(d.bits, [len(self.pieces) - 1])
+            stage = self.stage_of_piece[readers[0]]
+            values = [self._fetch(st, self.pp.operand_of[v], stage, v) for v in d.inputs]
+            st.env[d.source] = self._call(st, f"draw{k}", stage, fn, *values)
 
     def _split_batch(self, st: _StepState) -> None:
         """Each microbatch of every split loss input, on the stages that read it."""
@@ -458,6 +471,20 @@ def measured_idle_fraction(records: Sequence[TaskRecord], num_stages: int) -> fl
     span = max(r.end_s for r in records) - min(r.start_s for r in records)
     busy = sum(r.end_s - r.start_s for r in records)
     return max(0.0, 1.0 - busy / (num_stages * span)) if span > 0 else 0.0
+
+
+def _draw_fn(draw: RandomDraw) -> Any:
+    """The draw's key made from its loss inputs and its bits drawn, as the whole-batch trace
+    does (its equations, its ids)."""
+    def run(*values: Any) -> Any:
+        env = dict(draw.constants)
+        env.update(zip(draw.full_inputs, values, strict=True))
+        for eqn in draw.chain:
+            env.update(zip(eqn.outputs, bind_eqn(eqn, [env[v] for v in eqn.inputs]),
+                           strict=True))
+        return bind_eqn(draw.draw, [env[v] for v in draw.draw.inputs])[0]
+
+    return run
 
 
 def _abstract(args: Any) -> Any:
