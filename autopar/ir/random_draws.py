@@ -21,12 +21,12 @@ programs out.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from autopar.errors import PlanError
-from autopar.ir.program import FlatEqn, FlatProgram, TensorKind
+from autopar.ir.program import FlatEqn, FlatProgram, TensorKind, bind_eqn
 
 DRAW = "random_bits"
 # primitives that draw random numbers (a draw of another kind is left per microbatch)
@@ -62,6 +62,20 @@ class DrawRewrite:
     forward: FlatProgram
     draws: tuple[RandomDraw, ...]
     inexact: tuple[str, ...]
+
+
+def draw_function(draw: RandomDraw) -> Callable[..., Any]:
+    """A function of the draw's loss inputs (``draw.inputs``' values) giving the whole batch's
+    bits: the key made and the bits drawn as the whole-batch trace does (its equations)."""
+    def run(*values: Any) -> Any:
+        env = dict(draw.constants)
+        env.update(zip(draw.full_inputs, values, strict=True))
+        for eqn in draw.chain:
+            env.update(zip(eqn.outputs, bind_eqn(eqn, [env[v] for v in eqn.inputs]),
+                           strict=True))
+        return bind_eqn(draw.draw, [env[v] for v in draw.draw.inputs])[0]
+
+    return run
 
 
 def _draws(program: FlatProgram) -> list[FlatEqn]:

@@ -32,13 +32,14 @@ from autopar.ir.pipeline_program import (
     piece_roles,
     plan_segments,
 )
-from autopar.ir.program import bind_eqn, run_eqns
-from autopar.ir.random_draws import RandomDraw
+from autopar.ir.program import run_eqns
+from autopar.ir.random_draws import draw_function
 from autopar.ir.remat_loss import layer_function
 from autopar.ir.scan_split import run_forward_eqns
 from autopar.ir.schedules import Schedule, TaskKind, make_schedule
 from autopar.plan import Plan
 from autopar.runtime.distributed import put
+from autopar.runtime.program_calls import ProgramCall, abstract_args
 from autopar.runtime.shard import partition_spec
 
 
@@ -94,18 +95,6 @@ class _StepState:
     calls: list[ProgramCall] | None = None
 
 
-@dataclass(frozen=True)
-class ProgramCall:
-    """One call of a jitted program by the driver: ``label`` says which (``F2``: the forward
-    of piece 2, ``segment3``, ...), ``stage`` where it runs (None: where the caller's input
-    lies), ``args`` its arguments as abstract values (shape, dtype, sharding)."""
-
-    label: str
-    stage: int | None
-    fn: Any
-    args: tuple[Any, ...]
-
-
 class PipelineRunner:
     """Executes a ``PipelineProgram`` cut into ``pieces`` with a schedule."""
 
@@ -142,7 +131,7 @@ class PipelineRunner:
         self.remat_stages = list(remat_stages) or [False] * len(stages)
         self.tasks = [self._piece_tasks(p) for p in self.pieces]
         self.segment_fns = [jax.jit(self._segment_fn(s)) for s in self.segments]
-        self.draw_fns = [jax.jit(_draw_fn(d)) for d in pp.draws]
+        self.draw_fns = [jax.jit(draw_function(d)) for d in pp.draws]
         self.input_split_fns = self._input_split_fns()
         self.records: list[TaskRecord] = []
         # every device of the plan, in plan order: where the step's small outputs go
@@ -335,7 +324,7 @@ class PipelineRunner:
     def _call(self, st: _StepState, label: str, stage: int | None, fn: Any, *args: Any) -> Any:
         """``fn(*args)``, logged in ``st.calls`` when the step keeps a log."""
         if st.calls is not None:
-            st.calls.append(ProgramCall(label, stage, fn, _abstract(args)))
+            st.calls.append(ProgramCall(label, stage, fn, abstract_args(args)))
         return fn(*args)
 
     def _run_segment(self, st: _StepState, k: int, seg: Segment) -> None:
@@ -471,34 +460,6 @@ def measured_idle_fraction(records: Sequence[TaskRecord], num_stages: int) -> fl
     span = max(r.end_s for r in records) - min(r.start_s for r in records)
     busy = sum(r.end_s - r.start_s for r in records)
     return max(0.0, 1.0 - busy / (num_stages * span)) if span > 0 else 0.0
-
-
-def _draw_fn(draw: RandomDraw) -> Any:
-    """The draw's key made from its loss inputs and its bits drawn, as the whole-batch trace
-    does (its equations, its ids)."""
-    def run(*values: Any) -> Any:
-        env = dict(draw.constants)
-        env.update(zip(draw.full_inputs, values, strict=True))
-        for eqn in draw.chain:
-            env.update(zip(eqn.outputs, bind_eqn(eqn, [env[v] for v in eqn.inputs]),
-                           strict=True))
-        return bind_eqn(draw.draw, [env[v] for v in draw.draw.inputs])[0]
-
-    return run
-
-
-def _abstract(args: Any) -> Any:
-    """``args`` with every array as its shape, dtype and (when committed) sharding: enough to
-    compile the program again, without keeping its buffers alive (or reading donated ones)."""
-    def leaf(x: Any) -> Any:
-        if isinstance(x, jax.Array):
-            sharding = x.sharding if x.committed else None
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-        if isinstance(x, np.ndarray):
-            return jax.ShapeDtypeStruct(x.shape, x.dtype)
-        return x
-
-    return jax.tree.map(leaf, args)
 
 
 @jax.jit

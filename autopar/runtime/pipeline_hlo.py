@@ -23,9 +23,10 @@ import jax
 
 from autopar.plan import CollectiveKind
 from autopar.runtime.hlo import CollectiveSummary, count_collectives
-from autopar.runtime.pipeline import PipelineRunner, ProgramCall
+from autopar.runtime.pipeline import PipelineRunner
+from autopar.runtime.program_calls import ProgramCall
 
-__all__ = ["ProgramCollectives", "StepCollectives", "step_collectives"]
+__all__ = ["ProgramCollectives", "StepCollectives", "count_calls", "step_collectives"]
 
 
 @dataclass(frozen=True)

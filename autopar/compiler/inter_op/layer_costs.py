@@ -31,14 +31,13 @@ import jax
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.opgraph import OpGraph
 from autopar.compiler.graph.trace import build_graph
-from autopar.compiler.inter_op.piece_values import forward_value_specs
+from autopar.compiler.inter_op.piece_plan import forward_value_specs, piece_collectives
 from autopar.compiler.intra_op.ilp import solve
 from autopar.compiler.intra_op.sharding_ilp import (
     IntraOpOptions,
     ProblemParts,
     build_problem,
     read_solution,
-    reshard_collectives,
 )
 from autopar.ir.pipeline_program import Piece, PieceRoles, PipelineProgram, piece_roles
 from autopar.ir.program import flatten_step, run_eqns
@@ -119,7 +118,7 @@ class PieceCost:
     gradients' reduction and their resharding into the update): together what the stage plan
     predicts, for the report to set beside the compiled programs' collectives.
     ``value_specs``: the spec of each value the piece's forward computes (forward value id ->
-    spec; ``piece_values``), which the runtime holds the forward's results to."""
+    spec; ``piece_plan``), which the runtime holds the forward's results to."""
 
     time_s: float
     compute_s: float
@@ -413,8 +412,8 @@ def _solve_piece(pp: PipelineProgram, piece: Piece, graph: OpGraph, paths: dict[
     solution = solve(problem, solver=options.solver, time_limit_s=options.time_limit_s,
                      relative_gap=options.relative_gap)
     node_strategy, input_spec, _, tensor_spec, _ = read_solution(parts, solution.choices)
-    per_microbatch_moves, per_step_moves = _piece_collectives(parts, graph, node_strategy,
-                                                              tensor_spec)
+    per_microbatch_moves, per_step_moves = piece_collectives(
+        parts, graph, node_strategy, tensor_spec, *_gradient_nodes(graph))
     sync, update, placeholder, feed = per_step(solution.choices)
     sizes = {a: mesh.axis_size(a) for a in mesh.axis_names}
     by_path = {io.path: io.tensor for io in graph.inputs}
@@ -455,30 +454,6 @@ def _solve_piece(pp: PipelineProgram, piece: Piece, graph: OpGraph, paths: dict[
         sync_collectives=tuple(per_step_moves),
         value_specs=forward_value_specs(pp, piece, graph, paths, tensor_spec),
     )
-
-
-def _piece_collectives(parts: ProblemParts, graph: OpGraph, node_strategy: dict[int, Any],
-                       tensor_spec: dict[int, ShardingSpec]
-                       ) -> tuple[list[CollectiveEstimate], list[CollectiveEstimate]]:
-    """The chosen plan's collectives, split as ``_amortise`` prices them: per microbatch (the
-    forward and backward) and per step (each gradient's makers' own, its resharding into the
-    update, and the new parameters' relayout to the parameters'). The placeholder update's
-    own and its reading of the parameter are left out: the step's real update runs outside
-    the pipeline's tasks."""
-    updates, makers = _gradient_nodes(graph)
-    uses, tied = reshard_collectives(parts, node_strategy, tensor_spec)
-    per_microbatch: list[CollectiveEstimate] = []
-    per_step: list[CollectiveEstimate] = list(tied)
-    for node in graph.nodes:
-        if node.id not in updates:
-            moves = node_strategy[node.id].collectives
-            (per_step if node.id in makers else per_microbatch).extend(moves)
-    for (n, k), moves in uses.items():
-        if updates.get(n) == k:
-            per_step.extend(moves)
-        elif n not in updates:
-            per_microbatch.extend(moves)
-    return per_microbatch, per_step
 
 
 def _nbytes(aval: Any) -> float:

@@ -1,5 +1,8 @@
-"""Which tensor of a piece's train graph is which forward value: the stage plan for the
-values a piece computes, not only for those it reads.
+"""What a piece's solved plan says beyond its inputs' specs: the specs of the values its
+forward computes, and the collectives it predicts per microbatch and per step.
+
+Which tensor of a piece's train graph is which forward value: the stage plan for the values a
+piece computes, not only for those it reads.
 
 A piece's cost is solved on its small train step (``layer_costs.piece_train_graph``: the
 forward under ``jax.vjp``, the backward, a placeholder update), traced anew, so its tensors
@@ -22,9 +25,10 @@ from __future__ import annotations
 from typing import Any
 
 from autopar.compiler.graph.opgraph import OpGraph
+from autopar.compiler.intra_op.sharding_ilp import ProblemParts, reshard_collectives
 from autopar.ir.pipeline_program import Piece, PipelineProgram
 from autopar.ir.program import TensorKind
-from autopar.plan import ShardingSpec
+from autopar.plan import CollectiveEstimate, ShardingSpec
 
 _CONSTANT_KINDS = (TensorKind.CONST, TensorKind.LITERAL)
 
@@ -71,3 +75,28 @@ def forward_value_specs(pp: PipelineProgram, piece: Piece, graph: OpGraph,
     produced = {v for i in piece.eqns for v in fwd.eqns[i].outputs}
     return {v: tensor_spec[t] for v, t in tensor_of.items()
             if v in produced and t in tensor_spec and graph.tensors[t].ndim > 0}
+
+
+def piece_collectives(parts: ProblemParts, graph: OpGraph, node_strategy: dict[int, Any],
+                      tensor_spec: dict[int, ShardingSpec], updates: dict[int, int],
+                      makers: set[int]
+                      ) -> tuple[list[CollectiveEstimate], list[CollectiveEstimate]]:
+    """The chosen plan's collectives, split as the stage cost prices them: per microbatch
+    (the forward and backward) and per step (each gradient's ``makers``' own, its resharding
+    into the placeholder update, and the new parameters' relayout to the parameters'). The
+    placeholder ``updates``' own (node id -> operand position of the gradient) and their
+    reading of the parameter are left out: the step's real update runs outside the pipeline's
+    tasks."""
+    uses, tied = reshard_collectives(parts, node_strategy, tensor_spec)
+    per_microbatch: list[CollectiveEstimate] = []
+    per_step: list[CollectiveEstimate] = list(tied)
+    for node in graph.nodes:
+        if node.id not in updates:
+            moves = node_strategy[node.id].collectives
+            (per_step if node.id in makers else per_microbatch).extend(moves)
+    for (n, k), moves in uses.items():
+        if updates.get(n) == k:
+            per_step.extend(moves)
+        elif n not in updates:
+            per_microbatch.extend(moves)
+    return per_microbatch, per_step
