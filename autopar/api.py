@@ -13,7 +13,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
@@ -27,6 +27,9 @@ from autopar.methods import METHOD_TYPES, AutoParallel, Method
 from autopar.plan import Plan
 from autopar.runtime.distributed import global_devices, host_layout, same_plan_everywhere
 from autopar.runtime.shard import ShardedProgram
+
+if TYPE_CHECKING:
+    from autopar.runtime.pipeline_hlo import StepCollectives
 
 # Between the processes of a multi-process run data crosses sockets (gloo collectives, the
 # cross-host transfer server), an order of magnitude slower than inside one process: the
@@ -255,6 +258,31 @@ class ParallelizedStep:
                 "program per stage task (see get_plan for its stages)"
             )
         return compiled.executable.hlo_text(self._flat_inputs(compiled, args))
+
+    def get_hlo_collectives(self, *args: Any) -> dict[str, dict[str, int]]:
+        """The collectives one step emits, counted in its compiled HLO: per kind (every kind
+        listed), ``{"count": n, "bytes": b}`` (bytes in the cost model's full-tensor
+        convention, as the plan's ``StagePlan.collectives``). A one-stage step is one program
+        (compiled, not run); a pipelined step runs one step on these arguments (real arrays)
+        and counts every program its driver ran, each times its calls
+        (``autopar.runtime.pipeline_hlo``); its stages apart: ``pipeline_collectives``."""
+        compiled = self._compiled(args)
+        if isinstance(compiled.executable, ShardedProgram):
+            from autopar.runtime.hlo import count_collectives
+
+            return count_collectives(self.get_hlo_text(*args)).by_kind()
+        return self.pipeline_collectives(*args).by_kind()
+
+    def pipeline_collectives(self, *args: Any) -> StepCollectives:
+        """A pipelined step's collectives per program and stage, from one step run on these
+        arguments: an ``autopar.runtime.pipeline_hlo.StepCollectives``."""
+        compiled = self._compiled(args)
+        if isinstance(compiled.executable, ShardedProgram):
+            raise InvalidOptionError("pipeline_collectives counts a pipelined step's programs; "
+                                     "this step is one program (see get_hlo_collectives)")
+        from autopar.runtime.pipeline_hlo import step_collectives
+
+        return step_collectives(compiled.executable, self._flat_inputs(compiled, args))
 
     def get_traced(self, *args: Any) -> TracedStep:
         """The traced program and its OpGraph for these arguments."""

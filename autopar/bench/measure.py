@@ -98,19 +98,14 @@ def time_calls(call: Callable[[], Any], warmup: int, repeats: int) -> tuple[floa
 
 def measure_plan(step_fn: Callable, plan: Plan, inputs: LocalInputs, devices: Sequence[Any],
                  warmup: int, repeats: int) -> Timing:
-    """Run ``plan`` for ``step_fn(state, batch)`` on ``devices``: the step times, and for a
-    one-program plan (data, shard) the collectives counted in its compiled HLO."""
+    """Run ``plan`` for ``step_fn(state, batch)`` on ``devices``: the step times, and the
+    collectives counted in its compiled HLO (a pipelined plan's: every program of one more
+    step, each times its calls)."""
     import autopar
-    from autopar.runtime.hlo import count_collectives
 
     step = autopar.parallelize(step_fn, plan=plan, devices=list(devices), cache=False)
     first, times = time_calls(TrainingLoop(step, inputs.state, inputs.batch), warmup, repeats)
-    if plan.is_pipelined:
-        # the pipeline runs one program per stage task, not one program to inspect
-        return Timing(tuple(times), warmup, first, None,
-                      f"pipelined plan ({len(plan.stages)} stage(s)): one program per task")
-    text = step.get_hlo_text(inputs.state, inputs.batch)
-    counted = count_collectives(text, num_devices=len(devices)).by_kind()
+    counted = step.get_hlo_collectives(inputs.state, inputs.batch)
     return Timing(tuple(times), warmup, first, counted)
 
 
@@ -125,10 +120,9 @@ def measure_plans(step_fn: Callable, plans: dict[str, Plan], inputs: LocalInputs
     """Time several plans of one step together: each is built and warmed up first, then
     ``rounds * repeats`` rounds each time one step of every plan in turn, so that a change in
     the machine's load falls on all of them alike (a shared machine's load moves within
-    seconds). Each plan's ``Timing`` holds all its timed steps; one-program plans count their
-    HLO's collectives."""
+    seconds). Each plan's ``Timing`` holds all its timed steps and its HLO's collectives (a
+    pipelined plan's: every program of one more step, after the timing)."""
     import autopar
-    from autopar.runtime.hlo import count_collectives
 
     # a plan given under several names (autopar's plan is one of the baselines' own) is one
     # program: timed once, its timing shared, so that noise cannot tell it from itself
@@ -151,14 +145,8 @@ def measure_plans(step_fn: Callable, plans: dict[str, Plan], inputs: LocalInputs
             jax.block_until_ready(loop())
             times[name].append(time.perf_counter() - start)
     out = {}
-    for name, plan in distinct.items():
-        if plan.is_pipelined:
-            out[name] = Timing(tuple(times[name]), warmup, firsts[name], None,
-                               f"pipelined plan ({len(plan.stages)} stage(s)): one program "
-                               "per task")
-            continue
-        text = steps[name].get_hlo_text(inputs.state, inputs.batch)
-        counted = count_collectives(text, num_devices=len(devices)).by_kind()
+    for name in distinct:
+        counted = steps[name].get_hlo_collectives(inputs.state, inputs.batch)
         out[name] = Timing(tuple(times[name]), warmup, firsts[name], counted)
     return {name: out[first_name[id(plan)]] for name, plan in plans.items()}
 

@@ -16,7 +16,7 @@ abstract shapes in, no devices.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
@@ -25,6 +25,7 @@ import numpy as np
 from autopar.errors import BatchSizeError, NoLossFunctionError, PlanError
 from autopar.ir.loss_markers import PIPELINE_BOUNDARY, VALUE_AND_GRAD, LossFunction
 from autopar.ir.program import FlatProgram, TensorKind, flatten_jaxpr, flatten_step
+from autopar.ir.random_draws import RandomDraw, rewrite_draws
 from autopar.ir.scan_split import split_forward, split_step
 from autopar.ir.scan_units import LayerScan
 
@@ -71,6 +72,10 @@ class PipelineProgram:
     # equations slicing its stacked inputs (the runtime runs them where the input lies)
     layer_scans: tuple[LayerScan, ...] = ()
     input_splits: frozenset[int] = frozenset()
+    # per-example random draws the driver makes once per step for the whole batch (their
+    # results are microbatch inputs of the forward), and why any other draw is not
+    draws: tuple[RandomDraw, ...] = ()
+    inexact_draws: tuple[str, ...] = ()
 
     @property
     def vg(self) -> Any:
@@ -172,21 +177,45 @@ def build_pipeline_program(
     diff = tuple(forward.in_ids[consts + i] for i in loss.diff_leaves)
     if split & set(diff):
         raise PlanError("autopar.value_and_grad differentiates a value computed from the batch")
+    fwd_in_ids = list(forward.in_ids)  # aligned with the loss equation's operands
+    drawn = rewrite_draws(forward, flatten_jaxpr(full.jaxpr, paths, keep_markers=True),
+                          frozenset(split), frozenset(diff), micro, batch_size)
+    forward = drawn.forward
     layered = split_forward(forward, diff)
     if layered is None:
+        draws = _place_draws(outer, drawn.draws, operand_of, split)
         return PipelineProgram(
-            outer, vg.index, loss, forward, operand_of, frozenset(split), diff, batch_size
+            outer, vg.index, loss, forward, operand_of, frozenset(split), diff, batch_size,
+            draws=draws, inexact_draws=drawn.inexact,
         )
     # scans over stacked layers: inlined, one unit per iteration, the step split to match
-    step = split_step(outer, vg.index, forward.in_ids, layered.slices, diff, 1 + loss.num_aux)
+    step = split_step(outer, vg.index, fwd_in_ids, layered.slices, diff, 1 + loss.num_aux)
     new_vg = step.program.eqns[step.vg_index]
     forward = layered.forward
-    operand_of = dict(zip(forward.in_ids, new_vg.inputs, strict=True))
+    bits = {d.bits for d in drawn.draws}
+    operand_of = dict(zip([v for v in forward.in_ids if v not in bits], new_vg.inputs,
+                          strict=True))
     diff = tuple(x for fid in diff for x in layered.slices.get(fid, (fid,)))
+    draws = _place_draws(step.program, drawn.draws, operand_of, split)
     return PipelineProgram(
         step.program, step.vg_index, loss, forward, operand_of, frozenset(split), diff,
-        batch_size, layered.scans, step.input_splits
+        batch_size, layered.scans, step.input_splits, draws, drawn.inexact
     )
+
+
+def _place_draws(outer: FlatProgram, draws: Sequence[RandomDraw], operand_of: dict[int, int],
+                 split: set[int]) -> tuple[RandomDraw, ...]:
+    """Give each draw a step value of its own for the whole batch's bits (a fresh id: no
+    equation of ``outer`` makes it), and make its microbatch bits a loss input cut into
+    microbatches from it (``operand_of``, ``split`` updated)."""
+    first = max(outer.avals, default=-1) + 1
+    placed = []
+    for k, d in enumerate(draws):
+        source = first + k
+        operand_of[d.bits] = source
+        split.add(d.bits)
+        placed.append(replace(d, source=source))
+    return tuple(placed)
 
 
 def _with_first_dim(leaf: Any, size: int) -> Any:
@@ -372,7 +401,7 @@ def _group(pp: PipelineProgram, eqn_home: dict[int, int], after: set[int]) -> li
 
 
 def _nbytes(aval: Any) -> float:
-    return float(np.prod(aval.shape, dtype=np.float64)) * np.dtype(aval.dtype).itemsize
+    return float(np.prod(aval.shape, dtype=np.float64)) * aval.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -420,4 +449,5 @@ def piece_roles(pp: PipelineProgram, piece: Piece) -> PieceRoles:
 
 
 def _is_float(aval: Any) -> bool:
-    return bool(np.issubdtype(np.dtype(aval.dtype), np.inexact))
+    # jax's issubdtype: a PRNG key's dtype (``key<fry>``) is no numpy dtype, and no float
+    return bool(jax.dtypes.issubdtype(aval.dtype, np.inexact))

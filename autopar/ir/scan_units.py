@@ -17,7 +17,7 @@ same way (``layer_costs.piece_train_graph``), so it plans what runs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -101,10 +101,13 @@ def _whole(indices: list[int], at: int, unit: ScanUnit) -> bool:
 
 
 def run_forward_eqns(forward: FlatProgram, eqn_indices: Sequence[int], env: dict[int, Any],
-                     scans: Sequence[LayerScan]) -> None:
+                     scans: Sequence[LayerScan],
+                     on_value: Callable[[int, Any], Any] | None = None) -> None:
     """Apply the forward equations ``eqn_indices`` to ``env``, each run of whole consecutive
     units of one layer scan as one scan over their slices (the stage's shorter loop), every
-    other equation as ``program.run_eqns`` would."""
+    other equation as ``program.run_eqns`` would. ``on_value(id, value)``, when given, may
+    replace each other equation's result as it is made (the runtime holds values to the stage
+    plan's shardings there)."""
     indices = list(eqn_indices)
     runs = {run.position: run for run in whole_unit_runs(indices, scans)}
     i = 0
@@ -117,7 +120,10 @@ def run_forward_eqns(forward: FlatProgram, eqn_indices: Sequence[int], env: dict
             continue
         eqn = forward.eqns[indices[i]]
         operands = [env[v] if v in env else forward.values[v] for v in eqn.inputs]
-        env.update(zip(eqn.outputs, bind_eqn(eqn, operands), strict=True))
+        results = bind_eqn(eqn, operands)
+        if on_value is not None:
+            results = [on_value(v, x) for v, x in zip(eqn.outputs, results, strict=True)]
+        env.update(zip(eqn.outputs, results, strict=True))
         i += 1
 
 

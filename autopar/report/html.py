@@ -225,14 +225,12 @@ def _pipeline(report: CompileReport) -> str:
     )
 
 
-def _collectives(report: CompileReport) -> str:
-    predicted = report.predicted_collectives()
-    hlo = report.hlo_collectives
+def _collective_cells(predicted: dict[str, dict[str, float]],
+                      hlo: dict[str, dict[str, int]] | None) -> list[list[str]]:
+    """Per kind predicted or emitted: kind, plan count and bytes, HLO count, bytes, ratio."""
     emitted = {k: v for k, v in (hlo or {}).items() if v["count"]}
-    kinds = sorted(set(predicted) | set(emitted))
-    head = _row(["kind", "plan count", "plan bytes", "HLO count", "HLO bytes", "bytes ratio"], "th")
     rows = []
-    for kind in kinds:
+    for kind in sorted(set(predicted) | set(emitted)):
         p = predicted.get(kind, {"count": 0, "bytes": 0})
         cells = [_esc(kind), str(int(p["count"])), _esc(format_bytes(p["bytes"]))]
         if hlo is None:
@@ -241,22 +239,37 @@ def _collectives(report: CompileReport) -> str:
             h = hlo.get(kind, {"count": 0, "bytes": 0})
             ratio = f"{p['bytes'] / h['bytes']:.2f}" if h["bytes"] else "-"
             cells += [str(h["count"]), _esc(format_bytes(h["bytes"])), ratio]
-        rows.append(f'<tr class="collective">{"".join(f"<td>{c}</td>" for c in cells)}</tr>')
+        rows.append(cells)
+    return rows
+
+
+def _collectives(report: CompileReport) -> str:
+    hlo = report.hlo_collectives
+    columns = ["kind", "plan count", "plan bytes", "HLO count", "HLO bytes", "bytes ratio"]
+    rows = [f'<tr class="collective">{"".join(f"<td>{c}</td>" for c in cells)}</tr>'
+            for cells in _collective_cells(report.predicted_collectives(), hlo)]
     if not rows:
         rows.append('<tr><td colspan="6">none</td></tr>')
-    if hlo is None and report.plan.is_pipelined:
-        note = "HLO not compiled: a pipelined step compiles one program per task."
-    elif hlo is None and report.graph_nodes is None:
+    if hlo is None and report.graph_nodes is None:
         note = "HLO not compiled: a report of a saved plan."
     elif hlo is None:
         note = "HLO not compiled: planned for a described cluster (or --no-hlo)."
+    elif report.plan.is_pipelined:
+        note = ("HLO counted over one step: each program the pipeline's driver ran (tasks, "
+                "segments), times its calls; moves between stages are no collectives.")
     else:
         note = "XLA may combine collectives of one kind into tuple-shaped ones: compare bytes."
-    return (
-        f"<h2>Collectives</h2>\n<table>\n<thead>{head}</thead>\n<tbody>\n"
-        + "\n".join(rows)
-        + f'\n</tbody>\n</table>\n<p class="muted">{_esc(note)}</p>'
-    )
+    body = (f"<h2>Collectives</h2>\n<table>\n<thead>{_row(columns, 'th')}</thead>\n<tbody>\n"
+            + "\n".join(rows) + "\n</tbody>\n</table>\n")
+    stages = [f'<tr class="stage-collective"><td>{s}</td>'
+              + "".join(f"<td>{c}</td>" for c in cells) + "</tr>"
+              for s, stage_hlo in enumerate(report.hlo_stage_collectives or [])
+              for cells in _collective_cells(report.predicted_collectives(s), stage_hlo)]
+    if stages:
+        body += ("<p>Per stage:</p>\n<table>\n"
+                 f"<thead>{_row(['stage', *columns], 'th')}</thead>\n<tbody>\n"
+                 + "\n".join(stages) + "\n</tbody>\n</table>\n")
+    return body + f'<p class="muted">{_esc(note)}</p>'
 
 
 def _shardings(report: CompileReport) -> str:

@@ -29,6 +29,8 @@ class CompileReport:
     compile_time_s: float | None
     top_primitives: dict[str, int] = field(default_factory=dict)
     hlo_collectives: dict[str, dict[str, int]] | None = None  # kind -> {count, bytes}
+    # a pipelined step's, per stage (``runtime.pipeline_hlo``); None: not counted per stage
+    hlo_stage_collectives: list[dict[str, dict[str, int]]] | None = None
     notes: list[str] = field(default_factory=list)
     # per device, from the compiled program's memory analysis (None: not compiled)
     xla_memory_bytes: int | None = None
@@ -73,10 +75,13 @@ class CompileReport:
             compile_time_s=None if recorded is None else float(recorded),
         )
 
-    def predicted_collectives(self) -> dict[str, dict[str, float]]:
+    def predicted_collectives(self, stage: int | None = None) -> dict[str, dict[str, float]]:
+        """Per kind, what the plan predicts for one step (``stage``: that stage's only)."""
         out: dict[str, dict[str, float]] = {}
-        for stage in self.plan.stages:
-            for c in stage.collectives:
+        for st in self.plan.stages:
+            if stage is not None and st.index != stage:
+                continue
+            for c in st.collectives:
                 entry = out.setdefault(c.kind.value, {"count": 0, "bytes": 0.0, "time_s": 0.0})
                 entry["count"] += c.count
                 entry["bytes"] += c.nbytes
@@ -118,6 +123,10 @@ class CompileReport:
             "collectives": {
                 "predicted": self.predicted_collectives(),
                 "hlo": self.hlo_collectives,
+                "stages": None if self.hlo_stage_collectives is None else [
+                    {"stage": s, "predicted": self.predicted_collectives(s), "hlo": hlo}
+                    for s, hlo in enumerate(self.hlo_stage_collectives)
+                ],
             },
             "estimate": dict(plan.planning.estimate),
             "candidates": [dict(c) for c in plan.planning.candidates],
@@ -181,23 +190,18 @@ class CompileReport:
             lines += ["    " + row for row in render_text(timeline).splitlines()]
         lines += ["", "collectives (predicted by the plan | counted in compiled HLO)"]
         predicted = self.predicted_collectives()
+        rows = collective_rows(predicted, self.hlo_collectives)
+        lines += [f"  {row}" for row in rows] or ["  none"]
+        for s, hlo in enumerate(self.hlo_stage_collectives or []):
+            lines += [f"  stage {s}: {row}"
+                      for row in collective_rows(self.predicted_collectives(s), hlo)]
         emitted = {k: v for k, v in (self.hlo_collectives or {}).items() if v["count"]}
-        kinds = sorted(set(predicted) | set(emitted))
-        if not kinds:
-            lines.append("  none")
-        for kind in kinds:
-            p = predicted.get(kind, {"count": 0, "bytes": 0})
-            row = f"  {kind:<18} plan {int(p['count']):>4} x, {format_bytes(p['bytes']):>10}"
-            if self.hlo_collectives is not None:
-                h = self.hlo_collectives.get(kind, {"count": 0, "bytes": 0})
-                ratio = f"{p['bytes'] / h['bytes']:.2f}" if h["bytes"] else "-"
-                row += (
-                    f" | hlo {h['count']:>4} x, {format_bytes(h['bytes']):>10}"
-                    f" | bytes ratio {ratio}"
-                )
-            lines.append(row)
+        if self.hlo_collectives is not None and plan.is_pipelined:
+            lines.append("  (HLO counted over one step: each program the driver ran, times "
+                         "its calls)")
         if self.hlo_collectives is None and plan.is_pipelined:
-            lines.append("  (HLO not counted: a pipelined step compiles one program per task)")
+            lines.append("  (HLO not counted: a saved plan's report, planned for a described "
+                         "cluster, or --no-hlo)")
         elif self.hlo_collectives is None and self.graph_nodes is None:
             lines.append("  (HLO not counted: a report of a saved plan)")
         elif self.hlo_collectives is None:
@@ -206,6 +210,10 @@ class CompileReport:
             lines.append(
                 "  (XLA combines collectives of one kind into tuple-shaped ones: compare bytes)"
             )
+        if self.hlo_collectives is not None and REDUCE_SCATTER in predicted \
+                and REDUCE_SCATTER not in emitted:
+            lines.append("  (no reduce-scatter in the HLO: XLA's CPU backend emits one as an "
+                         "all-reduce and a slice; compare all-reduce + reduce-scatter bytes)")
         if plan.solver:
             lines += ["", "sharding ILP"] + _solver_lines(plan.solver)
         shardings = plan.shardings()
@@ -219,6 +227,27 @@ class CompileReport:
         for note in list(self.notes) + list(plan.notes):
             lines.append(f"note: {note}")
         return "\n".join(lines)
+
+
+REDUCE_SCATTER = "reduce-scatter"
+
+
+def collective_rows(predicted: dict[str, dict[str, float]],
+                    hlo: dict[str, dict[str, int]] | None) -> list[str]:
+    """One text row per collective kind predicted or emitted: the plan's count and bytes, and
+    beside them (``hlo`` given) the HLO's and the ratio of the bytes."""
+    emitted = {k: v for k, v in (hlo or {}).items() if v["count"]}
+    rows = []
+    for kind in sorted(set(predicted) | set(emitted)):
+        p = predicted.get(kind, {"count": 0, "bytes": 0})
+        row = f"{kind:<18} plan {int(p['count']):>4} x, {format_bytes(p['bytes']):>10}"
+        if hlo is not None:
+            h = hlo.get(kind, {"count": 0, "bytes": 0})
+            ratio = f"{p['bytes'] / h['bytes']:.2f}" if h["bytes"] else "-"
+            row += (f" | hlo {h['count']:>4} x, {format_bytes(h['bytes']):>10}"
+                    f" | bytes ratio {ratio}")
+        rows.append(row)
+    return rows
 
 
 _ESTIMATE_PARTS = (("compute_s", "compute"), ("communication_s", "communication"),

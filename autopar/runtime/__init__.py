@@ -1,6 +1,7 @@
 """The only code that owns devices: runs a ``Plan`` under ``jax.jit`` (``shard``: one sharded
 program; ``pipeline``: the stage programs and the schedule's driver), multi-process start-up and
-moves (``distributed``), counting the collectives XLA emitted (``hlo``) and timing collectives
+moves (``distributed``), counting the collectives XLA emitted (``hlo``; a pipelined step's
+programs: ``pipeline_hlo``) and timing collectives
 and matmuls for calibration (``calibrate``).
 
 May import: ``autopar.plan``, ``autopar.ir``, ``autopar.cluster``, ``autopar.errors`` and this

@@ -33,11 +33,13 @@ from autopar.ir.pipeline_program import (
     plan_segments,
 )
 from autopar.ir.program import run_eqns
+from autopar.ir.random_draws import draw_function
 from autopar.ir.remat_loss import layer_function
 from autopar.ir.scan_units import run_forward_eqns
 from autopar.ir.schedules import Schedule, TaskKind, make_schedule
 from autopar.plan import Plan
 from autopar.runtime.distributed import put
+from autopar.runtime.program_calls import ProgramCall, abstract_args
 from autopar.runtime.shard import partition_spec
 
 
@@ -89,6 +91,8 @@ class _StepState:
     saved_cots: dict[tuple[int, int], list[Any]] = field(default_factory=dict)
     accum: dict[int, list[Any] | None] = field(default_factory=dict)
     loss_parts: dict[int, list[Any]] = field(default_factory=dict)
+    # when given, every program the step runs is logged here (``runtime.pipeline_hlo``)
+    calls: list[ProgramCall] | None = None
 
 
 class PipelineRunner:
@@ -127,8 +131,15 @@ class PipelineRunner:
         self.remat_stages = list(remat_stages) or [False] * len(stages)
         self.tasks = [self._piece_tasks(p) for p in self.pieces]
         self.segment_fns = [jax.jit(self._segment_fn(s)) for s in self.segments]
+        self.draw_fns = [jax.jit(draw_function(d)) for d in pp.draws]
         self.input_split_fns = self._input_split_fns()
         self.records: list[TaskRecord] = []
+        # every device of the plan, in plan order: where the step's small outputs go
+        self.everywhere = NamedSharding(
+            Mesh(np.array([by_id[i] for i in sorted({d for s in stages
+                                                      for d in s.device_ids})]), ("all",)),
+            PartitionSpec())
+        self.shared_outputs = shared_outputs(pp)
         self._accumulate = jax.jit(lambda acc, g: [a + b for a, b in zip(acc, g, strict=True)])
 
     @classmethod
@@ -186,6 +197,15 @@ class PipelineRunner:
         inside = set(piece.eqns)
         layers = [layer for layer in self.remat_layers if layer.eqns and layer.eqns[0] in inside]
         rematerialise = self.remat_stages[t.stage] and layers
+        # the stage plan's layout of what the piece computes: held to it as it is made, so
+        # XLA communicates where the plan does (the backward, derived by jax.vjp, follows:
+        # a constraint's transpose constrains the cotangent alike)
+        mesh, specs = self.meshes[t.stage], self.specs[t.stage]
+        made = {v for i in piece.eqns for v in fwd.eqns[i].outputs}
+        held = {v: NamedSharding(mesh, partition_spec(specs[v])) for v in made if v in specs}
+
+        def hold(v: int, x: Any) -> Any:
+            return jax.lax.with_sharding_constraint(x, held[v]) if v in held else x
 
         def run(diff_vals: list[Any], nondiff_vals: list[Any]) -> tuple[list[Any], list[Any]]:
             env = dict(zip(diff, diff_vals, strict=True))
@@ -196,7 +216,8 @@ class PipelineRunner:
                     outs = jax.checkpoint(layer_function(fwd, layer, ins))([env[v] for v in ins])
                     env.update(zip(layer.outputs, outs, strict=True))
             else:  # a stage's whole units of a layer scan run as one shorter scan
-                run_forward_eqns(fwd, piece.eqns, env, self.pp.layer_scans)
+                run_forward_eqns(fwd, piece.eqns, env, self.pp.layer_scans,
+                                 hold if held else None)
             return [env[v] for v in float_out], [env[v] for v in other_out]
 
         def forward(diff_vals, nondiff_vals):
@@ -254,16 +275,21 @@ class PipelineRunner:
 
     # -- the step ------------------------------------------------------------------------------
 
-    def __call__(self, flat_args: Sequence[Any], record: bool = False) -> list[Any]:
+    def __call__(self, flat_args: Sequence[Any], record: bool = False,
+                 calls: list[ProgramCall] | None = None) -> list[Any]:
+        """One step on the step's flat inputs; its flat outputs. ``record``: wait for and time
+        every task (``records``); ``calls``: log every program run into this list."""
         outer = self.pp.outer
-        st = _StepState(env=dict(zip(outer.in_ids, flat_args, strict=True)))
+        st = _StepState(env=dict(zip(outer.in_ids, flat_args, strict=True)), calls=calls)
         self.records = []
         start = time.perf_counter()
-        for vid, outs, fn in self.input_split_fns:
-            st.env.update(zip(outs, fn(st.env[vid]), strict=True))
+        for k, (vid, outs, fn) in enumerate(self.input_split_fns):
+            st.env.update(zip(outs, self._call(st, f"split{k}", None, fn, st.env[vid]),
+                              strict=True))
         for k, seg in enumerate(self.segments):
             if seg.phase == "before":
                 self._run_segment(st, k, seg)
+        self._draw(st)
         self._split_batch(st)
         for task in self.schedule.global_order():
             t0 = time.perf_counter() - start
@@ -276,7 +302,17 @@ class PipelineRunner:
         for k, seg in enumerate(self.segments):
             if seg.phase == "after":
                 self._run_segment(st, k, seg)
-        return [st.env[v] if v in st.env else outer.values[v] for v in outer.out_ids]
+        return [self._output(st, v) for v in outer.out_ids]
+
+    def _output(self, st: _StepState, vid: int) -> Any:
+        """The step's result ``vid``: a small one (``shared_outputs``) on every device of the
+        plan, so that every process of a run can read it (``float(loss)``); the rest (the new
+        state) where its segment made it, as global arrays (``distributed.to_host`` reads
+        them anywhere)."""
+        value = st.env[vid] if vid in st.env else self.pp.outer.values[vid]
+        if vid in self.shared_outputs and isinstance(value, jax.Array):
+            return put(value, self.everywhere)
+        return value
 
     def _fetch(self, st: _StepState, vid: int, stage: int, fid: int | None = None) -> Any:
         """Step value ``vid`` on ``stage`` (as loss input ``fid`` when given)."""
@@ -285,9 +321,26 @@ class PipelineRunner:
             st.placed[key] = self._put(st.env[vid], stage, fid)
         return st.placed[key]
 
+    def _call(self, st: _StepState, label: str, stage: int | None, fn: Any, *args: Any) -> Any:
+        """``fn(*args)``, logged in ``st.calls`` when the step keeps a log."""
+        if st.calls is not None:
+            st.calls.append(ProgramCall(label, stage, fn, abstract_args(args)))
+        return fn(*args)
+
     def _run_segment(self, st: _StepState, k: int, seg: Segment) -> None:
         values = [self._fetch(st, v, seg.stage) for v in seg.inputs]
-        st.env.update(zip(seg.outputs, self.segment_fns[k](*values), strict=True))
+        outs = self._call(st, f"segment{k}", seg.stage, self.segment_fns[k], *values)
+        st.env.update(zip(seg.outputs, outs, strict=True))
+
+    def _draw(self, st: _StepState) -> None:
+        """The whole batch's bits of each per-example random draw (``ir.random_draws``), on
+        the stage of the first piece reading them: the serial step's own draw, which
+        ``_split_batch`` then cuts like the batch."""
+        for k, (d, fn) in enumerate(zip(self.pp.draws, self.draw_fns, strict=True)):
+            readers = self.consumers.get(d.bits, [len(self.pieces) - 1])
+            stage = self.stage_of_piece[readers[0]]
+            values = [self._fetch(st, self.pp.operand_of[v], stage, v) for v in d.inputs]
+            st.env[d.source] = self._call(st, f"draw{k}", stage, fn, *values)
 
     def _split_batch(self, st: _StepState) -> None:
         """Each microbatch of every split loss input, on the stages that read it."""
@@ -308,7 +361,7 @@ class PipelineRunner:
         if task.kind == TaskKind.F:
             diff = [self._input(st, v, i, t.stage) for v in t.diff]
             nondiff = [self._input(st, v, i, t.stage) for v in t.nondiff]
-            outs, others, vjp_fn = t.forward(diff, nondiff)
+            outs, others, vjp_fn = self._call(st, f"F{piece}", t.stage, t.forward, diff, nondiff)
             for v, x in zip(t.float_outputs + t.other_outputs, outs + others, strict=True):
                 st.acts[(v, i)] = x
             st.vjps[(piece, i)] = vjp_fn
@@ -316,15 +369,17 @@ class PipelineRunner:
         vjp_fn = st.vjps[(piece, i)]
         if task.kind == TaskKind.W:  # the output cotangents its B task used
             cots = st.saved_cots.pop((piece, i))
-            st.accum[piece] = t.backward_weight(vjp_fn, cots, self._acc(st, t))
+            st.accum[piece] = self._call(st, f"W{piece}", t.stage, t.backward_weight, vjp_fn,
+                                         cots, self._acc(st, t))
             del st.vjps[(piece, i)]
             return st.accum[piece]
         cots = [self._cotangent(st, v, i, t.stage) for v in t.float_outputs]
         if self.schedule.splits_backward:
-            act_grads = t.backward_input(vjp_fn, cots)
+            act_grads = self._call(st, f"Bi{piece}", t.stage, t.backward_input, vjp_fn, cots)
             st.saved_cots[(piece, i)] = cots
         else:
-            act_grads, st.accum[piece] = t.backward(vjp_fn, cots, self._acc(st, t))
+            act_grads, st.accum[piece] = self._call(st, f"B{piece}", t.stage, t.backward,
+                                                    vjp_fn, cots, self._acc(st, t))
             del st.vjps[(piece, i)]
         for v, g in zip(t.diff[len(t.params) :], act_grads, strict=True):
             self._add_cotangent(st, v, i, g)
@@ -348,7 +403,8 @@ class PipelineRunner:
 
     def _add_cotangent(self, st: _StepState, vid: int, i: int, g: Any) -> None:
         stage = self._producer_stage(vid)
-        g = self._put(g, stage, batched=True)
+        # laid out as the value is on its producer's stage: its backward reads it so
+        g = self._put(g, stage, vid, batched=True)
         key = (vid, i)
         st.cots[key] = g if key not in st.cots else st.cots[key] + g
 
@@ -361,7 +417,7 @@ class PipelineRunner:
             total = seed if total is None else total + seed
         if total is None:
             total = jnp.zeros(aval.shape, aval.dtype)
-        return self._put(total, stage, batched=True)
+        return self._put(total, stage, vid, batched=True)
 
     def _finish_pipeline(self, st: _StepState) -> None:
         """The loss function's results as the step sees them: means over microbatches, and each
@@ -371,7 +427,7 @@ class PipelineRunner:
             out_id = vg.outputs[k]
             stage = self.home.get(out_id, self.stage_of_piece[-1])
             parts = [self._put(st.acts[(fid, i)], stage) for i in range(self.m)]
-            st.env[out_id] = _mean(parts)
+            st.env[out_id] = self._call(st, f"mean{k}", stage, _mean, parts)
         for fid, gid in self.pp.grad_outputs().items():
             stage = self.home[gid]
             total = None
@@ -384,6 +440,17 @@ class PipelineRunner:
                 aval = self.pp.forward.avals[fid]
                 total = self._put(jnp.zeros(aval.shape, aval.dtype), stage)
             st.env[gid] = total
+
+
+def shared_outputs(pp: PipelineProgram) -> frozenset[int]:
+    """The step's results a pipelined step returns on every device: the loss function's loss
+    and aux (means over the microbatches: metrics, not per-example values) as the step returns
+    them, and every scalar it returns (a metric computed after the loss, say). Not: its other
+    results, the new state, which stays where the stages hold it."""
+    outer = pp.outer
+    loss_results = set(pp.vg.outputs[: 1 + pp.loss.num_aux])
+    return frozenset(v for v in outer.out_ids
+                     if v in loss_results or not getattr(outer.avals[v], "shape", ()))
 
 
 def measured_idle_fraction(records: Sequence[TaskRecord], num_stages: int) -> float:

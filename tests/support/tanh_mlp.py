@@ -10,20 +10,38 @@ import autopar
 
 
 def tanh_mlp_step(opt: optax.GradientTransformation,
-                  value_and_grad: Callable = autopar.value_and_grad) -> Callable:
+                  value_and_grad: Callable = autopar.value_and_grad,
+                  metrics: bool = False) -> Callable:
     """``step(state, batch)`` for ``state = {"params": [kernels], "opt": opt_state}`` and
     ``batch = {"x", "y"}``: a mean-squared-error loss through ``tanh(h @ w)`` layers, its
-    gradient from ``value_and_grad``, one ``opt`` update. Returns ``(new_state, loss)``."""
+    gradient from ``value_and_grad``, one ``opt`` update. Returns ``(new_state, loss)``, or
+    with ``metrics`` ``(new_state, {"loss", "mean_abs_out", "grad_norm"})``: an aux output of
+    the loss function and the gradients' global norm (computed after the loss function)."""
 
-    def loss_fn(params, batch):
+    def last(params, batch):
         h = batch["x"]
         for w in params:
             h = jnp.tanh(h @ w)
-        return jnp.mean((h - batch["y"]) ** 2)
+        return h
+
+    def loss_fn(params, batch):
+        return jnp.mean((last(params, batch) - batch["y"]) ** 2)
+
+    def outputs(params, batch):
+        h = last(params, batch)
+        return jnp.mean((h - batch["y"]) ** 2), jnp.mean(jnp.abs(h))
 
     def step(state, batch):
-        loss, grads = value_and_grad(loss_fn)(state["params"], batch)
+        if metrics:
+            (loss, mean_abs), grads = value_and_grad(outputs, has_aux=True)(state["params"],
+                                                                            batch)
+        else:
+            loss, grads = value_and_grad(loss_fn)(state["params"], batch)
         updates, opt_state = opt.update(grads, state["opt"], state["params"])
-        return {"params": optax.apply_updates(state["params"], updates), "opt": opt_state}, loss
+        new_state = {"params": optax.apply_updates(state["params"], updates), "opt": opt_state}
+        if metrics:
+            return new_state, {"loss": loss, "mean_abs_out": mean_abs,
+                               "grad_norm": optax.global_norm(grads)}
+        return new_state, loss
 
     return step

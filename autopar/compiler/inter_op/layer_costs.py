@@ -31,6 +31,7 @@ import jax
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.opgraph import SCAN_EXIT, OpGraph
 from autopar.compiler.graph.trace import build_graph
+from autopar.compiler.inter_op.piece_plan import forward_value_specs, piece_collectives
 from autopar.compiler.intra_op.ilp import solve
 from autopar.compiler.intra_op.sharding_ilp import (
     IntraOpOptions,
@@ -41,7 +42,7 @@ from autopar.compiler.intra_op.sharding_ilp import (
 from autopar.ir.pipeline_program import Piece, PieceRoles, PipelineProgram, piece_roles
 from autopar.ir.program import flatten_step
 from autopar.ir.scan_units import run_forward_eqns, whole_unit_runs
-from autopar.plan import ShardingSpec
+from autopar.plan import CollectiveEstimate, ShardingSpec
 
 # Ops a parameter's gradient passes through on its way from the node that sums it over the
 # batch (a weight gradient's dot, a bias gradient's reduce) to the update: the walk back from
@@ -118,7 +119,12 @@ class PieceCost:
     that stay (parameters, gradient accumulators, optimizer state); ``activation_bytes``: per
     in-flight microbatch (the forward's values kept for the backward); ``input_specs``: the
     spec of each piece input (forward value id -> spec); ``ilp_status``, ``ilp_gap``: how
-    its ILP ended."""
+    its ILP ended. ``collectives``: what the chosen plan communicates per microbatch (the
+    forward's and backward's own and their resharding); ``sync_collectives``: per step (the
+    gradients' reduction and their resharding into the update): together what the stage plan
+    predicts, for the report to set beside the compiled programs' collectives.
+    ``value_specs``: the spec of each value the piece's forward computes (forward value id ->
+    spec; ``piece_plan``), which the runtime holds the forward's results to."""
 
     time_s: float
     compute_s: float
@@ -132,6 +138,9 @@ class PieceCost:
     update_s: float = 0.0
     param_bytes: float = 0.0
     ilp_gap: float | None = None
+    collectives: tuple[CollectiveEstimate, ...] = ()
+    sync_collectives: tuple[CollectiveEstimate, ...] = ()
+    value_specs: dict[int, ShardingSpec] = field(default_factory=dict)
 
     def per_microbatch_s(self, num_microbatches: int) -> float:
         """Forward and backward, with the per-step parts spread over the microbatches."""
@@ -273,7 +282,12 @@ class LayerCostCache:
         mapping = dict(zip(a.params + a.acts + a.fixed + a.micro,
                            b.params + b.acts + b.fixed + b.micro, strict=True))
         specs = {mapping[v]: s for v, s in cost.input_specs.items() if v in mapping}
-        return replace(cost, input_specs=specs)
+        # equal signatures: the pieces' equations correspond one to one, in order
+        fwd = pp.forward
+        made = {a: b for i, j in zip(first.eqns, piece.eqns, strict=True)
+                for a, b in zip(fwd.eqns[i].outputs, fwd.eqns[j].outputs, strict=True)}
+        values = {made[v]: s for v, s in cost.value_specs.items() if v in made}
+        return replace(cost, input_specs=specs, value_specs=values)
 
 
 def optimizer_state_per_parameter(pp: PipelineProgram) -> float:
@@ -407,7 +421,9 @@ def _solve_piece(pp: PipelineProgram, piece: Piece, graph: OpGraph, paths: dict[
     per_step = _amortise(problem, parts, graph, mesh, work, m)
     solution = solve(problem, solver=options.solver, time_limit_s=options.time_limit_s,
                      relative_gap=options.relative_gap)
-    node_strategy, input_spec, _, _, _ = read_solution(parts, solution.choices)
+    node_strategy, input_spec, _, tensor_spec, _ = read_solution(parts, solution.choices)
+    per_microbatch_moves, per_step_moves = piece_collectives(
+        parts, graph, node_strategy, tensor_spec, *_gradient_nodes(graph))
     sync, update, placeholder, feed = per_step(solution.choices)
     sizes = {a: mesh.axis_size(a) for a in mesh.axis_names}
     by_path = {io.path: io.tensor for io in graph.inputs}
@@ -444,6 +460,9 @@ def _solve_piece(pp: PipelineProgram, piece: Piece, graph: OpGraph, paths: dict[
         update_s=update,
         param_bytes=param_bytes,
         ilp_gap=solution.gap,
+        collectives=tuple(per_microbatch_moves),
+        sync_collectives=tuple(per_step_moves),
+        value_specs=forward_value_specs(pp, piece, graph, paths, tensor_spec),
     )
 
 

@@ -191,7 +191,28 @@ def read_solution(
                 for t, spec in zip(graph.nodes[member].outputs, strategy.output_specs, strict=True):
                     tensor_spec[t] = spec
     operand_specs: dict[tuple[int, int], ShardingSpec] = {}
-    collectives: list[CollectiveEstimate] = []
+    for node in graph.nodes:
+        strategy = node_strategy[node.id]
+        for k, t in enumerate(node.inputs):
+            need = strategy.input_specs[k]
+            have = tensor_spec.get(t)
+            if need is not None and have is not None and need != have:
+                operand_specs[(node.id, k)] = need
+    uses, tied = reshard_collectives(parts, node_strategy, tensor_spec)
+    collectives = [c for moves in uses.values() for c in moves] + tied
+    return node_strategy, input_spec, operand_specs, tensor_spec, collectives
+
+
+def reshard_collectives(
+    parts: ProblemParts, node_strategy: dict[int, Strategy], tensor_spec: dict[int, ShardingSpec]
+) -> tuple[dict[tuple[int, int], tuple[CollectiveEstimate, ...]], list[CollectiveEstimate]]:
+    """The resharding collectives a chosen plan implies: per operand use (node id, operand
+    position) whose required spec differs from its producer's (a use inside a scan body on
+    every iteration), and those of new-state outputs tied to an input leaf of another spec.
+    Kept per use so that a caller can tell which run once per step (a pipeline stage's
+    gradient into its update) from the rest."""
+    graph = parts.table.graph
+    uses: dict[tuple[int, int], tuple[CollectiveEstimate, ...]] = {}
     for node in graph.nodes:
         strategy = node_strategy[node.id]
         for k, t in enumerate(node.inputs):
@@ -199,17 +220,17 @@ def read_solution(
             have = tensor_spec.get(t)
             if need is None or have is None or need == have:
                 continue
-            operand_specs[(node.id, k)] = need
             moves = parts.edges.cost(have, need, graph.tensors[t]).collectives
             if node.repeat > 1:  # inside a scan body: on every iteration
                 moves = tuple(dataclasses.replace(c, count=c.count * node.repeat,
                                                   time_s=c.time_s * node.repeat) for c in moves)
-            collectives.extend(moves)
-    for out_t, in_t in parts.ties:
-        have, need = tensor_spec[out_t], input_spec[in_t]
+            uses[(node.id, k)] = tuple(moves)
+    tied: list[CollectiveEstimate] = []
+    for out_t, in_t in parts.ties:  # an input's spec is its tensor's (read_solution)
+        have, need = tensor_spec[out_t], tensor_spec[in_t]
         if have != need:
-            collectives.extend(parts.edges.cost(have, need, graph.tensors[out_t]).collectives)
-    return node_strategy, input_spec, operand_specs, tensor_spec, collectives
+            tied.extend(parts.edges.cost(have, need, graph.tensors[out_t]).collectives)
+    return uses, tied
 
 
 def choices_memory(parts: ProblemParts, choices: Sequence[int], options: IntraOpOptions,

@@ -187,10 +187,12 @@ def _plan_pipelined(step: StepProgram, method: PipeshardParallel, traced: Traced
     planned = PlannedProgram(traced, plan_pipeshard(step.pipeline, method, cluster),
                              step.pipeline)
     planned.plan.batch_argnums = step.batch_argnums
-    if any(eqn.name in RANDOM_DRAWS for eqn in step.pipeline.forward.eqns):
+    inexact = step.pipeline.inexact_draws
+    if inexact:
         planned.plan.notes.append(
-            "the loss function draws random numbers (dropout?): each microbatch draws its "
-            "own, so the masks differ from an unpipelined step's (same distribution)")
+            "the loss function draws random numbers that each microbatch draws anew, so they "
+            "differ from an unpipelined step's (same distribution): "
+            + "; ".join(dict.fromkeys(inexact)))
     return planned
 
 

@@ -44,6 +44,7 @@ from autopar.compiler.planners.stage_costs import (
     CostClock,
     layer_cost_cache,
     range_piece,
+    stage_collectives,
     stage_cost_table,
     stage_dp_options,
     submesh_mesh,
@@ -274,12 +275,14 @@ def plan_pipeshard(pp: PipelineProgram, method: PipeshardParallel, cluster: Clus
     for s, assignment in enumerate(partition.stages):
         shape = assignment.candidate.logical_mesh_shape
         mesh = submesh_mesh(group, assignment.submesh, shape, placed[s])
-        specs, compute = {}, 0.0
+        specs, values, compute, costs = {}, {}, 0.0, []
         for k, piece in enumerate(pieces):
             if layout.stage_of_piece[k] == s:
                 cost = cache.cost(pp, piece, mesh)
                 specs.update(cost.input_specs)
+                values.update(cost.value_specs)
                 compute += cost.compute_s
+                costs.append(cost)
         c = assignment.candidate
         compute = min(compute, c.time)
         stages.append(StagePlan(
@@ -290,7 +293,9 @@ def plan_pipeshard(pp: PipelineProgram, method: PipeshardParallel, cluster: Clus
             axis_names=tuple(mesh.axis_names),
             device_ids=tuple(mesh.device_ids),
             input_shardings=_input_paths(pp, specs),
-            tensor_shardings=specs,
+            # what the pieces compute, and what they read (which the runtime places so)
+            tensor_shardings=values | specs,
+            collectives=stage_collectives(costs, m),
             est_time_s=c.time,
             est_compute_time_s=compute,
             est_communication_time_s=c.time - compute,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from autopar.cluster import ClusterSpec
 from autopar.compiler.cost.mesh import LogicalMesh
-from autopar.compiler.inter_op.layer_costs import LayerCostCache
+from autopar.compiler.inter_op.layer_costs import LayerCostCache, PieceCost
 from autopar.compiler.inter_op.pipeline_cost import replica_allreduce_time, tasks_per_microbatch
 from autopar.compiler.inter_op.remat import remat_candidates
 from autopar.compiler.inter_op.stages import (
@@ -29,6 +29,7 @@ from autopar.errors import InvalidOptionError
 from autopar.ir.pipeline_program import Piece, PipelineProgram, cut_pieces, piece_roles
 from autopar.ir.schedules import ScheduleName
 from autopar.methods import PipeshardParallel
+from autopar.plan import CollectiveEstimate
 
 
 def _span(positions: Sequence[int], n: int, start: int, end: int) -> tuple[int, int]:
@@ -186,3 +187,21 @@ def layer_cost_cache(method: PipeshardParallel) -> LayerCostCache:
     """An empty cache of layer costs with the ILP options ``method`` plans with: pass the same
     one to ``plan_pipeshard`` and ``stage_baselines`` to solve each layer and mesh once."""
     return LayerCostCache(_intra_options(method), num_microbatches=method.num_microbatches)
+
+
+def stage_collectives(costs: Sequence[PieceCost], num_microbatches: int
+                      ) -> list[CollectiveEstimate]:
+    """What a stage's plan predicts it communicates in one step: each of its pieces' per
+    microbatch collectives ``num_microbatches`` times and their per-step ones (the gradients'
+    reduction) once, one estimate per (kind, mesh axes). Not counted: a rematerialised
+    stage's recomputed forward, and the transfers between stages (no collectives)."""
+    totals: dict[tuple, list[float]] = {}
+    for cost in costs:
+        for c, times in [(c, num_microbatches) for c in cost.collectives] + \
+                [(c, 1) for c in cost.sync_collectives]:
+            entry = totals.setdefault((c.kind.value, c.axes), [0, 0.0, 0.0])
+            entry[0] += c.count * times
+            entry[1] += c.nbytes * times
+            entry[2] += c.time_s * times
+    return [CollectiveEstimate(kind=kind, count=int(n), nbytes=b, axes=axes, time_s=t)
+            for (kind, axes), (n, b, t) in sorted(totals.items())]

@@ -2,8 +2,9 @@
 
 Both kinds of step go through one path: a ``StepSource`` (``cli_sources``), the method from
 ``--method`` and its options (or the source's own), then ``frontend.planning.plan_train_step`` —
-the very function ``autopar.parallelize`` plans with — and, for a one-stage plan on the local
-devices, the compiled HLO's collectives counted beside the plan's.
+the very function ``autopar.parallelize`` plans with — and, for a plan on the local devices,
+the compiled HLO's collectives counted beside the plan's: a one-stage plan's one program, or
+every program of one pipelined step (run on zeros; ``runtime.pipeline_hlo``).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class CompileResult:
     graph: OpGraph
     compile_time_s: float
     program: Any = None  # the FlatProgram of a one-stage plan (None when pipelined)
+    pipeline: Any = None  # the PipelineProgram of a pipelined plan (None otherwise)
     dynamic_args: tuple[Any, ...] = ()
     ilp_json: str | None = None
 
@@ -113,15 +115,20 @@ def _compile(args: argparse.Namespace, given: dict[str, tuple[str, Any]], cluste
                 cluster.num_devices)
     result = plan_source(source, method, cluster, fall_back_to_shard=fall_back,
                          progress=progress, dump_ilp=bool(args.dump_ilp))
-    hlo, xla_memory = None, None
+    hlo, xla_memory, per_stage = None, None, None
     if result.program is not None and local and not args.no_hlo:
         with progress.phase("compiling HLO"):
             hlo, xla_memory = compiled_facts(result)
+    elif result.pipeline is not None and local and not args.no_hlo:
+        with progress.phase("running one pipelined step on zeros to count its collectives"):
+            counted = pipeline_facts(result)
+        hlo, per_stage = counted.by_kind(), counted.by_stage()
     report = CompileReport.build(
         model=source.name, plan=result.plan, graph=result.graph, num_params=source.num_params,
         compile_time_s=result.compile_time_s, hlo_collectives=hlo,
     )
     report.xla_memory_bytes = xla_memory
+    report.hlo_stage_collectives = per_stage
     return report, result.ilp_json
 
 
@@ -285,6 +292,7 @@ def plan_source(source: StepSource, method: Method, cluster: ClusterSpec, *,
             graph = trace_step(bound.fn, bound.dynamic_args).graph
     return CompileResult(plan=plan, graph=graph, compile_time_s=compile_time,
                          program=traced.program if pipeline is None else None,
+                         pipeline=pipeline,
                          dynamic_args=bound.dynamic_args, ilp_json=ilp_json)
 
 
@@ -307,3 +315,21 @@ def compiled_facts(result: CompileResult) -> tuple[dict[str, dict[str, int]], in
         m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
         - m.alias_size_in_bytes)
     return counted, memory
+
+
+def pipeline_facts(result: CompileResult) -> Any:
+    """Run one step of the pipelined plan on the local devices, on zeros shaped like the
+    step's inputs (given arrays as they are), and count the collectives of every program it
+    ran: a ``runtime.pipeline_hlo.StepCollectives``. Zeros are fine: what is counted depends
+    on shapes and shardings, not values."""
+    import jax
+    import jax.numpy as jnp
+
+    from autopar.runtime.distributed import global_devices
+    from autopar.runtime.pipeline import PipelineRunner
+    from autopar.runtime.pipeline_hlo import step_collectives
+
+    runner = PipelineRunner.from_plan(result.pipeline, result.plan, global_devices())
+    flat = [jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x
+            for x in jax.tree_util.tree_leaves(result.dynamic_args)]
+    return step_collectives(runner, flat)

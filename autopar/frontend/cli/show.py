@@ -92,6 +92,10 @@ def _report_of_document(doc: dict[str, Any], plan: Plan, path: Path) -> CompileR
         and isinstance(v.get("bytes"), (int, float)) for v in hlo.values()
     ):
         report.hlo_collectives = hlo
+    stages = collectives.get("stages") if isinstance(collectives, dict) else None
+    if isinstance(stages, list) and all(isinstance(s, dict) and isinstance(s.get("hlo"), dict)
+                                        for s in stages):
+        report.hlo_stage_collectives = [s["hlo"] for s in stages]
     notes = doc.get("notes")
     if isinstance(notes, list):  # the document's notes are the report's, then the plan's
         report.notes = [str(n) for n in notes[: max(0, len(notes) - len(plan.notes))]]

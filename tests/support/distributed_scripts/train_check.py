@@ -2,8 +2,9 @@
 
 Every process trains the same tiny MLP for a few steps twice: the serial step (plain
 ``jax.jit`` on one local device) and the parallelized step over every process's devices, and
-writes the losses, the largest parameter difference and where the plan's stages run to
-``OUT/result-{process id}.json``.
+writes the losses and metrics (read with ``float()`` on every process, as a training loop's
+``if jax.process_index() == 0: log(loss)`` would), the largest parameter difference and where
+the plan's stages run to ``OUT/result-{process id}.json``.
 
     autopar launch --processes 2 --cpu-devices 4 -- python train_check.py shard|pipeshard OUT
 """
@@ -37,10 +38,10 @@ WIDTHS = (16, 128, 128, 16)
 BATCH = 256  # big enough that the ShardParallel plan splits tensors across the processes
 
 
-def make_step():
+def make_step(metrics: bool):
     opt = optax.sgd(0.1)
 
-    step = tanh_mlp_step(opt)
+    step = tanh_mlp_step(opt, metrics=metrics)
 
     # host data: the same on every process (fixed seeds), as multi-controller JAX expects
     rng = np.random.default_rng(0)
@@ -66,14 +67,22 @@ def _cross_process_axes_used(plan, devices) -> set[str]:
     return found
 
 
+def _named(metrics):
+    """The step's second result as a dict (the plain step returns the loss alone)."""
+    return metrics if isinstance(metrics, dict) else {"loss": metrics}
+
+
 def main(method_name: str, out_dir: str) -> None:
     start = time.perf_counter()
-    step, state, batches = make_step()
+    # the pipelined step returns metrics too: an aux output of the loss function and the
+    # gradients' norm, computed on other stages than the loss (the ShardParallel case keeps
+    # the plain step, whose plan splits tensors across the processes)
+    step, state, batches = make_step(metrics=method_name == "pipeshard")
     serial = jax.jit(step)  # uncommitted host inputs: runs on this process's first device
-    ref_state, ref_losses = state, []
+    ref_state, ref_metrics = state, []
     for batch in batches:
-        ref_state, loss = serial(ref_state, batch)
-        ref_losses.append(float(loss))
+        ref_state, metrics = serial(ref_state, batch)
+        ref_metrics.append({k: float(v) for k, v in _named(metrics).items()})
 
     if method_name == "shard":  # hosts on the first axis (device ids are host-major)
         method = autopar.ShardParallel(mesh_shape=(2, 4))
@@ -82,11 +91,13 @@ def main(method_name: str, out_dir: str) -> None:
     par = autopar.parallelize(step, method=method, cache=False)
     plan = par.get_plan(state, batches[0])
     devices = autopar.runtime.distributed.global_devices()
-    par_state, losses = state, []
+    par_state, got_metrics = state, []
     for batch in batches:
-        par_state, loss = par(par_state, batch)
-        losses.append(float(autopar.runtime.distributed.to_host(loss)))
-    got = autopar.runtime.distributed.to_host(par_state)
+        par_state, metrics = par(par_state, batch)
+        # plain float() on every process: the step's small outputs are on every device
+        got_metrics.append({k: float(v) for k, v in _named(metrics).items()})
+    metric_devices = sorted({len(v.sharding.device_set) for v in _named(metrics).values()})
+    got = autopar.runtime.distributed.to_host(par_state)  # the state: global arrays
     want = jax.tree.map(np.asarray, ref_state)
     diffs = [float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-12))
              for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)]
@@ -99,8 +110,9 @@ def main(method_name: str, out_dir: str) -> None:
         "stage_processes": [sorted({devices[d].process_index for d in st.device_ids})
                             for st in plan.stages],
         "cross_process_axes_used": sorted(_cross_process_axes_used(plan, devices)),
-        "serial_losses": ref_losses,
-        "losses": losses,
+        "serial_metrics": ref_metrics,
+        "metrics": got_metrics,
+        "metric_devices": metric_devices,
         "max_param_rel_diff": max(diffs),
         "seconds": time.perf_counter() - start,
     }

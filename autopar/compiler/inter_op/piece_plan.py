@@ -1,0 +1,102 @@
+"""What a piece's solved plan says beyond its inputs' specs: the specs of the values its
+forward computes, and the collectives it predicts per microbatch and per step.
+
+Which tensor of a piece's train graph is which forward value: the stage plan for the values a
+piece computes, not only for those it reads.
+
+A piece's cost is solved on its small train step (``layer_costs.piece_train_graph``: the
+forward under ``jax.vjp``, the backward, a placeholder update), traced anew, so its tensors
+have ids of their own. The runtime runs the piece's forward equations themselves (and lets
+``jax.vjp`` derive the backward), so it can hold the forward's results to the plan only if
+the plan names them by forward value id. Under ``jax.vjp`` every forward equation is bound
+again on its primal operands (the JVP rules bind the primitive itself; the residuals they
+compute are extra equations beside it), so each forward equation is found in the graph by
+data flow: the first graph equation, not yet taken, of the same primitive whose operands are
+the tensors already matched to the forward equation's operands, and whose results have the
+same shapes and dtypes (constants and literals compared by position only; an equation of
+constants alone, such as a mask's ``iota``, also by its parameters). An equation not found
+(a scan, expanded into a region in the graph; a JVP rule that computes its primal otherwise)
+leaves its results, and whatever is computed from them, without a spec: the runtime then lets
+XLA choose there, as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autopar.compiler.graph.opgraph import OpGraph
+from autopar.compiler.intra_op.sharding_ilp import ProblemParts, reshard_collectives
+from autopar.ir.pipeline_program import Piece, PipelineProgram
+from autopar.ir.program import TensorKind
+from autopar.plan import CollectiveEstimate, ShardingSpec
+
+_CONSTANT_KINDS = (TensorKind.CONST, TensorKind.LITERAL)
+
+
+def forward_value_specs(pp: PipelineProgram, piece: Piece, graph: OpGraph,
+                        paths: dict[str, int], tensor_spec: dict[int, ShardingSpec]
+                        ) -> dict[int, ShardingSpec]:
+    """The plan's spec of every result of ``piece``'s forward equations found in ``graph``
+    (see the module), by forward value id; scalars are left out (every device holds them)."""
+    fwd = pp.forward
+    by_path = {io.path: io.tensor for io in graph.inputs}
+    tensor_of: dict[int, int] = {fid: by_path[path] for path, fid in paths.items()
+                                 if path in by_path}
+    constant = {t for t, info in graph.tensors.items() if info.kind in _CONSTANT_KINDS}
+    fwd_constant = {v for v, kind in fwd.kinds.items() if kind in _CONSTANT_KINDS}
+    # graph equations by (primitive, operands with constants blanked), in graph order
+    def results(ids: Any, avals: Any) -> tuple:
+        return tuple((tuple(avals(v).shape), str(avals(v).dtype)) for v in ids)
+
+    def key(name: str, operands: tuple, outs: tuple, params: Any) -> tuple:
+        alone = all(o is None for o in operands)
+        return (name, operands, outs, repr(sorted(params.items())) if alone else None)
+
+    waiting: dict[tuple, list[Any]] = {}
+    for node in graph.nodes:
+        operands = tuple(None if t in constant else t for t in node.inputs)
+        outs = results(node.outputs, lambda t: graph.tensors[t])
+        waiting.setdefault(key(node.primitive, operands, outs, node.params), []).append(node)
+    for i in piece.eqns:
+        eqn = fwd.eqns[i]
+        operands = []
+        for v in eqn.inputs:
+            if v in fwd_constant:
+                operands.append(None)
+            elif v in tensor_of:
+                operands.append(tensor_of[v])
+            else:
+                break  # an operand not matched: neither is this equation
+        else:
+            outs = results(eqn.outputs, lambda v: fwd.avals[v])
+            found = waiting.get(key(eqn.name, tuple(operands), outs, eqn.params))
+            if found:
+                tensor_of.update(zip(eqn.outputs, found.pop(0).outputs, strict=True))
+    produced = {v for i in piece.eqns for v in fwd.eqns[i].outputs}
+    return {v: tensor_spec[t] for v, t in tensor_of.items()
+            if v in produced and t in tensor_spec and graph.tensors[t].ndim > 0}
+
+
+def piece_collectives(parts: ProblemParts, graph: OpGraph, node_strategy: dict[int, Any],
+                      tensor_spec: dict[int, ShardingSpec], updates: dict[int, int],
+                      makers: set[int]
+                      ) -> tuple[list[CollectiveEstimate], list[CollectiveEstimate]]:
+    """The chosen plan's collectives, split as the stage cost prices them: per microbatch
+    (the forward and backward) and per step (each gradient's ``makers``' own, its resharding
+    into the placeholder update, and the new parameters' relayout to the parameters'). The
+    placeholder ``updates``' own (node id -> operand position of the gradient) and their
+    reading of the parameter are left out: the step's real update runs outside the pipeline's
+    tasks."""
+    uses, tied = reshard_collectives(parts, node_strategy, tensor_spec)
+    per_microbatch: list[CollectiveEstimate] = []
+    per_step: list[CollectiveEstimate] = list(tied)
+    for node in graph.nodes:
+        if node.id not in updates:
+            moves = node_strategy[node.id].collectives
+            (per_step if node.id in makers else per_microbatch).extend(moves)
+    for (n, k), moves in uses.items():
+        if updates.get(n) == k:
+            per_step.extend(moves)
+        elif n not in updates:
+            per_microbatch.extend(moves)
+    return per_microbatch, per_step

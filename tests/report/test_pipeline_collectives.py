@@ -1,0 +1,88 @@
+"""A pipelined plan's collectives: every program of one step counted in its compiled HLO, times
+its calls, and set beside the stage plans' prediction in the compile report (text, ``--json``,
+HTML, and ``autopar show`` of the document)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jax
+import pytest
+
+import autopar
+from autopar.frontend.cli.main import main
+from autopar.models import get_model
+from autopar.plan import Plan
+
+MICROBATCHES = 2
+
+
+def run(argv, capsys):
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def reduced_bytes(kinds: dict) -> float:
+    """All-reduce and reduce-scatter bytes: XLA's CPU backend emits a reduce-scatter as an
+    all-reduce and a slice, so a plan's reduce-scatters are all-reduces in the HLO."""
+    return sum(kinds.get(k, {"bytes": 0})["bytes"] for k in ("all-reduce", "reduce-scatter"))
+
+
+def test_report_sets_each_stage_emitted_collectives_beside_its_plan(tmp_path, capsys):
+    doc_path, page_path = tmp_path / "report.json", tmp_path / "report.html"
+    code, out, err = run(["compile", "--model", "gpt", "--size", "tiny", "--method", "pipeshard",
+                          "--microbatches", MICROBATCHES, "--stages", "uniform",
+                          "--num-stages", 2, "--pipeline-layers", 2,
+                          "--json", doc_path, "--html", page_path], capsys)
+    assert code == 0, err
+    doc = json.loads(doc_path.read_text())
+    plan = Plan.from_dict(doc["plan"])
+    assert len(plan.stages) == 2
+    for stage in plan.stages:  # tensor-parallel stages: weights split over the stage's mesh
+        assert any(spec.dims and any(spec.dims) for path, spec in stage.input_shardings.items()
+                   if path.endswith("kernel")), stage.input_shardings
+    collectives = doc["collectives"]
+    predicted, hlo = collectives["predicted"], collectives["hlo"]
+    assert hlo["all-reduce"]["count"] > 0
+    assert reduced_bytes(hlo) == pytest.approx(reduced_bytes(predicted), rel=0.1)
+    stages = collectives["stages"]
+    assert [s["stage"] for s in stages] == [0, 1]
+    for s in stages:  # every stage all-reduces (Megatron's activations), as its plan says
+        assert s["hlo"]["all-reduce"]["count"] > 0
+        assert reduced_bytes(s["hlo"]) == pytest.approx(reduced_bytes(s["predicted"]), rel=0.1)
+    for kind, total in hlo.items():  # the step's programs are the stages' programs
+        assert sum(s["hlo"][kind]["bytes"] for s in stages) == total["bytes"]
+
+    # the text report: the totals and each stage, plan beside HLO
+    rows = [line for line in out.splitlines() if re.match(r"\s+(stage \d: )?all-reduce", line)]
+    assert len(rows) == 3 and all("| hlo" in r and "bytes ratio" in r for r in rows), out
+    assert "HLO counted over one step" in out
+    # the page: a row per stage and kind
+    page = page_path.read_text()
+    section = page.split('<section id="collectives">')[1].split("</section>")[0]
+    assert section.count('class="stage-collective"') == sum(
+        1 for s in stages for k in set(s["predicted"]) | {k for k, v in s["hlo"].items()
+                                                          if v["count"]})
+    # autopar show reads the counts back from the document
+    code, shown, err = run(["show", doc_path], capsys)
+    assert code == 0, err
+    assert [line for line in shown.splitlines() if "all-reduce" in line] == rows
+
+
+def test_each_task_program_counts_once_per_microbatch():
+    model = get_model("mlp", "tiny", num_layers=2).with_value_and_grad(autopar.value_and_grad)
+    method = autopar.PipeshardParallel(num_microbatches=MICROBATCHES, stages="uniform",
+                                       num_stages=2, layers=2)
+    step = autopar.parallelize(model.train_step, method=method, cache=False)
+    state, batch = model.init_state(jax.random.key(0)), model.make_batch(jax.random.key(1))
+    counted = step.pipeline_collectives(state, batch)
+    calls: dict[str, int] = {}
+    for program in counted.programs:
+        calls[program.label] = calls.get(program.label, 0) + program.calls
+    # the forward and backward of each of the two pieces run once per microbatch
+    for piece in range(2):
+        assert calls[f"F{piece}"] == calls[f"B{piece}"] == MICROBATCHES
+    assert all(n == 1 for label, n in calls.items() if label.startswith("segment"))
+    assert step.get_hlo_collectives(state, batch) == counted.by_kind()
