@@ -29,6 +29,18 @@ class ScheduleName(StrEnum):
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED_1F1B = "interleaved-1f1b"
     ZB_H1 = "zb-h1"
+    # asynchronous: parameters change between microbatches (see ``async_schedules.py``)
+    PIPEDREAM = "pipedream"
+    PIPEDREAM_2BW = "pipedream-2bw"
+
+
+ASYNC_SCHEDULES = frozenset({ScheduleName.PIPEDREAM, ScheduleName.PIPEDREAM_2BW})
+
+
+def is_async(name: Any) -> bool:
+    """Whether ``name`` is an asynchronous schedule (the training algorithm changes with it:
+    weight updates happen while other microbatches are in flight)."""
+    return schedule_name(name) in ASYNC_SCHEDULES
 
 
 def schedule_name(name: Any) -> ScheduleName | None:
@@ -260,7 +272,14 @@ def check_schedule_options(
                 f"interleaved-1f1b needs num_microbatches (m={num_microbatches}) divisible by "
                 f"num_stages (p={num_stages})"
             )
-    elif num_chunks != 1:
+    elif found == ScheduleName.PIPEDREAM_2BW and num_microbatches < num_stages - 1:
+        # the next batch's first forward on stage 0 must find the version its previous batch's
+        # last backward writes (``async_schedules``): m >= p - 1
+        raise InvalidOptionError(
+            f"pipedream-2bw needs num_microbatches >= num_stages - 1 (m={num_microbatches}, "
+            f"p={num_stages}): with fewer, more than two weight versions would be live"
+        )
+    if found != ScheduleName.INTERLEAVED_1F1B and num_chunks != 1:
         raise InvalidOptionError(
             f"schedule '{found}' runs one chunk per stage, got num_chunks={num_chunks}: "
             f"valid is 1 (only interleaved-1f1b takes num_chunks >= 2)"
@@ -349,7 +368,9 @@ def _build(name: ScheduleName, p: int, m: int, v: int) -> Schedule:
     """The task lists of checked options, not yet validated (``make_schedule`` validates)."""
     if name == ScheduleName.GPIPE:
         lists = [_gpipe(p, m, s) for s in range(p)]
-    elif name == ScheduleName.ONE_F_ONE_B:
+    elif name in (ScheduleName.ONE_F_ONE_B, *ASYNC_SCHEDULES):
+        # asynchronous schedules run 1F1B's order; ``m`` microbatches in a row without a flush
+        # in between is their steady state (the versions each task uses: ``async_schedules``)
         lists = [_one_f_one_b(p, m, s) for s in range(p)]
     elif name == ScheduleName.ZB_H1:
         lists = [_zb_h1(p, m, s) for s in range(p)]
@@ -385,3 +406,23 @@ def _activation_counts(
     return tuple(
         schedule.in_flight(stage, until=until) / num_chunks for stage in range(num_stages)
     )
+
+
+def weight_version_counts(
+    name: str, num_stages: int, num_microbatches: int, num_chunks: int = 1
+) -> tuple[int, ...]:
+    """Per stage, how many versions of that stage's parameters it holds at peak.
+
+    The one source of this fact for the compiler (stage memory) and the runtime's check: 1 for
+    the synchronous schedules; for the asynchronous ones, counted from the versions their tasks
+    read and write (:func:`autopar.ir.async_schedules.live_version_counts`): PipeDream with
+    weight stashing ``p - i`` on stage ``i``, PipeDream-2BW 2. InvalidOptionError as
+    :func:`make_schedule`.
+    """
+    name = check_schedule_options(name, num_stages, num_microbatches, num_chunks)
+    if name not in ASYNC_SCHEDULES:
+        return (1,) * num_stages
+    # imported here: async_schedules builds on this module's tasks
+    from autopar.ir.async_schedules import live_version_counts
+
+    return live_version_counts(name, num_stages, num_microbatches)
