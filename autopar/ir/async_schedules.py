@@ -40,6 +40,7 @@ from autopar.ir.schedules import (
     TaskKind,
     check_schedule_options,
     make_schedule,
+    steady_microbatches,
 )
 
 
@@ -184,7 +185,5 @@ def live_version_counts(
 @functools.lru_cache(maxsize=1024)
 def _live_version_counts(name: ScheduleName, p: int, m: int) -> tuple[int, ...]:
     versions = WeightVersions(name, p, m)
-    # stage 0 holds up to p microbatches in flight, whose versions are p apart: with 3p
-    # microbatches and two calls more the fill is over and whole calls follow
-    schedule = versions.steady_state(-(-3 * p // m) + 2)
+    schedule = versions.steady_state(steady_microbatches(p, m) // m)
     return tuple(versions.live_versions(schedule, stage) for stage in range(p))

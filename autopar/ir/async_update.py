@@ -58,6 +58,9 @@ class AsyncStepProgram:
     ``source``: per state position, the stage whose copy the step returns (-1: no update
     writes it; the step returns it as given). ``result_eqns``: the equations computing the
     step's other results from the loss, the aux, the batch and the state as given.
+    ``follows``: state positions that go with one parameter (their new value reads that
+    parameter's gradient alone and has its shape: Adam's moments), by position: the runtime
+    places them as it places the parameter.
     """
 
     num_state: int
@@ -68,6 +71,7 @@ class AsyncStepProgram:
     updates: tuple[StageUpdate, ...]
     source: tuple[int, ...]
     result_eqns: tuple[int, ...]
+    follows: dict[int, int]
 
 
 def async_step_program(
@@ -130,7 +134,8 @@ def async_step_program(
         raise PlanError(f"asynchronous schedules need the step's other results to read no "
                         f"gradient; '{path_of[bad[0]]}' does")
     return AsyncStepProgram(num_state, state_in, state_out, param_position, owner, updates,
-                            tuple(source), tuple(result_eqns))
+                            tuple(source), tuple(result_eqns),
+                            _followers(pp, state_out, param_position))
 
 
 def _tags(pp: PipelineProgram, owner: dict[int, int], state: set[int]) -> dict[int, frozenset]:
@@ -197,3 +202,31 @@ def _stage_update(
     grads = tuple(sorted(grad_of[v] for i in eqns for v in outer.eqns[i].inputs if v in grad_of))
     return StageUpdate(stage, tuple(eqns), tuple(sorted(reads)), tuple(dict.fromkeys(grads)),
                        tuple(sorted(writes)), params)
+
+
+def _followers(pp: PipelineProgram, state_out: tuple[int, ...],
+               param_position: dict[int, int]) -> dict[int, int]:
+    """Each non-parameter state position whose new value reads exactly one parameter's
+    gradient and has that parameter's shape, with the parameter's position."""
+    outer = pp.outer
+    grad_of = {gid: fid for fid, gid in pp.grad_outputs().items()}
+    reads: dict[int, frozenset[int]] = {}  # value -> the parameters whose gradients it reads
+    for gid, fid in grad_of.items():
+        reads[gid] = frozenset({fid})
+    for eqn in outer.eqns:
+        if eqn.index == pp.vg_index:
+            continue
+        found = frozenset().union(*(reads.get(v, frozenset()) for v in eqn.inputs))
+        if found:
+            for v in eqn.outputs:
+                reads[v] = found
+    params = set(param_position.values())
+    found = {}
+    for j, vid in enumerate(state_out):
+        fids = reads.get(vid, frozenset())
+        if j in params or len(fids) != 1:
+            continue
+        (fid,) = fids
+        if tuple(outer.avals[vid].shape) == tuple(pp.forward.avals[fid].shape):
+            found[j] = param_position[fid]
+    return found

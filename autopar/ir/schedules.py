@@ -389,7 +389,9 @@ def activation_counts(
     values (W when the schedule splits the backward, since the weight gradient still reads
     them; else B), divided by ``num_chunks`` (an interleaved chunk holds ``1/v`` of the stage's
     layers). Fractional for interleaved schedules: p=4, m=8, v=2 gives (5.5, 4.5, 3.5, 2.5).
-    Cached per (schedule, p, m, v); InvalidOptionError as :func:`make_schedule`. The lists are
+    Asynchronous schedules are counted in their steady state (calls back to back, no drain
+    between them: ``p - i`` on stage ``i`` whatever ``m``). Cached per (schedule, p, m, v);
+    InvalidOptionError as :func:`make_schedule`. The lists are
     the ones :func:`make_schedule` returns, without its validation (a dependency walk that
     costs far more than the count, and that the schedule tests run on every builder).
     """
@@ -401,11 +403,21 @@ def activation_counts(
 def _activation_counts(
     name: ScheduleName, num_stages: int, num_microbatches: int, num_chunks: int
 ) -> tuple[float, ...]:
-    schedule = _build(name, num_stages, num_microbatches, num_chunks)
+    if name in ASYNC_SCHEDULES:  # the pipeline is not drained between calls
+        schedule = _build(name, num_stages, steady_microbatches(num_stages, num_microbatches), 1)
+    else:
+        schedule = _build(name, num_stages, num_microbatches, num_chunks)
     until = TaskKind.W if schedule.splits_backward else TaskKind.B
     return tuple(
         schedule.in_flight(stage, until=until) / num_chunks for stage in range(num_stages)
     )
+
+
+def steady_microbatches(num_stages: int, num_microbatches: int) -> int:
+    """How many microbatches (whole calls of ``num_microbatches``) an asynchronous schedule is
+    simulated over to see its steady state: stage 0 holds up to ``p`` microbatches in flight,
+    whose weight versions are ``p`` apart; ``3p`` and two calls more are past the fill."""
+    return num_microbatches * (-(-3 * num_stages // num_microbatches) + 2)
 
 
 def weight_version_counts(

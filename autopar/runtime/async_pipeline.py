@@ -15,11 +15,15 @@ stage 0's copy). Passing exactly the arrays a call returned back in continues th
 any other state starts a new pipeline from it (microbatches in flight are dropped).
 
 Weight versions live in a per-stage store: version ``v`` of stage ``s``'s parameters is kept
-while a microbatch in flight on any stage reading them uses it, or a later forward will; it is
-dropped (and its buffers freed with their last reference, the backward's residuals) as soon as
-neither holds. ``stash_weights=False`` (a test switch) makes each backward recompute its
-forward at the stage's newest weights instead of the stashed ones, as PipeDream without
-stashing does.
+while a microbatch in flight on any stage reading them uses it, or a later forward will, and
+dropped as soon as neither holds. The store is the only place a version lives: a forward's
+``jax.vjp`` residuals would hold the parameters it read (a copy per microbatch, since a jitted
+function's outputs are new buffers), so the forward returns its residuals without them and the
+backward takes them back from the store (the stashed version). An update donates the state
+copy it replaces when the runtime made it in this call and no task reads it any more (what a
+call was given, and gave back, stays the caller's). ``stash_weights=False`` (a test switch)
+makes each backward run its forward again at the newest weights instead, as PipeDream
+without stashing does.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from autopar.errors import PlanError
 from autopar.ir.async_schedules import WeightVersions, weight_versions
 from autopar.ir.async_update import AsyncStepProgram, StageUpdate, async_step_program
 from autopar.ir.program import run_eqns
+from autopar.ir.scan_split import run_forward_eqns
 from autopar.ir.schedules import Task, TaskKind
 from autopar.plan import Plan
 from autopar.runtime.pipeline import PipelineRunner, TaskRecord, _mean, _StepState
@@ -55,8 +60,10 @@ class _Stream:
     grads: dict[tuple[int, int], Any] = field(default_factory=dict)  # (param, group) -> sum
     acts: dict[tuple[int, int], Any] = field(default_factory=dict)
     cots: dict[tuple[int, int], Any] = field(default_factory=dict)
-    vjps: dict[tuple[int, int], Any] = field(default_factory=dict)
-    replay: dict[tuple[int, int], tuple[list[Any], list[Any]]] = field(default_factory=dict)
+    # (piece, microbatch) -> the forward's residuals without the parameters (stashing), or
+    # its inputs (without stashing: the backward runs the forward again)
+    saved: dict[tuple[int, int], Any] = field(default_factory=dict)
+    fresh: dict[int, Any] = field(default_factory=dict)  # id -> state copies made this call
     returned: tuple[Any, ...] = ()  # the state arrays the last call returned
 
 
@@ -79,14 +86,26 @@ class AsyncPipelineRunner(PipelineRunner):
                                                             self.stage_of_piece)
         self.readers = [sorted({t.stage for t in self.tasks for f in t.params
                                 if self.program.owner[f] == s}) for s in range(p)]
-        self.update_fns = [jax.jit(self._update_fn(u)) for u in self.program.updates]
-        self.grad_fns = [jax.jit(_vjp_grads) for _ in self.tasks]
-        self.replay_fns = [jax.jit(self._replay_fn(t)) for t in self.tasks]
+        if any(self.remat_stages):
+            raise PlanError("asynchronous schedules do not run rematerialised stages yet; "
+                            "plan with remat='none'")
+        self._update_fns: dict[tuple[int, bool, bool], Any] = {}
+        self.programs = [_PiecePrograms(self.pp, t) for t in self.tasks]
         self.result_fn = jax.jit(self._result_fn())
         outer = self.pp.outer
         read = {v for i in self.program.result_eqns for v in outer.eqns[i].inputs}
         read |= set(outer.out_ids[self.program.num_state:])
         self.result_inputs = [k for k, v in enumerate(outer.in_ids) if v in read]
+        # of the step's equations before the loss, only those computing the loss function's
+        # inputs other than its parameters run (the update rule is the stages' own)
+        wanted = {self.pp.operand_of[f] for f in self.pp.forward.in_ids
+                  if f not in set(self.pp.diff_inputs)}
+        self.before = []
+        for k in reversed(range(len(self.segments))):
+            seg = self.segments[k]
+            if seg.phase == "before" and wanted & set(seg.outputs):
+                self.before.insert(0, k)
+                wanted |= set(seg.inputs)
         self.stream: _Stream | None = None
         self.peak_live_versions = [0] * p
 
@@ -101,29 +120,27 @@ class AsyncPipelineRunner(PipelineRunner):
 
     # -- executables ---------------------------------------------------------------------------
 
-    def _update_fn(self, u: StageUpdate):
-        outer, prog = self.pp.outer, self.program
-        grad_id = self.pp.grad_outputs()
+    def update_program(self, stage: int, donate_params: bool, donate_state: bool) -> Any:
+        """Stage ``stage``'s update, jitted: ``(params, other_state, grads) -> new values of
+        its written state leaves`` (in ``_split_reads`` order); the gradients are always
+        donated, the parameters and the other state leaves when asked (each variant compiled
+        once)."""
+        key = (stage, donate_params, donate_state)
+        if key not in self._update_fns:
+            u, prog, outer = self.program.updates[stage], self.program, self.pp.outer
+            grad_id = self.pp.grad_outputs()
+            params, others, written = _split_reads(prog, u)
 
-        def run(reads: list[Any], grads: list[Any]) -> list[Any]:
-            env = {prog.state_in[k]: x for k, x in zip(u.reads, reads, strict=True)}
-            env.update({grad_id[f]: g for f, g in zip(u.grads, grads, strict=True)})
-            run_eqns(outer, u.eqns, env)
-            return [env[prog.state_out[j]] for j in u.writes]
+            def run(param_vals: list[Any], other_vals: list[Any], grads: list[Any]):
+                env = {prog.state_in[k]: x for k, x in zip(params, param_vals, strict=True)}
+                env.update((prog.state_in[k], x) for k, x in zip(others, other_vals, strict=True))
+                env.update({grad_id[f]: g for f, g in zip(u.grads, grads, strict=True)})
+                run_eqns(outer, u.eqns, env)
+                return [env[prog.state_out[j]] for j in written]
 
-        return run
-
-    def _replay_fn(self, t: Any):
-        # PipeDream without stashing: the backward runs the forward again at the weights it is
-        # given (the newest) on the inputs the forward saw, then its vjp
-        forward, n_params = t.forward, len(t.params)
-
-        def run(params: list[Any], acts: list[Any], nondiff: list[Any], cots: list[Any]):
-            _, _, vjp_fn = forward(list(params) + list(acts), nondiff)
-            return vjp_fn(cots)[0]
-
-        del n_params
-        return run
+            donate = (2,) + ((0,) if donate_params else ()) + ((1,) if donate_state else ())
+            self._update_fns[key] = jax.jit(run, donate_argnums=donate)
+        return self._update_fns[key]
 
     def _result_fn(self):
         outer, prog = self.pp.outer, self.program
@@ -148,15 +165,15 @@ class AsyncPipelineRunner(PipelineRunner):
         if stream is None or len(stream.returned) != len(state) or any(
                 a is not b for a, b in zip(state, stream.returned, strict=True)):
             stream = self.stream = self._start(state)
+        stream.fresh = {}  # what the last call returned is the caller's
         st = _StepState(env=dict(zip(outer.in_ids, flat_args, strict=True)), acts=stream.acts,
-                        cots=stream.cots, vjps=stream.vjps)
+                        cots=stream.cots)
         self.records = []
         start = time.perf_counter()
         for vid, outs, fn in self.input_split_fns:
             st.env.update(zip(outs, fn(st.env[vid]), strict=True))
-        for k, seg in enumerate(self.segments):
-            if seg.phase == "before":
-                self._run_segment(st, k, seg)
+        for k in self.before:
+            self._run_segment(st, k, self.segments[k])
         base = stream.injected
         self._inject(st, base)
         stream.injected += self.m
@@ -173,10 +190,12 @@ class AsyncPipelineRunner(PipelineRunner):
         """A new pipeline from ``state``: every stage's copy of its leaves, version 0."""
         p, prog = self.schedule.num_stages, self.program
         stream = _Stream(next_task=[0] * p, latest=[0] * p, in_flight=[set() for _ in range(p)])
+        param_at = {k: f for f, k in prog.param_position.items()}
         for u in prog.updates:
-            where = {prog.param_position[f]: f for f in u.params}
-            stream.copies.append({k: self._put(state[k], u.stage, where.get(k))
-                                  for k in u.reads})
+            # a parameter as the stage's plan places it, Adam's moments like their parameter
+            stream.copies.append({
+                k: self._put(state[k], u.stage, param_at.get(prog.follows.get(k, k)))
+                for k in u.reads})
             params = [stream.copies[u.stage][prog.param_position[f]] for f in u.params]
             stream.store.append({0: params})
         self.peak_live_versions = [1] * p
@@ -229,27 +248,25 @@ class AsyncPipelineRunner(PipelineRunner):
 
     def _run_task(self, st: _StepState, stream: _Stream, task: Task) -> Any:
         t, n = self.tasks[task.stage], task.microbatch
+        programs, key = self.programs[t.piece.index], (t.piece.index, n)
         if task.kind is TaskKind.F:
             acts = [self._input(st, v, n, t.stage) for v in t.diff[len(t.params):]]
             nondiff = [self._input(st, v, n, t.stage) for v in t.nondiff]
-            outs, others, vjp_fn = t.forward(self._param_values(stream, t, n) + acts, nondiff)
+            params = self._param_values(stream, t, n)
+            outs, others, residuals = programs.forward(params, acts, nondiff)
             for v, x in zip(t.float_outputs + t.other_outputs, outs + others, strict=True):
                 st.acts[(v, n)] = x
-            st.vjps[(t.piece.index, n)] = vjp_fn
-            if not self.stash_weights:
-                stream.replay[(t.piece.index, n)] = (acts, nondiff)
+            stream.saved[key] = residuals if self.stash_weights else (acts, nondiff)
             stream.in_flight[task.stage].add(n)
             self._release(stream)
             return outs
         cots = [self._seeded_cotangent(st, v, n, t.stage) for v in t.float_outputs]
-        vjp_fn = st.vjps.pop((t.piece.index, n))
-        if self.stash_weights:
-            grads = self.grad_fns[t.piece.index](vjp_fn, cots)
-        else:
-            acts, nondiff = stream.replay.pop((t.piece.index, n))
-            newest = self._param_values(stream, t, None)
-            grads = self.replay_fns[t.piece.index](newest, acts, nondiff, cots)
-        del vjp_fn
+        if self.stash_weights:  # the version the forward read, from the store
+            grads = programs.backward(self._param_values(stream, t, n), stream.saved.pop(key),
+                                      cots)
+        else:  # the newest weights, on the inputs the forward saw
+            acts, nondiff = stream.saved.pop(key)
+            grads = programs.replay(self._param_values(stream, t, None), acts, nondiff, cots)
         n_params = len(t.params)
         for v, g in zip(t.diff[n_params:], grads[n_params:], strict=True):
             self._add_cotangent(st, v, n, g)
@@ -302,24 +319,44 @@ class AsyncPipelineRunner(PipelineRunner):
                 aval = self.pp.forward.avals[f]
                 g = self._put(jnp.zeros(aval.shape, aval.dtype), stage, f)
             grads.append(g)
-        copy = stream.copies[stage]
-        new = self.update_fns[stage]([copy[k] for k in u.reads], grads)
-        copy.update(zip(u.writes, new, strict=True))
+        copy, fresh = stream.copies[stage], stream.fresh
+        params, others, written_at = _split_reads(prog, u)
+        param_vals, other_vals = [copy[k] for k in params], [copy[k] for k in others]
+        previous = stream.latest[stage]
+        # the parameters the update replaces can go when no task reads their version any more
+        give_params = all(id(x) in fresh for x in param_vals) and \
+            previous not in self._needed(stream, stage, written)
+        give_state = all(id(x) in fresh for x in other_vals)
+        if give_params:
+            del stream.store[stage][previous]
+        given = (param_vals if give_params else []) + (other_vals if give_state else [])
+        for x in given:
+            del fresh[id(x)]
+        new = self.update_program(stage, give_params, give_state)(param_vals, other_vals, grads)
+        for j, x in zip(written_at, new, strict=True):
+            fresh.pop(id(copy.get(j)), None)
+            copy[j] = x
+            fresh[id(x)] = x
         stream.latest[stage] = written
         stream.store[stage][written] = [copy[prog.param_position[f]] for f in u.params]
 
+    def _needed(self, stream: _Stream, owner: int, latest: int) -> set[int]:
+        """The versions of ``owner``'s parameters some task will still read: the newest
+        (``latest``), those of microbatches in flight, and the next forwards' ones."""
+        needed = {latest}
+        for stage in self.readers[owner]:
+            needed |= {self.versions.reads(n, owner) for n in stream.in_flight[stage]}
+            k = stream.next_task[stage]
+            upcoming = self.versions.stage_task(stage, k)
+            if upcoming.kind is not TaskKind.F:
+                upcoming = self.versions.stage_task(stage, k + 1)
+            needed.add(self.versions.reads(upcoming.microbatch, owner))
+        return needed
+
     def _release(self, stream: _Stream) -> None:
-        """Drop the versions no microbatch in flight and no later forward reads; record how
-        many each stage holds."""
+        """Drop the versions no task will read; record how many each stage holds."""
         for owner, store in enumerate(stream.store):
-            needed = {stream.latest[owner]}
-            for stage in self.readers[owner]:
-                needed |= {self.versions.reads(n, owner) for n in stream.in_flight[stage]}
-                k = stream.next_task[stage]
-                upcoming = self.versions.stage_task(stage, k)
-                if upcoming.kind is not TaskKind.F:
-                    upcoming = self.versions.stage_task(stage, k + 1)
-                needed.add(self.versions.reads(upcoming.microbatch, owner))
+            needed = self._needed(stream, owner, stream.latest[owner])
             for version in [v for v in store if v not in needed]:
                 del store[version]
             buffers = {tuple(_buffer(x) for x in arrays) for arrays in store.values()}
@@ -350,9 +387,62 @@ class AsyncPipelineRunner(PipelineRunner):
         return state + list(self.result_fn(inputs, losses))
 
 
-def _vjp_grads(vjp_fn: Any, cots: list[Any]) -> list[Any]:
-    (grads,) = vjp_fn(cots)
-    return grads
+def _split_reads(prog: AsyncStepProgram,
+                 u: StageUpdate) -> tuple[list[int], list[int], list[int]]:
+    """An update's state reads (its parameters' positions, then the others) and its writes in
+    the order of the reads: jax pairs each donated input with the next output of its shape,
+    so a state leaf's new value must come where its old value came, or XLA copies."""
+    params = {prog.param_position[f] for f in u.params}
+    first = [k for k in u.reads if k in params]
+    then = [k for k in u.reads if k not in params]
+    writes = set(u.writes)
+    written = [k for k in first + then if k in writes]
+    return first, then, written + [j for j in u.writes if j not in set(written)]
+
+
+class _PiecePrograms:
+    """A piece's jitted forward and backward for asynchronous schedules.
+
+    ``forward(params, acts, nondiff) -> (outputs, other outputs, residuals)``: the residuals
+    of ``jax.vjp`` less the parameters themselves (which leaf of the vjp function each
+    parameter is, recorded when the forward is traced); ``backward(params, residuals, cots)``
+    puts the given parameters back and applies the vjp. ``replay(params, acts, nondiff,
+    cots)``: forward and vjp at once (the backward without stashing)."""
+
+    def __init__(self, pp: Any, t: Any):
+        self.layout: dict[str, Any] = {}  # filled by the forward's trace
+
+        def run(diff_vals: list[Any], nondiff_vals: list[Any]) -> tuple[list[Any], list[Any]]:
+            env = dict(zip(t.diff, diff_vals, strict=True))
+            env.update(zip(t.nondiff, nondiff_vals, strict=True))
+            run_forward_eqns(pp.forward, t.piece.eqns, env, pp.layer_scans)
+            return [env[v] for v in t.float_outputs], [env[v] for v in t.other_outputs]
+
+        def forward(params: list[Any], acts: list[Any], nondiff: list[Any]):
+            outs, vjp_fn, others = jax.vjp(lambda d: run(d, nondiff), list(params) + list(acts),
+                                           has_aux=True)
+            leaves, tree = jax.tree.flatten(vjp_fn)
+            where = {id(p): k for k, p in enumerate(params)}
+            slots = tuple(where.get(id(x), -1) for x in leaves)
+            self.layout["vjp"] = (tree, slots)
+            return outs, others, [x for x, k in zip(leaves, slots, strict=True) if k < 0]
+
+        def backward(params: list[Any], residuals: list[Any], cots: list[Any]) -> list[Any]:
+            tree, slots = self.layout["vjp"]
+            rest = iter(residuals)
+            leaves = [params[k] if k >= 0 else next(rest) for k in slots]
+            (grads,) = jax.tree.unflatten(tree, leaves)(cots)
+            return grads
+
+        def replay(params: list[Any], acts: list[Any], nondiff: list[Any], cots: list[Any]):
+            _, vjp_fn, _ = jax.vjp(lambda d: run(d, nondiff), list(params) + list(acts),
+                                   has_aux=True)
+            (grads,) = vjp_fn(cots)
+            return grads
+
+        self.forward = jax.jit(forward)
+        self.backward = jax.jit(backward)
+        self.replay = jax.jit(replay)
 
 
 def _buffer(x: Any) -> int:

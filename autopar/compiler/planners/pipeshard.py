@@ -270,6 +270,8 @@ def plan_pipeshard(pp: PipelineProgram, method: PipeshardParallel, cluster: Clus
     placed = place_submeshes(list(partition.submeshes), hosts, per_host)
     layout, piece_ranges = _layout(method, partition, positions, chunks, best.replicas)
     pieces = [range_piece(pp, positions, a, b) for a, b in piece_ranges]
+    versions = [dp_options.weight_versions(s, len(partition.stages))
+                for s in range(len(partition.stages))]
     stages = []
     for s, assignment in enumerate(partition.stages):
         shape = assignment.candidate.logical_mesh_shape
@@ -294,10 +296,13 @@ def plan_pipeshard(pp: PipelineProgram, method: PipeshardParallel, cluster: Clus
             est_time_s=c.time,
             est_compute_time_s=compute,
             est_communication_time_s=c.time - compute,
-            peak_memory_bytes=int(c.memory(dp_options.in_flight(s, len(partition.stages)))),
+            peak_memory_bytes=int(c.memory(dp_options.in_flight(s, len(partition.stages)),
+                                           versions[s])),
             memory_breakdown={"fixed": int(c.fixed_memory),
                               "activations_per_microbatch":
-                                  int(c.activation_memory_per_microbatch)},
+                                  int(c.activation_memory_per_microbatch),
+                              # the versions past the one "fixed" holds (asynchronous)
+                              "stashed_weights": int((versions[s] - 1) * c.param_bytes)},
         ))
     end = time.perf_counter()
     timings = {
