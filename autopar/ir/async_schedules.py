@@ -22,13 +22,13 @@ A parameter read by pieces on several stages (a tied embedding) belongs to the f
 that reads it (its gradient's home); every reader of microbatch ``n`` reads the version the
 owner's F(n) read, so one microbatch sees one version of every weight.
 
-Pure Python, no JAX: the runtime walks :func:`stage_task` and the compiler counts
-:func:`live_version_counts` (through ``schedules.weight_version_counts``).
+Pure Python, no JAX: the runtime walks :meth:`WeightVersions.stage_task`; the version rules
+themselves and the live-version counts the compiler reads are ``schedules``' (the one source
+of schedule facts): ``version_read``, ``version_written``, ``weight_version_counts``.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 from autopar.errors import InvalidOptionError, PlanError, choices_text
@@ -39,8 +39,10 @@ from autopar.ir.schedules import (
     Task,
     TaskKind,
     check_schedule_options,
+    live_versions,
     make_schedule,
-    steady_microbatches,
+    version_read,
+    version_written,
 )
 
 
@@ -82,24 +84,30 @@ class WeightVersions:
         return microbatch if self.per_microbatch else microbatch // self.num_microbatches
 
     def reads(self, microbatch: int, stage: int) -> int:
-        """The version of ``stage``'s parameters that F and B of ``microbatch`` use there."""
-        if self.per_microbatch:
-            return max(0, microbatch - (self.num_stages - 1 - stage))
-        return max(0, microbatch // self.num_microbatches - 1)
+        """The version of ``stage``'s parameters that F and B of ``microbatch`` use there
+        (``schedules.version_read``)."""
+        return version_read(self.name, self.num_stages, self.num_microbatches, microbatch,
+                            stage)
 
     def writes(self, task: Task) -> int | None:
-        """The version ``task`` creates on its stage by applying the update rule after it."""
-        if task.kind is not TaskKind.B:
-            return None
-        n, m = task.microbatch, self.num_microbatches
-        if self.per_microbatch:
-            return n + 1
-        return n // m + 1 if n % m == m - 1 else None
+        """The version ``task`` creates on its stage by applying the update rule after it
+        (``schedules.version_written``)."""
+        return version_written(self.name, self.num_microbatches, task)
 
     def use(self, task: Task) -> VersionUse:
         """What ``task`` reads and writes (both halves of a microbatch read the same version:
         weight stashing)."""
         return VersionUse(self.reads(task.microbatch, task.stage), self.writes(task))
+
+    def staleness(self, stage: int) -> int:
+        """How many updates of ``stage`` lie between the version a gradient is computed at and
+        the version it is applied to, in the steady state: ``p - 1 - i`` (PipeDream), 1 (2BW);
+        0 would be the synchronous step."""
+        m = self.num_microbatches
+        n = (3 * self.num_stages + 2) * m - 1  # ends a call, far past the fill
+        written = self.writes(Task(TaskKind.B, n, stage))
+        assert written is not None  # the last microbatch of a call writes under both
+        return written - 1 - self.reads(n, stage)
 
     def stage_task(self, stage: int, k: int) -> Task:
         """The ``k``-th task of ``stage`` on the endless stream: 1F1B's order, ``p - 1 - i``
@@ -146,44 +154,12 @@ class WeightVersions:
                     latest = use.writes
 
     def live_versions(self, schedule: Schedule, stage: int) -> int:
-        """Peak number of versions of ``stage``'s parameters alive between its tasks: the
-        newest, those that microbatches in flight (F run, B not yet) read, and an older one
-        the next forward will still read (2BW between its calls)."""
-        tasks = schedule.tasks[stage]
-        forwards = [t for t in tasks if t.kind is TaskKind.F]
-        latest, in_flight, next_forward, peak = 0, set(), 0, 0
-        for task in tasks:
-            if task.kind is TaskKind.F:
-                in_flight.add(task.microbatch)
-                next_forward += 1
-            else:
-                in_flight.discard(task.microbatch)
-                written = self.writes(task)
-                latest = latest if written is None else written
-            live = {latest} | {self.reads(n, stage) for n in in_flight}
-            if next_forward < len(forwards):  # an older version the next forward still reads
-                upcoming = self.reads(forwards[next_forward].microbatch, stage)
-                live |= {upcoming} if upcoming <= latest else set()
-            peak = max(peak, len(live))
-        return peak
+        """Peak number of versions of ``stage``'s parameters alive between its tasks in
+        ``schedule`` (``schedules.live_versions``)."""
+        return live_versions(self.name, schedule, stage, self.num_microbatches)
 
 
 def weight_versions(name: str, num_stages: int, num_microbatches: int) -> WeightVersions:
     """The version rules of ``name`` (InvalidOptionError naming the asynchronous schedules
     when it is not one of them, or as ``schedules.make_schedule``)."""
     return WeightVersions(name, num_stages, num_microbatches)  # type: ignore[arg-type]
-
-
-def live_version_counts(
-    name: ScheduleName, num_stages: int, num_microbatches: int
-) -> tuple[int, ...]:
-    """Per stage, the peak number of live weight versions in the steady state (enough calls
-    for every stage to reach it); the count ``schedules.weight_version_counts`` reports."""
-    return _live_version_counts(ScheduleName(name), num_stages, num_microbatches)
-
-
-@functools.lru_cache(maxsize=1024)
-def _live_version_counts(name: ScheduleName, p: int, m: int) -> tuple[int, ...]:
-    versions = WeightVersions(name, p, m)
-    schedule = versions.steady_state(steady_microbatches(p, m) // m)
-    return tuple(versions.live_versions(schedule, stage) for stage in range(p))

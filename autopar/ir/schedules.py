@@ -420,21 +420,71 @@ def steady_microbatches(num_stages: int, num_microbatches: int) -> int:
     return num_microbatches * (-(-3 * num_stages // num_microbatches) + 2)
 
 
+def version_read(name: ScheduleName, num_stages: int, num_microbatches: int,
+                 microbatch: int, stage: int) -> int:
+    """The version of ``stage``'s weights that F and B of ``microbatch`` (numbered from the
+    pipeline's start) read under an asynchronous schedule; version ``v``: after ``v`` updates.
+    PipeDream: the newest when the forward runs, ``n - (p - 1 - i)``; 2BW: the previous call's,
+    ``n // m - 1``; 0 while the pipeline fills. The backward reads what the forward read."""
+    if name == ScheduleName.PIPEDREAM:
+        return max(0, microbatch - (num_stages - 1 - stage))
+    return max(0, microbatch // num_microbatches - 1)
+
+
+def version_written(name: ScheduleName, num_microbatches: int, task: Task) -> int | None:
+    """The version ``task`` writes by applying the update after it (None: it writes none):
+    PipeDream after every backward, 2BW after the last backward of each call."""
+    if task.kind is not TaskKind.B:
+        return None
+    n, m = task.microbatch, num_microbatches
+    if name == ScheduleName.PIPEDREAM:
+        return n + 1
+    return n // m + 1 if n % m == m - 1 else None
+
+
 def weight_version_counts(
     name: str, num_stages: int, num_microbatches: int, num_chunks: int = 1
 ) -> tuple[int, ...]:
     """Per stage, how many versions of that stage's parameters it holds at peak.
 
     The one source of this fact for the compiler (stage memory) and the runtime's check: 1 for
-    the synchronous schedules; for the asynchronous ones, counted from the versions their tasks
-    read and write (:func:`autopar.ir.async_schedules.live_version_counts`): PipeDream with
-    weight stashing ``p - i`` on stage ``i``, PipeDream-2BW 2. InvalidOptionError as
-    :func:`make_schedule`.
+    the synchronous schedules; for the asynchronous ones, counted in their steady state from
+    the versions their tasks read and write (:func:`version_read`, :func:`version_written`):
+    PipeDream with weight stashing ``p - i`` on stage ``i``, PipeDream-2BW 2. Cached;
+    InvalidOptionError as :func:`make_schedule`.
     """
     name = check_schedule_options(name, num_stages, num_microbatches, num_chunks)
     if name not in ASYNC_SCHEDULES:
         return (1,) * num_stages
-    # imported here: async_schedules builds on this module's tasks
-    from autopar.ir.async_schedules import live_version_counts
+    return _weight_version_counts(name, num_stages, num_microbatches)
 
-    return live_version_counts(name, num_stages, num_microbatches)
+
+@functools.lru_cache(maxsize=1024)
+def _weight_version_counts(name: ScheduleName, p: int, m: int) -> tuple[int, ...]:
+    schedule = _build(name, p, steady_microbatches(p, m), 1)
+    return tuple(live_versions(name, schedule, stage, m) for stage in range(p))
+
+
+def live_versions(name: ScheduleName, schedule: Schedule, stage: int,
+                  num_microbatches: int) -> int:
+    """Peak number of versions of ``stage``'s weights alive between its tasks in ``schedule``
+    (an asynchronous schedule's lists, calls of ``num_microbatches`` back to back): the newest,
+    those that microbatches in flight (F run, B not yet) read, and an older one the next
+    forward still reads (2BW between its calls)."""
+    p, m = schedule.num_stages, num_microbatches
+    forwards = [t.microbatch for t in schedule.tasks[stage] if t.kind is TaskKind.F]
+    latest, in_flight, next_forward, peak = 0, set(), 0, 0
+    for task in schedule.tasks[stage]:
+        if task.kind is TaskKind.F:
+            in_flight.add(task.microbatch)
+            next_forward += 1
+        else:
+            in_flight.discard(task.microbatch)
+            written = version_written(name, m, task)
+            latest = latest if written is None else written
+        live = {latest} | {version_read(name, p, m, n, stage) for n in in_flight}
+        if next_forward < len(forwards):
+            upcoming = version_read(name, p, m, forwards[next_forward], stage)
+            live |= {upcoming} if upcoming <= latest else set()
+        peak = max(peak, len(live))
+    return peak

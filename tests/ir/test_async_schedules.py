@@ -99,3 +99,11 @@ def test_steady_state_round_trips_and_bad_options_are_one_line_errors():
         make_schedule("pipedream", 2, 4, 2)
     with pytest.raises(InvalidOptionError, match="num_calls"):
         weight_versions("pipedream", 2, 4).steady_state(0)
+
+
+@pytest.mark.parametrize(("p", "m"), [s for s in SHAPES if s[1] >= s[0] - 1])
+def test_staleness_is_p_minus_1_minus_i_for_pipedream_and_1_for_2bw(p, m):
+    """Updates between the version a gradient is computed at and the one it updates."""
+    pipedream, two_bw = weight_versions("pipedream", p, m), weight_versions("pipedream-2bw", p, m)
+    assert [pipedream.staleness(s) for s in range(p)] == [p - 1 - s for s in range(p)]
+    assert [two_bw.staleness(s) for s in range(p)] == [1] * p

@@ -51,7 +51,7 @@ from autopar.compiler.planners.stage_costs import (
 from autopar.errors import PlanError
 from autopar.ir.pipeline_program import PipelineProgram
 from autopar.ir.schedules import ScheduleName
-from autopar.methods import ManualStages, PipeshardParallel
+from autopar.methods import SCHEDULE_AUTO, ManualStages, PipeshardParallel
 from autopar.plan import (
     InputSignature,
     MethodName,
@@ -253,7 +253,11 @@ def plan_pipeshard(pp: PipelineProgram, method: PipeshardParallel, cluster: Clus
     ``plan.planning.phases`` splits the planning seconds: ``layers_s`` (clustering),
     ``stage_costs_s`` (the per-layer ILPs the search asked for), ``stage_dp_s`` (the search
     without them), ``stage_plans_s`` (the chosen stages solved whole) and ``total_s``.
-    ``plan.planning.candidates`` lists the pipelines compared (``search_pipelines``)."""
+    ``plan.planning.candidates`` lists the pipelines compared (``search_pipelines``).
+    ``schedule="auto"`` is ``schedule_choice.plan_pipeline``'s."""
+    if method.schedule == SCHEDULE_AUTO:
+        raise PlanError("schedule='auto' compares schedules: plan it with "
+                        "schedule_choice.plan_pipeline, which plans each with this function")
     start = time.perf_counter()
     graph = build_graph(pp.forward)
     positions = layer_positions(pp, graph, method.layers, cluster.num_devices)
