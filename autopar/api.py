@@ -23,6 +23,7 @@ from autopar.errors import InvalidOptionError, PlanError
 from autopar.frontend.planning import StaticBinding, bind_static_args, plan_train_step
 from autopar.frontend.static_leaves import array_leaves, signature_part
 from autopar.ir.program import argument_names
+from autopar.ir.schedules import is_async
 from autopar.methods import METHOD_TYPES, AutoParallel, Method
 from autopar.plan import Plan
 from autopar.runtime.distributed import global_devices, host_layout, same_plan_everywhere
@@ -190,10 +191,15 @@ class ParallelizedStep:
             for owner in bound.dynamic_argnums
             for _ in array_leaves(args[owner])
         )
-        if planned.pipeline is not None:
+        if planned.pipeline is not None and is_async(plan.pipeline.schedule):
+            # the pipeline carries microbatches and weight versions from call to call
+            from autopar.runtime.async_pipeline import AsyncPipelineRunner
+
+            executable: Any = AsyncPipelineRunner.from_plan(planned.pipeline, plan, devices)
+        elif planned.pipeline is not None:
             from autopar.runtime.pipeline import PipelineRunner
 
-            executable: Any = PipelineRunner.from_plan(planned.pipeline, plan, devices)
+            executable = PipelineRunner.from_plan(planned.pipeline, plan, devices)
         else:
             executable = ShardedProgram(planned.traced.program, plan, devices,
                                         donated=donated)
@@ -213,7 +219,7 @@ class ParallelizedStep:
         compiled = self._compiled(args)
         flat = self._flat_inputs(compiled, args)
         out = compiled.executable(flat)
-        _release_donated(flat, compiled.donated_leaves, out)
+        _release_donated(flat, compiled.donated_leaves, out, _held(compiled.executable))
         return self._outputs(compiled, out)
 
     def timed_call(self, *args: Any) -> tuple[Any, list[Any]]:
@@ -229,7 +235,7 @@ class ParallelizedStep:
 
         flat = self._flat_inputs(compiled, args)
         out = runner(flat, record=True)
-        _release_donated(flat, compiled.donated_leaves, out)
+        _release_donated(flat, compiled.donated_leaves, out, _held(runner))
         records = list(runner.records)
         compiled.measured_idle_fraction = measured_idle_fraction(
             records, len(compiled.plan.stages))
@@ -289,12 +295,21 @@ class ParallelizedStep:
         return self._compiled(args).traced
 
 
-def _release_donated(flat: Sequence[Any], donated: Sequence[bool], outputs: Sequence[Any]) -> None:
-    """Free the buffers of donated inputs that the step did not hand back, as ``jax.jit``'s
-    donation would (the pipeline runner and re-laid-out inputs cannot donate in place)."""
+def _held(executable: Any) -> set[int]:
+    """Ids of the arrays an executable keeps between calls (an asynchronous pipeline's weight
+    versions: a donated input may still be a version that microbatches in flight read)."""
+    held = getattr(executable, "held_arrays", None)
+    return {id(x) for x in held()} if held is not None else set()
+
+
+def _release_donated(flat: Sequence[Any], donated: Sequence[bool], outputs: Sequence[Any],
+                     held: Sequence[int] | set[int] = ()) -> None:
+    """Free the buffers of donated inputs that the step did not hand back or still holds, as
+    ``jax.jit``'s donation would (the pipeline runner and re-laid-out inputs cannot donate in
+    place)."""
     if not any(donated):
         return
-    returned = {id(o) for o in outputs}
+    returned = {id(o) for o in outputs} | set(held)
     for leaf, give in zip(flat, donated, strict=True):
         if give and isinstance(leaf, jax.Array) and id(leaf) not in returned \
                 and not leaf.is_deleted():

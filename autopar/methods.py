@@ -34,6 +34,7 @@ def check_solver(value: object) -> None:
 
 
 REMAT_MODES: tuple[str, ...] = ("none", "layers", "auto")
+SCHEDULE_AUTO = "auto"  # PipeshardParallel(schedule=...): the planner compares schedules
 REPLICA_MODES: tuple[str, ...] = ("auto", "none")
 
 
@@ -167,7 +168,12 @@ class PipeshardParallel:
     ``stages``: ``"auto"`` (the stage DP), ``"uniform"`` (equal layers on equal submeshes;
     ``num_stages`` of them) or a ``ManualStages``.
     ``schedule``: ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"`` (``num_chunks`` model pieces
-    per stage, uniform stages) or ``"zb-h1"`` (backward split into input and weight gradients).
+    per stage, uniform stages), ``"zb-h1"`` (backward split into input and weight gradients),
+    the asynchronous ``"pipedream"`` (weight stashing, an update per microbatch) or
+    ``"pipedream-2bw"`` (double-buffered weights, an update per step), which change the
+    training algorithm (docs/pipeline.md), or ``"auto"``: the planner plans 1f1b and zb-h1
+    and keeps the faster; with ``allow_async=True`` also pipedream and pipedream-2bw (where
+    their weight versions fit the memory).
     ``num_stages``: fixes the stage count (None: the DP chooses; uniform needs it or uses 2).
     ``memory_budget_bytes``: per-device memory every stage must fit (default: the cluster's).
     ``remat``: rematerialisation, ``"none"``, ``"layers"`` (every stage keeps only its layers'
@@ -191,20 +197,24 @@ class PipeshardParallel:
     time_limit_s: float = 30.0
     remat: str = "none"
     replicas: str = "auto"
+    allow_async: bool = False
 
     name = MethodName.PIPESHARD
 
     def __post_init__(self) -> None:
         check_replicas(self.replicas)
+        if not isinstance(self.allow_async, bool):
+            raise InvalidOptionError(f"allow_async must be True or False, got "
+                                     f"{self.allow_async!r}")
         if not isinstance(self.num_microbatches, int) or self.num_microbatches < 1:
             raise InvalidOptionError(
                 f"num_microbatches must be a positive integer, got {self.num_microbatches!r}"
             )
         check_remat(self.remat)
-        if schedule_name(self.schedule) is None:
+        if schedule_name(self.schedule) is None and self.schedule != SCHEDULE_AUTO:
             raise InvalidOptionError(
                 f"unknown schedule '{self.schedule}'; valid schedules: "
-                f"{choices_text(ScheduleName)}"
+                f"{choices_text(ScheduleName)}, {SCHEDULE_AUTO}"
             )
         if not isinstance(self.stages, ManualStages) and self.stages not in STAGE_MODES:
             raise InvalidOptionError(

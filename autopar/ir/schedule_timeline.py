@@ -10,7 +10,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from autopar.errors import InvalidOptionError
-from autopar.ir.schedules import Schedule, ScheduleName, Task, TaskKind, make_schedule
+from autopar.ir.schedules import (
+    Schedule,
+    ScheduleName,
+    Task,
+    TaskKind,
+    is_async,
+    make_schedule,
+)
 
 
 def default_cost(schedule: Schedule) -> Callable[[Task], float]:
@@ -67,6 +74,8 @@ class Timeline:
             return (p - 1) / (v * m + p - 1)
         if self.schedule.name == ScheduleName.ZB_H1:
             return (p - 1) / (3 * m + p - 1)
+        if is_async(self.schedule.name):  # the pipeline fills once, not once per step
+            return 0.0
         return (p - 1) / (m + p - 1)
 
 
@@ -111,6 +120,55 @@ def stage_timeline(
         return 2 * t / 3
 
     return simulate(schedule, cost)
+
+
+@dataclass(frozen=True)
+class SteadyState:
+    """An asynchronous schedule's calls back to back: the timeline of ``num_calls`` calls (the
+    fill at the start, no drain between calls), and the time and idle fraction per call once
+    the pipeline is full."""
+
+    timeline: Timeline
+    num_calls: int
+    call_s: float
+    idle_fraction: float
+
+
+def steady_state(
+    name: str,
+    stage_times: Sequence[float],
+    num_microbatches: int,
+    update_times: Sequence[float] | None = None,
+    num_calls: int = 3,
+) -> SteadyState:
+    """An asynchronous schedule simulated as :func:`stage_timeline` simulates one step, with
+    ``update_times[s]`` added to each backward after which stage ``s`` applies its update (the
+    schedule's data: every backward under PipeDream, the last of each call under 2BW). The
+    time per call is the difference between ``n`` and ``n + 2`` calls past the fill, halved."""
+    # imported here: async_schedules builds on schedules, which this module's callers import
+    from autopar.ir.async_schedules import weight_versions
+
+    p, m = len(stage_times), num_microbatches
+    versions = weight_versions(name, p, m)
+    updates = list(update_times) if update_times is not None else [0.0] * p
+
+    def cost(task: Task) -> float:
+        t = stage_times[task.stage]
+        if task.kind is TaskKind.F:
+            return t / 3
+        written = versions.writes(task)
+        return 2 * t / 3 + (updates[task.stage] if written is not None else 0.0)
+
+    def span(calls: int) -> float:
+        return simulate(versions.steady_state(calls), cost).makespan
+
+    filled = -(-2 * p // m) + 1
+    call_s = (span(filled + 2) - span(filled)) / 2
+    writes_per_call = m if versions.per_microbatch else 1
+    busy = sum(m * t + writes_per_call * u for t, u in zip(stage_times, updates, strict=True))
+    idle = 1.0 - busy / (p * call_s) if call_s > 0 else 0.0
+    timeline = simulate(versions.steady_state(num_calls), cost)
+    return SteadyState(timeline, num_calls, call_s, max(0.0, idle))
 
 
 def render_text(timeline: Timeline, width: int | None = None) -> str:

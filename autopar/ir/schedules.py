@@ -29,6 +29,18 @@ class ScheduleName(StrEnum):
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED_1F1B = "interleaved-1f1b"
     ZB_H1 = "zb-h1"
+    # asynchronous: parameters change between microbatches (see ``async_schedules.py``)
+    PIPEDREAM = "pipedream"
+    PIPEDREAM_2BW = "pipedream-2bw"
+
+
+ASYNC_SCHEDULES = frozenset({ScheduleName.PIPEDREAM, ScheduleName.PIPEDREAM_2BW})
+
+
+def is_async(name: Any) -> bool:
+    """Whether ``name`` is an asynchronous schedule (the training algorithm changes with it:
+    weight updates happen while other microbatches are in flight)."""
+    return schedule_name(name) in ASYNC_SCHEDULES
 
 
 def schedule_name(name: Any) -> ScheduleName | None:
@@ -260,7 +272,14 @@ def check_schedule_options(
                 f"interleaved-1f1b needs num_microbatches (m={num_microbatches}) divisible by "
                 f"num_stages (p={num_stages})"
             )
-    elif num_chunks != 1:
+    elif found == ScheduleName.PIPEDREAM_2BW and num_microbatches < num_stages - 1:
+        # the next batch's first forward on stage 0 must find the version its previous batch's
+        # last backward writes (``async_schedules``): m >= p - 1
+        raise InvalidOptionError(
+            f"pipedream-2bw needs num_microbatches >= num_stages - 1 (m={num_microbatches}, "
+            f"p={num_stages}): with fewer, more than two weight versions would be live"
+        )
+    if found != ScheduleName.INTERLEAVED_1F1B and num_chunks != 1:
         raise InvalidOptionError(
             f"schedule '{found}' runs one chunk per stage, got num_chunks={num_chunks}: "
             f"valid is 1 (only interleaved-1f1b takes num_chunks >= 2)"
@@ -349,7 +368,9 @@ def _build(name: ScheduleName, p: int, m: int, v: int) -> Schedule:
     """The task lists of checked options, not yet validated (``make_schedule`` validates)."""
     if name == ScheduleName.GPIPE:
         lists = [_gpipe(p, m, s) for s in range(p)]
-    elif name == ScheduleName.ONE_F_ONE_B:
+    elif name in (ScheduleName.ONE_F_ONE_B, *ASYNC_SCHEDULES):
+        # asynchronous schedules run 1F1B's order; ``m`` microbatches in a row without a flush
+        # in between is their steady state (the versions each task uses: ``async_schedules``)
         lists = [_one_f_one_b(p, m, s) for s in range(p)]
     elif name == ScheduleName.ZB_H1:
         lists = [_zb_h1(p, m, s) for s in range(p)]
@@ -368,7 +389,9 @@ def activation_counts(
     values (W when the schedule splits the backward, since the weight gradient still reads
     them; else B), divided by ``num_chunks`` (an interleaved chunk holds ``1/v`` of the stage's
     layers). Fractional for interleaved schedules: p=4, m=8, v=2 gives (5.5, 4.5, 3.5, 2.5).
-    Cached per (schedule, p, m, v); InvalidOptionError as :func:`make_schedule`. The lists are
+    Asynchronous schedules are counted in their steady state (calls back to back, no drain
+    between them: ``p - i`` on stage ``i`` whatever ``m``). Cached per (schedule, p, m, v);
+    InvalidOptionError as :func:`make_schedule`. The lists are
     the ones :func:`make_schedule` returns, without its validation (a dependency walk that
     costs far more than the count, and that the schedule tests run on every builder).
     """
@@ -380,8 +403,88 @@ def activation_counts(
 def _activation_counts(
     name: ScheduleName, num_stages: int, num_microbatches: int, num_chunks: int
 ) -> tuple[float, ...]:
-    schedule = _build(name, num_stages, num_microbatches, num_chunks)
+    if name in ASYNC_SCHEDULES:  # the pipeline is not drained between calls
+        schedule = _build(name, num_stages, steady_microbatches(num_stages, num_microbatches), 1)
+    else:
+        schedule = _build(name, num_stages, num_microbatches, num_chunks)
     until = TaskKind.W if schedule.splits_backward else TaskKind.B
     return tuple(
         schedule.in_flight(stage, until=until) / num_chunks for stage in range(num_stages)
     )
+
+
+def steady_microbatches(num_stages: int, num_microbatches: int) -> int:
+    """How many microbatches (whole calls of ``num_microbatches``) an asynchronous schedule is
+    simulated over to see its steady state: stage 0 holds up to ``p`` microbatches in flight,
+    whose weight versions are ``p`` apart; ``3p`` and two calls more are past the fill."""
+    return num_microbatches * (-(-3 * num_stages // num_microbatches) + 2)
+
+
+def version_read(name: ScheduleName, num_stages: int, num_microbatches: int,
+                 microbatch: int, stage: int) -> int:
+    """The version of ``stage``'s weights that F and B of ``microbatch`` (numbered from the
+    pipeline's start) read under an asynchronous schedule; version ``v``: after ``v`` updates.
+    PipeDream: the newest when the forward runs, ``n - (p - 1 - i)``; 2BW: the previous call's,
+    ``n // m - 1``; 0 while the pipeline fills. The backward reads what the forward read."""
+    if name == ScheduleName.PIPEDREAM:
+        return max(0, microbatch - (num_stages - 1 - stage))
+    return max(0, microbatch // num_microbatches - 1)
+
+
+def version_written(name: ScheduleName, num_microbatches: int, task: Task) -> int | None:
+    """The version ``task`` writes by applying the update after it (None: it writes none):
+    PipeDream after every backward, 2BW after the last backward of each call."""
+    if task.kind is not TaskKind.B:
+        return None
+    n, m = task.microbatch, num_microbatches
+    if name == ScheduleName.PIPEDREAM:
+        return n + 1
+    return n // m + 1 if n % m == m - 1 else None
+
+
+def weight_version_counts(
+    name: str, num_stages: int, num_microbatches: int, num_chunks: int = 1
+) -> tuple[int, ...]:
+    """Per stage, how many versions of that stage's parameters it holds at peak.
+
+    The one source of this fact for the compiler (stage memory) and the runtime's check: 1 for
+    the synchronous schedules; for the asynchronous ones, counted in their steady state from
+    the versions their tasks read and write (:func:`version_read`, :func:`version_written`):
+    PipeDream with weight stashing ``p - i`` on stage ``i``, PipeDream-2BW 2. Cached;
+    InvalidOptionError as :func:`make_schedule`.
+    """
+    name = check_schedule_options(name, num_stages, num_microbatches, num_chunks)
+    if name not in ASYNC_SCHEDULES:
+        return (1,) * num_stages
+    return _weight_version_counts(name, num_stages, num_microbatches)
+
+
+@functools.lru_cache(maxsize=1024)
+def _weight_version_counts(name: ScheduleName, p: int, m: int) -> tuple[int, ...]:
+    schedule = _build(name, p, steady_microbatches(p, m), 1)
+    return tuple(live_versions(name, schedule, stage, m) for stage in range(p))
+
+
+def live_versions(name: ScheduleName, schedule: Schedule, stage: int,
+                  num_microbatches: int) -> int:
+    """Peak number of versions of ``stage``'s weights alive between its tasks in ``schedule``
+    (an asynchronous schedule's lists, calls of ``num_microbatches`` back to back): the newest,
+    those that microbatches in flight (F run, B not yet) read, and an older one the next
+    forward still reads (2BW between its calls)."""
+    p, m = schedule.num_stages, num_microbatches
+    forwards = [t.microbatch for t in schedule.tasks[stage] if t.kind is TaskKind.F]
+    latest, in_flight, next_forward, peak = 0, set(), 0, 0
+    for task in schedule.tasks[stage]:
+        if task.kind is TaskKind.F:
+            in_flight.add(task.microbatch)
+            next_forward += 1
+        else:
+            in_flight.discard(task.microbatch)
+            written = version_written(name, m, task)
+            latest = latest if written is None else written
+        live = {latest} | {version_read(name, p, m, n, stage) for n in in_flight}
+        if next_forward < len(forwards):
+            upcoming = version_read(name, p, m, forwards[next_forward], stage)
+            live |= {upcoming} if upcoming <= latest else set()
+        peak = max(peak, len(live))
+    return peak

@@ -8,7 +8,9 @@ from typing import Any
 from autopar.cluster import format_mesh_shape
 from autopar.compiler.graph.opgraph import OpGraph
 from autopar.ir.schedule_timeline import Timeline, render_text, stage_timeline
+from autopar.ir.schedules import is_async
 from autopar.plan import Plan
+from autopar.report.async_text import async_facts, async_lines, async_timeline
 
 
 @dataclass
@@ -185,6 +187,7 @@ class CompileReport:
                 + (f", measured {self.measured_idle_fraction:.3f}"
                    if self.measured_idle_fraction is not None else ""),
                 *_ilp_status_lines(plan),
+                *async_lines(plan, format_seconds),
                 "  swimlane (estimated; one column per forward slot):",
             ]
             lines += ["    " + row for row in render_text(timeline).splitlines()]
@@ -339,6 +342,8 @@ def plan_timeline(plan: Plan) -> Timeline | None:
     layout = plan.pipeline
     if layout is None:
         return None
+    if is_async(layout.schedule):  # its steady state: no flush between steps
+        return async_timeline(plan)
     return stage_timeline(layout.schedule, [s.est_time_s for s in plan.stages],
                           plan.num_microbatches, layout.num_chunks)
 
@@ -349,6 +354,7 @@ def _pipeline_dict(plan: Plan,
     if timeline is None:
         return None
     return plan.pipeline.to_dict() | {
+        "asynchronous": async_facts(plan),
         "num_microbatches": plan.num_microbatches,
         "estimated_idle_fraction": timeline.idle_fraction,
         "theoretical_idle_fraction": _theoretical(len(plan.stages), plan.num_microbatches),

@@ -85,8 +85,8 @@ def test_strings_and_members_share_the_cache_and_errors_are_one_line():
     a = activation_counts("zb-h1", 3, 5)
     assert activation_counts(ScheduleName.ZB_H1, 3, 5) is a  # one cache entry
     with pytest.raises(InvalidOptionError) as info:
-        activation_counts("pipedream", 2, 4)
-    assert "gpipe, 1f1b, interleaved-1f1b, zb-h1" in str(info.value)
+        activation_counts("chimera", 2, 4)
+    assert "gpipe, 1f1b, interleaved-1f1b, zb-h1, pipedream, pipedream-2bw" in str(info.value)
     assert "\n" not in str(info.value)
     with pytest.raises(InvalidOptionError, match="m=6"):
         activation_counts("interleaved-1f1b", 4, 6, 2)

@@ -157,7 +157,7 @@ def test_validate_detects_a_cross_stage_deadlock():
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
-        (("pipedream", 2, 4, 1), "gpipe, 1f1b, interleaved-1f1b, zb-h1"),
+        (("chimera", 2, 4, 1), "gpipe, 1f1b, interleaved-1f1b, zb-h1, pipedream, pipedream-2bw"),
         (("1f1b", 0, 4, 1), "num_stages"),
         (("gpipe", 2, 0, 1), "num_microbatches"),
         (("interleaved-1f1b", 4, 6, 2), "m=6"),

@@ -30,8 +30,8 @@ from typing import Any
 from autopar.cluster import ClusterSpec, RuntimeCosts
 from autopar.compiler.cost.collectives import allreduce_time
 from autopar.ir.pipeline_program import Piece, PipelineProgram, piece_roles, plan_segments
-from autopar.ir.schedule_timeline import stage_timeline
-from autopar.ir.schedules import ScheduleName, make_schedule
+from autopar.ir.schedule_timeline import stage_timeline, steady_state
+from autopar.ir.schedules import ScheduleName, is_async, make_schedule
 
 __all__ = [
     "DriverCounts",
@@ -102,6 +102,9 @@ def driver_counts(pp: PipelineProgram, pieces: Sequence[Piece], stage_of_piece: 
         transfers += max(consumers.get(fid, 0), 1)  # each gradient to its home stage
         small += max(consumers.get(fid, 0) - 1, 0)  # summed over the pieces reading it
     segments, _ = plan_segments(pp, list(pieces), list(stage_of_piece))
+    if is_async(schedule):  # each stage's update per version instead of the segments after
+        segments = [seg for seg in segments if seg.phase == "before"]
+        tasks += stages * (m if schedule == ScheduleName.PIPEDREAM else 1)
     tasks += len(segments)
     transfers += sum(len(seg.inputs) for seg in segments)
     return DriverCounts(tasks, small, transfers)
@@ -154,7 +157,15 @@ def estimate_pipeline(schedule: str, num_microbatches: int, stage_times: Sequenc
                       counts: DriverCounts | None = None,
                       accumulate_s: float = 0.0) -> PipelineEstimate:
     """The step's estimate for stages taking ``stage_times[s]`` per microbatch (forward and
-    backward) and ``stage_tails[s]`` once after their last task (see the module docstring)."""
+    backward) and ``stage_tails[s]`` once after their last task (see the module docstring).
+
+    Asynchronous schedules: one call's share of their steady state (calls back to back, no
+    drain), each stage's tail (its update) after every backward that writes a version."""
+    if is_async(schedule):
+        steady = steady_state(schedule, list(stage_times), num_microbatches, list(stage_tails))
+        total = before_s + steady.call_s + host_s
+        return PipelineEstimate(total, steady.call_s, 0.0, before_s, host_s,
+                                steady.idle_fraction, 0.0, counts, accumulate_s)
     timeline = stage_timeline(schedule, list(stage_times), num_microbatches, num_chunks)
     ends = [0.0] * len(stage_times)
     for task, (_, end) in timeline.spans.items():

@@ -129,13 +129,16 @@ class _DenseTable:
     sums: np.ndarray
     fixed: np.ndarray
     act: np.ndarray
+    param: np.ndarray
+    versions: Mapping[float, int]  # weight versions held with each in-flight count (else 1)
     budget: float
     by_count: dict[float, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
 
     def for_count(self, f: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(best time, least memory, fitting times, fitting sums) with ``f`` in flight."""
         if f not in self.by_count:
-            need = self.fixed + f * self.act  # inf for padding slots: they never fit
+            # inf for padding slots: they never fit
+            need = self.fixed + f * self.act + (self.versions.get(f, 1) - 1) * self.param
             fits = need <= self.budget
             fitting_times = np.where(fits, self.times, np.inf)
             fitting_sums = np.where(fits, self.sums, np.inf)
@@ -175,6 +178,7 @@ def _densify(
     width = max([1] + [len(found) for *_, found in entries])
     shape = (layers, layers + 1, len(usable), width)
     times, fixed, act = np.full(shape, np.inf), np.full(shape, np.inf), np.zeros(shape)
+    param = np.zeros(shape)
     sums = np.full(shape, np.inf)
     m = options.num_microbatches
     at = [(k, e, j, c) for k, e, j, found in entries for c in range(len(found))]
@@ -185,6 +189,7 @@ def _densify(
         sums[where] = [c.sum_part(m) for c in chosen]
         fixed[where] = [c.fixed_memory for c in chosen]
         act[where] = [c.activation_memory_per_microbatch for c in chosen]
+        param[where] = [c.param_bytes for c in chosen]
     budget = np.inf if options.memory_budget_bytes is None else options.memory_budget_bytes
     return _DenseTable(
         num_layers=layers,
@@ -195,6 +200,8 @@ def _densify(
         sums=sums,
         fixed=fixed,
         act=act,
+        param=param,
+        versions=options.weight_versions_by_count(min(layers, devices)),
         budget=float(budget),
         by_count={},
     )

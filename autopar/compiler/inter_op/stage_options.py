@@ -18,12 +18,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from autopar.errors import InvalidOptionError, choices_text
+from autopar.errors import InvalidOptionError, PlanError, choices_text
 from autopar.ir.schedules import (
     ScheduleName,
     activation_counts,
     check_schedule_options,
+    is_async,
     schedule_name,
+    weight_version_counts,
 )
 
 __all__ = ["StageDPOptions"]
@@ -88,6 +90,31 @@ class StageDPOptions:
         """In-flight microbatches of stage ``stage`` (0-based) of a ``num_stages``-stage
         pipeline."""
         return self.activation_counts(num_stages)[stage]
+
+    def weight_versions(self, stage: int, num_stages: int) -> int:
+        """Versions of its parameters stage ``stage`` of ``num_stages`` holds at peak (the
+        schedule's count, ``weight_version_counts``: 1 unless the schedule is asynchronous)."""
+        return weight_version_counts(self.schedule, num_stages, self.num_microbatches,
+                                     self.num_chunks)[stage]
+
+    def weight_versions_by_count(self, max_stages: int) -> dict[float, int]:
+        """The weight versions a stage holds, by its in-flight count, over pipelines of 1 to
+        ``max_stages`` stages (the stage DP sizes stages by that count alone; empty when every
+        stage holds one version). PlanError if one count came with two version counts."""
+        if not is_async(self.schedule):
+            return {}
+        found: dict[float, int] = {}
+        for p in range(1, max_stages + 1):
+            if not self.valid_stage_count(p):
+                continue
+            counts = zip(self.activation_counts(p), weight_version_counts(
+                self.schedule, p, self.num_microbatches, self.num_chunks), strict=True)
+            for f, versions in counts:
+                if found.setdefault(f, versions) != versions:
+                    raise PlanError(f"schedule '{self.schedule}' holds {found[f]} and "
+                                    f"{versions} weight versions with {f:g} microbatches in "
+                                    "flight; the stage DP sizes stages by that count alone")
+        return found
 
     def valid_stage_count(self, num_stages: int) -> bool:
         """Whether the schedule runs on ``num_stages`` stages with these microbatches/chunks."""

@@ -162,13 +162,14 @@ def _evaluate(
         zip(layer_ranges, shapes, indices, strict=True)
     ):
         in_flight = options.in_flight(position, count)
+        versions = options.weight_versions(position, count)
         found = table.candidates(start, end, index)
-        fitting = [c for c in found if options.fits(c.memory(in_flight))]
+        fitting = [c for c in found if options.fits(c.memory(in_flight, versions))]
         if not fitting:
             label = f"{what}: stage {position} (layers [{start}, {end}) on {shape})"
             if not found:
                 raise PlanError(f"{label} has no candidate in the cost table")
-            least = min(c.memory(in_flight) for c in found)
+            least = min(c.memory(in_flight, versions) for c in found)
             raise PlanError(
                 f"{label} needs at least {least:.0f} bytes per device with {in_flight:g} "
                 f"microbatches in flight ({options.schedule}); the budget is "

@@ -250,10 +250,13 @@ class StageCandidate:
         """What the DP's sum term sees: :meth:`max_part` and the host's time."""
         return self.max_part(num_microbatches) + self.host_time
 
-    def memory(self, in_flight: float) -> float:
+    def memory(self, in_flight: float, weight_versions: int = 1) -> float:
         """Peak bytes per device with ``in_flight`` microbatches' activations held (fractional
-        under interleaved schedules, whose chunks each hold a share of the stage's layers)."""
-        return self.fixed_memory + in_flight * self.activation_memory_per_microbatch
+        under interleaved schedules, whose chunks each hold a share of the stage's layers) and
+        ``weight_versions`` versions of the parameters (asynchronous schedules stash more than
+        the one ``fixed_memory`` counts)."""
+        return (self.fixed_memory + in_flight * self.activation_memory_per_microbatch
+                + (weight_versions - 1) * self.param_bytes)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form."""

@@ -182,9 +182,9 @@ def plan(step: StepProgram, cluster: ClusterSpec, *,
 
 def _plan_pipelined(step: StepProgram, method: PipeshardParallel, traced: TracedStep,
                     cluster: ClusterSpec) -> PlannedProgram:
-    from autopar.compiler.planners.pipeshard import plan_pipeshard
+    from autopar.compiler.planners.schedule_choice import plan_pipeline
 
-    planned = PlannedProgram(traced, plan_pipeshard(step.pipeline, method, cluster),
+    planned = PlannedProgram(traced, plan_pipeline(step.pipeline, method, cluster),
                              step.pipeline)
     planned.plan.batch_argnums = step.batch_argnums
     inexact = step.pipeline.inexact_draws

@@ -52,7 +52,7 @@ from autopar.compiler.planners.stage_costs import (
 from autopar.errors import PlanError
 from autopar.ir.pipeline_program import PipelineProgram
 from autopar.ir.schedules import ScheduleName
-from autopar.methods import ManualStages, PipeshardParallel
+from autopar.methods import SCHEDULE_AUTO, ManualStages, PipeshardParallel
 from autopar.plan import (
     InputSignature,
     MethodName,
@@ -254,7 +254,11 @@ def plan_pipeshard(pp: PipelineProgram, method: PipeshardParallel, cluster: Clus
     ``plan.planning.phases`` splits the planning seconds: ``layers_s`` (clustering),
     ``stage_costs_s`` (the per-layer ILPs the search asked for), ``stage_dp_s`` (the search
     without them), ``stage_plans_s`` (the chosen stages solved whole) and ``total_s``.
-    ``plan.planning.candidates`` lists the pipelines compared (``search_pipelines``)."""
+    ``plan.planning.candidates`` lists the pipelines compared (``search_pipelines``).
+    ``schedule="auto"`` is ``schedule_choice.plan_pipeline``'s."""
+    if method.schedule == SCHEDULE_AUTO:
+        raise PlanError("schedule='auto' compares schedules: plan it with "
+                        "schedule_choice.plan_pipeline, which plans each with this function")
     start = time.perf_counter()
     graph = build_graph(pp.forward)
     positions = layer_positions(pp, graph, method.layers, cluster.num_devices)
@@ -271,6 +275,8 @@ def plan_pipeshard(pp: PipelineProgram, method: PipeshardParallel, cluster: Clus
     placed = place_submeshes(list(partition.submeshes), hosts, per_host)
     layout, piece_ranges = _layout(method, partition, positions, chunks, best.replicas)
     pieces = [range_piece(pp, positions, a, b) for a, b in piece_ranges]
+    versions = [dp_options.weight_versions(s, len(partition.stages))
+                for s in range(len(partition.stages))]
     stages = []
     for s, assignment in enumerate(partition.stages):
         shape = assignment.candidate.logical_mesh_shape
@@ -299,10 +305,13 @@ def plan_pipeshard(pp: PipelineProgram, method: PipeshardParallel, cluster: Clus
             est_time_s=c.time,
             est_compute_time_s=compute,
             est_communication_time_s=c.time - compute,
-            peak_memory_bytes=int(c.memory(dp_options.in_flight(s, len(partition.stages)))),
+            peak_memory_bytes=int(c.memory(dp_options.in_flight(s, len(partition.stages)),
+                                           versions[s])),
             memory_breakdown={"fixed": int(c.fixed_memory),
                               "activations_per_microbatch":
-                                  int(c.activation_memory_per_microbatch)},
+                                  int(c.activation_memory_per_microbatch),
+                              # the versions past the one "fixed" holds (asynchronous)
+                              "stashed_weights": int((versions[s] - 1) * c.param_bytes)},
         ))
     end = time.perf_counter()
     timings = {

@@ -42,6 +42,7 @@ METHOD_OPTIONS: tuple[tuple[str, str, str], ...] = (
     ("memory_budget", "--memory-budget", "memory_budget_bytes"),
     ("microbatches", "--microbatches", "num_microbatches"),
     ("schedule", "--schedule", "schedule"),
+    ("allow_async", "--allow-async", "allow_async"),
     ("stages", "--stages", "stages"),
     ("num_stages", "--num-stages", "num_stages"),
     ("pipeline_layers", "--pipeline-layers", "layers"),

@@ -94,7 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=int, default=None,
                    help="microbatches per step (default 4)")
     p.add_argument("--schedule", default=None,
-                   help=f"{choices_text(ScheduleName)} (default {ScheduleName.ONE_F_ONE_B})")
+                   help=f"{choices_text(ScheduleName)}, or auto: the planner compares them "
+                        f"(default {ScheduleName.ONE_F_ONE_B})")
+    p.add_argument("--allow-async", action="store_true", default=None,
+                   help="with --schedule auto, let the planner choose an asynchronous "
+                        "schedule (pipedream, pipedream-2bw): it changes the training "
+                        "algorithm")
     p.add_argument("--stages", default=None, help="auto (the stage DP; default) or uniform")
     p.add_argument("--num-stages", type=int, default=None, help="fix the number of stages")
     p.add_argument("--pipeline-layers", default=None,

@@ -454,7 +454,7 @@ def test_in_flight_and_options():
     assert StageDPOptions.from_dict(json.loads(json.dumps(interleaved.to_dict()))) == interleaved
     assert not interleaved.valid_stage_count(3) and interleaved.valid_stage_count(4)
     with pytest.raises(InvalidOptionError, match="choices: gpipe, 1f1b, interleaved-1f1b, zb-h1"):
-        StageDPOptions(4, "pipedream")
+        StageDPOptions(4, "chimera")
     with pytest.raises(InvalidOptionError, match="num_chunks >= 2"):
         StageDPOptions(4, "interleaved-1f1b")
     with pytest.raises(InvalidOptionError, match="valid is 1"):

@@ -1,0 +1,98 @@
+"""``PipeshardParallel(schedule="auto")``: plan each candidate schedule, keep the fastest.
+
+The synchronous candidates are 1F1B and ZB-H1 (GPipe never beats 1F1B's time and holds more
+activations; interleaved 1F1B needs uniform stages). The asynchronous ones, PipeDream and
+PipeDream-2BW, are candidates only with ``allow_async=True``: they change the training
+algorithm (weight staleness), which is the user's call, not the planner's. Each candidate is
+planned in full (its own stage search, whose memory counts its activations in flight and its
+weight versions), sharing the layer costs; one that cannot be planned (nothing fits, too few
+microbatches for 2BW) is listed with why. The plan says what it chose, what 1F1B would have
+taken, and, for an asynchronous choice, the weight versions and staleness per stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from autopar.cluster import ClusterSpec
+from autopar.compiler.planners.pipeshard import plan_pipeshard
+from autopar.compiler.planners.stage_costs import layer_cost_cache
+from autopar.errors import InvalidOptionError, PlanError
+from autopar.ir.async_schedules import weight_versions
+from autopar.ir.pipeline_program import PipelineProgram
+from autopar.ir.schedules import ScheduleName, is_async, weight_version_counts
+from autopar.methods import SCHEDULE_AUTO, PipeshardParallel
+from autopar.plan import MethodName, Plan
+
+SYNCHRONOUS_CANDIDATES = (ScheduleName.ONE_F_ONE_B, ScheduleName.ZB_H1)
+ASYNCHRONOUS_CANDIDATES = (ScheduleName.PIPEDREAM, ScheduleName.PIPEDREAM_2BW)
+
+
+def auto_schedules(allow_async: bool) -> tuple[ScheduleName, ...]:
+    """The schedules ``schedule="auto"`` compares."""
+    return SYNCHRONOUS_CANDIDATES + (ASYNCHRONOUS_CANDIDATES if allow_async else ())
+
+
+def async_summary(plan: Plan) -> str | None:
+    """For an asynchronous plan, one line: the weight versions live and the staleness per
+    stage (None for other plans)."""
+    layout = plan.pipeline
+    if layout is None or not is_async(layout.schedule):
+        return None
+    p, m = len(plan.stages), plan.num_microbatches
+    versions = weight_version_counts(layout.schedule, p, m)
+    rules = weight_versions(layout.schedule, p, m)
+    return (f"asynchronous schedule {layout.schedule}: the training algorithm is not the "
+            f"synchronous step's; weight versions live per stage {list(versions)}, staleness "
+            f"in updates per stage {[rules.staleness(s) for s in range(p)]}")
+
+
+def plan_pipeline(pp: PipelineProgram, method: PipeshardParallel, cluster: ClusterSpec,
+                  cluster_name: str | None = None, *, cache: Any = None) -> Plan:
+    """``plan_pipeshard``, or with ``schedule="auto"`` :func:`choose_schedule`."""
+    if method.schedule == SCHEDULE_AUTO:
+        return choose_schedule(pp, method, cluster, cluster_name, cache=cache)
+    return plan_pipeshard(pp, method, cluster, cluster_name, cache=cache)
+
+
+def choose_schedule(pp: PipelineProgram, method: PipeshardParallel, cluster: ClusterSpec,
+                    cluster_name: str | None = None, *, cache: Any = None) -> Plan:
+    """The fastest plan over :func:`auto_schedules` (PlanError, one line, when none can be
+    planned, with each schedule's reason)."""
+    cache = cache if cache is not None else layer_cost_cache(method)
+    plans: dict[ScheduleName, Plan] = {}
+    why: dict[ScheduleName, str] = {}
+    for name in auto_schedules(method.allow_async):
+        try:
+            plans[name] = plan_pipeshard(pp, dataclasses.replace(method, schedule=name),
+                                         cluster, cluster_name, cache=cache)
+        except (PlanError, InvalidOptionError) as exc:
+            why[name] = str(exc)
+    if not plans:
+        reasons = "; ".join(f"{name}: {text}" for name, text in why.items())
+        raise PlanError(f"schedule='auto' found no schedule that plans: {reasons}")
+    best = min(plans, key=lambda name: plans[name].est_step_time_s)
+    plan = plans[best]
+    rows = []
+    for name in auto_schedules(method.allow_async):
+        found = plans.get(name)
+        rows.append({"name": f"schedule {name}", "method": MethodName.PIPESHARD.value,
+                     "est_step_time_s": None if found is None else found.est_step_time_s,
+                     "fits": found is not None, "chosen": name == best,
+                     "note": why.get(name, "asynchronous" if is_async(name) else "")})
+    notes = [f"schedule auto{' (asynchronous allowed)' if method.allow_async else ''}: chose "
+             f"{best} (est. {plan.est_step_time_s:.4g} s/step)"]
+    reference = plans.get(ScheduleName.ONE_F_ONE_B)
+    if reference is not None and best != ScheduleName.ONE_F_ONE_B:
+        notes[0] += (f"; 1f1b est. {reference.est_step_time_s:.4g} s/step, estimated "
+                     f"throughput {reference.est_step_time_s / plan.est_step_time_s:.2f}x "
+                     "1f1b's")
+    summary = async_summary(plan)
+    if summary is not None:
+        notes.append(summary)
+    plan.notes[:0] = notes
+    plan.planning.method_options = plan.planning.method_options | {
+        "schedule": "auto", "allow_async": method.allow_async, "chosen_schedule": str(best)}
+    plan.planning.candidates = rows
+    return plan
