@@ -40,7 +40,7 @@ from autopar.errors import PlanError
 from autopar.ir.async_schedules import WeightVersions, weight_versions
 from autopar.ir.async_update import AsyncStepProgram, StageUpdate, async_step_program
 from autopar.ir.program import run_eqns
-from autopar.ir.scan_split import run_forward_eqns
+from autopar.ir.scan_units import run_forward_eqns
 from autopar.ir.schedules import Task, TaskKind
 from autopar.plan import Plan
 from autopar.runtime.pipeline import PipelineRunner, TaskRecord, _mean, _StepState
