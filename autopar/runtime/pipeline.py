@@ -39,7 +39,8 @@ from autopar.ir.scan_units import run_forward_eqns
 from autopar.ir.schedules import Schedule, TaskKind, make_schedule
 from autopar.plan import Plan
 from autopar.runtime.distributed import put
-from autopar.runtime.program_calls import ProgramCall, abstract_args
+from autopar.runtime.fused_step import FusedStep
+from autopar.runtime.program_calls import ProgramCall, TaskRecord, abstract_args
 from autopar.runtime.shard import partition_spec
 
 
@@ -50,18 +51,6 @@ class StageDevices:
     device_ids: tuple[int, ...]
     mesh_shape: tuple[int, ...]
     axis_names: tuple[str, ...]
-
-
-@dataclass
-class TaskRecord:
-    """When a task ran (seconds since the step started); filled when timing is on."""
-
-    kind: str
-    microbatch: int
-    stage: int
-    chunk: int
-    start_s: float
-    end_s: float
 
 
 @dataclass
@@ -134,13 +123,19 @@ class PipelineRunner:
         self.draw_fns = [jax.jit(draw_function(d)) for d in pp.draws]
         self.input_split_fns = self._input_split_fns()
         self.records: list[TaskRecord] = []
-        # every device of the plan, in plan order: where the step's small outputs go
+        # every device of the plan, in plan order: where the step's small outputs go (one
+        # stage: its own mesh, so that the outputs fed back into the next step, the new
+        # state's scalars among them, lie on the one mesh its one program runs on)
         self.everywhere = NamedSharding(
             Mesh(np.array([by_id[i] for i in sorted({d for s in stages
                                                       for d in s.device_ids})]), ("all",)),
-            PartitionSpec())
+            PartitionSpec()) if len(stages) > 1 else NamedSharding(self.meshes[0],
+                                                                   PartitionSpec())
         self.shared_outputs = shared_outputs(pp)
         self._accumulate = jax.jit(lambda acc, g: [a + b for a, b in zip(acc, g, strict=True)])
+        # one stage: the whole step is one program (its tasks' order is fixed, nothing waits
+        # on another stage), traced from this driver
+        self.fused = FusedStep(self) if len(self.meshes) == 1 else None
 
     @classmethod
     def from_plan(cls, pp: PipelineProgram, plan: Plan, devices: Sequence[Any]) -> PipelineRunner:
@@ -178,10 +173,15 @@ class PipelineRunner:
         return NamedSharding(mesh, PartitionSpec())
 
     def _put(self, value: Any, stage: int, vid: int | None = None, batched: bool = False) -> Any:
+        sharding = self.sharding(stage, value, vid, batched)
+        if isinstance(value, jax.core.Tracer):
+            # the driver traced as one program (``runtime.fused_step``): a placement on the
+            # stage is a layout the program holds the value to
+            return jax.lax.with_sharding_constraint(value, sharding)
         # distributed.put is jax.device_put in one process; across processes (every process
         # runs this driver over every task, JAX skips the computations of devices it does not
         # hold) it also moves values between stages on different processes
-        return put(value, self.sharding(stage, value, vid, batched))
+        return put(value, sharding)
 
     # -- executables ---------------------------------------------------------------------------
 
@@ -278,10 +278,25 @@ class PipelineRunner:
     def __call__(self, flat_args: Sequence[Any], record: bool = False,
                  calls: list[ProgramCall] | None = None) -> list[Any]:
         """One step on the step's flat inputs; its flat outputs. ``record``: wait for and time
-        every task (``records``); ``calls``: log every program run into this list."""
-        outer = self.pp.outer
-        st = _StepState(env=dict(zip(outer.in_ids, flat_args, strict=True)), calls=calls)
+        every task (``records``); ``calls``: log every program run into this list. A one-stage
+        pipeline runs as one program (``runtime.fused_step``): its record and logged call are
+        that program's."""
+        if self.fused is not None:
+            return self.fused(flat_args, record, calls)
+        st = self.new_state(flat_args, calls)
         self.records = []
+        self.run_step(st, record)
+        return [self.output(st, v) for v in self.pp.outer.out_ids]
+
+    def new_state(self, flat_args: Sequence[Any],
+                  calls: list[ProgramCall] | None = None) -> _StepState:
+        """A step's state holding its flat inputs (``calls``: the log of programs run)."""
+        return _StepState(env=dict(zip(self.pp.outer.in_ids, flat_args, strict=True)),
+                          calls=calls)
+
+    def run_step(self, st: _StepState, record: bool = False) -> None:
+        """Every program of one step in the schedule's order, the step's values in ``st.env``
+        (``record``: each task waited for and timed into ``records``)."""
         start = time.perf_counter()
         for k, (vid, outs, fn) in enumerate(self.input_split_fns):
             st.env.update(zip(outs, self._call(st, f"split{k}", None, fn, st.env[vid]),
@@ -302,9 +317,8 @@ class PipelineRunner:
         for k, seg in enumerate(self.segments):
             if seg.phase == "after":
                 self._run_segment(st, k, seg)
-        return [self._output(st, v) for v in outer.out_ids]
 
-    def _output(self, st: _StepState, vid: int) -> Any:
+    def output(self, st: _StepState, vid: int) -> Any:
         """The step's result ``vid``: a small one (``shared_outputs``) on every device of the
         plan, so that every process of a run can read it (``float(loss)``); the rest (the new
         state) where its segment made it, as global arrays (``distributed.to_host`` reads

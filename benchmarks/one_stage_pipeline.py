@@ -1,0 +1,75 @@
+"""One-stage pipelined GPT vs ShardParallel of the same stage on the local devices.
+
+GPT hidden 256, 4 layers, seq 64, batch 16, vocab 1024 (the local suite's "gpt small"), on
+8 (or ``--devices``) simulated CPU devices in one process. Both steps are built and warmed
+up, then timed in interleaved rounds (one step of each in turn, as ``bench.measure`` does)
+so that the shared machine's load falls on both alike. Prints the medians, their ratio, and
+the pipelined step's runtime overhead (step / sum of its tasks' measured compute, from
+``ParallelizedStep.timed_call``).
+
+    python benchmarks/one_stage_pipeline.py [--devices 8] [--rounds 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+
+def main() -> None:
+    """Time both plans and print the ratio."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--devices", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--microbatches", type=int, default=4)
+    args = ap.parse_args()
+    os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={args.devices}")
+    import jax
+
+    import autopar
+    from autopar.bench.measure import TrainingLoop, make_inputs
+    from autopar.models import get_model
+
+    model = get_model("gpt", "tiny", hidden_size=256, num_layers=4, seq_len=64, batch_size=16,
+                      vocab_size=1024).with_value_and_grad(autopar.value_and_grad)
+    inputs = make_inputs(model)
+    devices = jax.devices()[: args.devices]
+    pipelined = autopar.PipeshardParallel(num_stages=1, num_microbatches=args.microbatches)
+    loops, steps = {}, {}
+
+    def build(name: str, method: object) -> None:
+        step = autopar.parallelize(model.train_step, method=method, devices=devices,
+                                   cache=False)
+        loops[name] = TrainingLoop(step, inputs.state, inputs.batch)
+        for _ in range(3):
+            jax.block_until_ready(loops[name]())
+        steps[name] = step
+        plan = step.get_plan(inputs.state, inputs.batch)
+        print(name, plan.method, "stages", len(plan.stages),
+              [s.logical_mesh_shape for s in plan.stages], flush=True)
+
+    build("pipeline-1", pipelined)
+    # the same stage (its logical mesh) run by ShardParallel
+    stage = steps["pipeline-1"].get_plan(inputs.state, inputs.batch).stages[0]
+    build("shard", autopar.ShardParallel(mesh_shape=tuple(stage.logical_mesh_shape)))
+    times: dict[str, list[float]] = {n: [] for n in loops}
+    for _ in range(args.rounds):
+        for name, loop in loops.items():
+            start = time.perf_counter()
+            jax.block_until_ready(loop())
+            times[name].append(time.perf_counter() - start)
+    med = {n: statistics.median(t) for n, t in times.items()}
+    for n, m in med.items():
+        print(f"{n}: median {m:.4f} s over {len(times[n])}")
+    print(f"ratio pipeline-1 / shard = {med['pipeline-1'] / med['shard']:.3f}")
+    loop = loops["pipeline-1"]
+    _, records = steps["pipeline-1"].timed_call(loop.state, inputs.batch)
+    busy = sum(r.end_s - r.start_s for r in records)
+    print(f"pipeline-1: {len(records)} task records, compute {busy:.4f} s; "
+          f"runtime overhead {med['pipeline-1'] / busy:.3f}")
+
+
+if __name__ == "__main__":
+    main()
