@@ -7,7 +7,11 @@ so that the shared machine's load falls on both alike. Prints the medians, their
 the pipelined step's runtime overhead (step / sum of its tasks' measured compute, from
 ``ParallelizedStep.timed_call``).
 
-    python benchmarks/one_stage_pipeline.py [--devices 8] [--rounds 10]
+    PYTHONPATH=. python benchmarks/one_stage_pipeline.py [--devices 8] [--rounds 10]
+        [--microbatches 4] [--stages 1]
+
+(``--stages 2``: an equal two-stage pipeline beside ShardParallel on every device, for its
+runtime overhead.)
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ def main() -> None:
     ap.add_argument("--devices", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--microbatches", type=int, default=4)
+    # more than one: equal stages (uniform), beside ShardParallel on every device
+    ap.add_argument("--stages", type=int, default=1)
     args = ap.parse_args()
     os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={args.devices}")
     import jax
@@ -36,7 +42,8 @@ def main() -> None:
                       vocab_size=1024).with_value_and_grad(autopar.value_and_grad)
     inputs = make_inputs(model)
     devices = jax.devices()[: args.devices]
-    pipelined = autopar.PipeshardParallel(num_stages=1, num_microbatches=args.microbatches)
+    pipelined = autopar.PipeshardParallel(num_stages=args.stages, stages="uniform",
+                                          num_microbatches=args.microbatches)
     loops, steps = {}, {}
 
     def build(name: str, method: object) -> None:
@@ -51,9 +58,10 @@ def main() -> None:
               [s.logical_mesh_shape for s in plan.stages], flush=True)
 
     build("pipeline-1", pipelined)
-    # the same stage (its logical mesh) run by ShardParallel
+    # the same stage (its logical mesh) run by ShardParallel; several: over every device
     stage = steps["pipeline-1"].get_plan(inputs.state, inputs.batch).stages[0]
-    build("shard", autopar.ShardParallel(mesh_shape=tuple(stage.logical_mesh_shape)))
+    mesh = tuple(stage.logical_mesh_shape) if args.stages == 1 else None
+    build("shard", autopar.ShardParallel(mesh_shape=mesh))
     times: dict[str, list[float]] = {n: [] for n in loops}
     for _ in range(args.rounds):
         for name, loop in loops.items():

@@ -8,7 +8,9 @@ first, weight gradients later). The driver walks the schedule's global order; va
 stages with ``jax.device_put`` to the receiving stage's sharding, straight from the producing
 stage to every consumer (a long skip connection is not relayed through the stages between).
 The step's other equations run as jitted segments on their home stages before and after the
-pipeline.
+pipeline. A piece's first backward in a step makes its gradient accumulators (its gradients),
+later ones add into them, donated. One stage: the whole step is traced into one program
+(``runtime.fused_step``), since nothing there waits on another stage.
 """
 
 from __future__ import annotations
@@ -66,6 +68,10 @@ class _PieceTasks:
     backward: Any = None
     backward_input: Any = None
     backward_weight: Any = None
+    # the first microbatch's: its gradients become the accumulators (no zeros made, placed
+    # and added to)
+    backward_first: Any = None
+    backward_weight_first: Any = None
 
 
 @dataclass
@@ -132,7 +138,11 @@ class PipelineRunner:
             PartitionSpec()) if len(stages) > 1 else NamedSharding(self.meshes[0],
                                                                    PartitionSpec())
         self.shared_outputs = shared_outputs(pp)
-        self._accumulate = jax.jit(lambda acc, g: [a + b for a, b in zip(acc, g, strict=True)])
+        mb = self.micro
+        self._microbatches = jax.jit(
+            lambda x: [x[i * mb : (i + 1) * mb] for i in range(self.m)])
+        # per (value, stage): the loss's cotangent seed (1 / m everywhere), placed once
+        self._seeds: dict[tuple[int, int], Any] = {}
         # one stage: the whole step is one program (its tasks' order is fixed, nothing waits
         # on another stage), traced from this driver
         self.fused = FusedStep(self) if len(self.meshes) == 1 else None
@@ -236,10 +246,20 @@ class PipelineRunner:
             (grads,) = vjp_fn(cots)
             return [a + g for a, g in zip(acc, grads[:n_params], strict=True)]
 
+        def backward_first(vjp_fn, cots):
+            (grads,) = vjp_fn(cots)
+            return grads[n_params:], list(grads[:n_params])
+
+        def backward_weight_first(vjp_fn, cots):
+            (grads,) = vjp_fn(cots)
+            return list(grads[:n_params])
+
         t.forward = jax.jit(forward)
         t.backward = jax.jit(backward, donate_argnums=(2,))
         t.backward_input = jax.jit(backward_input)
         t.backward_weight = jax.jit(backward_weight, donate_argnums=(2,))
+        t.backward_first = jax.jit(backward_first)
+        t.backward_weight_first = jax.jit(backward_weight_first)
         return t
 
     def _input_split_fns(self) -> list[tuple[int, list[int], Any]]:
@@ -357,12 +377,13 @@ class PipelineRunner:
             st.env[d.source] = self._call(st, f"draw{k}", stage, fn, *values)
 
     def _split_batch(self, st: _StepState) -> None:
-        """Each microbatch of every split loss input, on the stages that read it."""
-        mb = self.micro
-        for fid in self.pp.split_inputs:
+        """Each microbatch of every split loss input (placed on the stages that read it when
+        they read it), cut by one program per input where it lies: not a slice each."""
+        for k, fid in enumerate(sorted(self.pp.split_inputs)):
             full = st.env[self.pp.operand_of[fid]]
-            for i in range(self.m):
-                st.acts[(fid, i)] = full[i * mb : (i + 1) * mb]
+            parts = self._call(st, f"microbatches{k}", None, self._microbatches, full)
+            for i, part in enumerate(parts):
+                st.acts[(fid, i)] = part
 
     def _input(self, st: _StepState, vid: int, microbatch: int, stage: int) -> Any:
         if vid in self.pp.operand_of and vid not in self.pp.split_inputs:
@@ -381,33 +402,32 @@ class PipelineRunner:
             st.vjps[(piece, i)] = vjp_fn
             return outs
         vjp_fn = st.vjps[(piece, i)]
+        acc = st.accum.get(piece)
         if task.kind == TaskKind.W:  # the output cotangents its B task used
             cots = st.saved_cots.pop((piece, i))
-            st.accum[piece] = self._call(st, f"W{piece}", t.stage, t.backward_weight, vjp_fn,
-                                         cots, self._acc(st, t))
+            if acc is None:
+                st.accum[piece] = self._call(st, f"W{piece}", t.stage,
+                                             t.backward_weight_first, vjp_fn, cots)
+            else:
+                st.accum[piece] = self._call(st, f"W{piece}", t.stage, t.backward_weight,
+                                             vjp_fn, cots, acc)
             del st.vjps[(piece, i)]
             return st.accum[piece]
         cots = [self._cotangent(st, v, i, t.stage) for v in t.float_outputs]
         if self.schedule.splits_backward:
             act_grads = self._call(st, f"Bi{piece}", t.stage, t.backward_input, vjp_fn, cots)
             st.saved_cots[(piece, i)] = cots
+        elif acc is None:
+            act_grads, st.accum[piece] = self._call(st, f"B{piece}", t.stage,
+                                                    t.backward_first, vjp_fn, cots)
+            del st.vjps[(piece, i)]
         else:
             act_grads, st.accum[piece] = self._call(st, f"B{piece}", t.stage, t.backward,
-                                                    vjp_fn, cots, self._acc(st, t))
+                                                    vjp_fn, cots, acc)
             del st.vjps[(piece, i)]
         for v, g in zip(t.diff[len(t.params) :], act_grads, strict=True):
             self._add_cotangent(st, v, i, g)
         return act_grads
-
-    def _acc(self, st: _StepState, t: _PieceTasks) -> list[Any]:
-        acc = st.accum.get(t.piece.index)
-        if acc is None:
-            acc = [
-                self._put(jnp.zeros(self.pp.forward.avals[v].shape,
-                                    self.pp.forward.avals[v].dtype), t.stage, v)
-                for v in t.params
-            ]
-        return acc
 
     def _producer_stage(self, vid: int) -> int:
         for p in self.pieces:
@@ -427,6 +447,15 @@ class PipelineRunner:
         total = st.cots.pop((vid, i), None)
         outputs = self.pp.loss_outputs
         if vid == outputs[0]:  # the loss: the step's loss is the mean over microbatches
+            if total is None and self.fused is None:
+                # the same constant every microbatch and step: made and placed once (not
+                # when the step is traced as one program: there it is a constant already)
+                key = (vid, stage)
+                if key not in self._seeds:
+                    self._seeds[key] = self._put(
+                        jnp.full(aval.shape, 1.0 / self.m, aval.dtype), stage, vid,
+                        batched=True)
+                return self._seeds[key]
             seed = jnp.full(aval.shape, 1.0 / self.m, aval.dtype)
             total = seed if total is None else total + seed
         if total is None:
