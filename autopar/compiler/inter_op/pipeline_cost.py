@@ -16,8 +16,7 @@ plans are compared with (``planners/dispatch``: the full search keeps the least 
 - *host*: the driver's work, one host thread issuing every task, transfer and small
   operation of the step one after the other (``runtime/pipeline.py``), counted from the
   pieces and the schedule (:func:`driver_counts`) and priced with the cluster's
-  ``RuntimeCosts``. A one-stage plan pays one call of one program instead, and so does a
-  one-stage pipeline, which the runtime runs as one program (``runtime.fused_step``).
+  ``RuntimeCosts``. A one-stage plan pays one call of one program instead.
 
 Pure: no devices, no JAX arrays.
 """
@@ -68,12 +67,10 @@ def driver_counts(pp: PipelineProgram, pieces: Sequence[Piece], stage_of_piece: 
     ``runtime.pipeline.PipelineRunner`` runs them: one task per schedule entry, each input of
     a forward placed on its stage per microbatch unless it is a step input, fetched once per
     stage; each output cotangent placed for the backward, each input gradient sent back).
-    One stage: the runtime runs the whole step as one program (``runtime.fused_step``), one
-    call per step as a one-stage plan's."""
+    A one-stage pipeline too: the runtime runs it task by task (its one-program form,
+    ``runtime.fused_step``, is opt-in: measured slower on XLA:CPU)."""
     m = num_microbatches
     stages = max(stage_of_piece) + 1
-    if stages == 1:
-        return DriverCounts(1, 0, 0)
     sched = make_schedule(schedule, stages, m, num_chunks)
     tasks = len(sched.global_order())
     loss_inputs = set(pp.operand_of)
