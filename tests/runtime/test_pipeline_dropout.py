@@ -57,7 +57,7 @@ def inputs():
     return {"p": p, "o": OPT.init(p), "rng": jax.random.key_data(jax.random.key(3))}, batch
 
 
-# one stage: the step traced as one program (runtime.fused_step) draws and cuts alike
+# one stage too: its tasks on one mesh draw and cut alike
 @pytest.mark.parametrize("schedule, stages", [("1f1b", 2), ("zb-h1", 2), ("1f1b", 1)])
 def test_pipelined_dropout_equals_the_serial_step(schedule, stages):
     state, batch = inputs()
