@@ -31,6 +31,16 @@ class Timing:
     first_call_s: float  # the first warm-up call: compilation included
     hlo_collectives: dict[str, dict[str, int]] | None = None
     hlo_note: str = ""
+    # a pipelined plan's: the measured step over the sum of its tasks' measured times (each
+    # task waited for, ``ParallelizedStep.timed_call``); 1 when the driver adds nothing
+    task_compute_s: float | None = None
+
+    @property
+    def runtime_overhead(self) -> float | None:
+        """The median step over its tasks' summed compute (None: not pipelined)."""
+        if not self.task_compute_s:
+            return None
+        return self.median_s / self.task_compute_s
 
     @property
     def median_s(self) -> float:
@@ -46,6 +56,8 @@ class Timing:
             "first_call_s": self.first_call_s,
             "hlo_collectives": self.hlo_collectives,
             "hlo_note": self.hlo_note,
+            "task_compute_s": self.task_compute_s,
+            "runtime_overhead": self.runtime_overhead,
         }
 
 
@@ -96,6 +108,25 @@ def time_calls(call: Callable[[], Any], warmup: int, repeats: int) -> tuple[floa
     return first, times
 
 
+# Timed calls of a pipelined step whose tasks' times are summed (the median sum is kept).
+TASK_TIMING_CALLS = 3
+
+
+def task_compute_s(step: Any, plan: Plan, loop: TrainingLoop,
+                   calls: int = TASK_TIMING_CALLS) -> float | None:
+    """A pipelined plan's tasks' summed measured time per step, each task waited for (the
+    median over ``calls`` timed steps of ``ParallelizedStep.timed_call``, the state carried
+    on as the loop carries it); None for a one-stage plan, which has no tasks."""
+    if plan.pipeline is None:
+        return None
+    sums = []
+    for _ in range(calls):
+        out, records = step.timed_call(loop.state, loop.batch)
+        loop.state = out[0]
+        sums.append(sum(r.end_s - r.start_s for r in records))
+    return statistics.median(sums)
+
+
 def measure_plan(step_fn: Callable, plan: Plan, inputs: LocalInputs, devices: Sequence[Any],
                  warmup: int, repeats: int) -> Timing:
     """Run ``plan`` for ``step_fn(state, batch)`` on ``devices``: the step times, and the
@@ -104,9 +135,11 @@ def measure_plan(step_fn: Callable, plan: Plan, inputs: LocalInputs, devices: Se
     import autopar
 
     step = autopar.parallelize(step_fn, plan=plan, devices=list(devices), cache=False)
-    first, times = time_calls(TrainingLoop(step, inputs.state, inputs.batch), warmup, repeats)
+    loop = TrainingLoop(step, inputs.state, inputs.batch)
+    first, times = time_calls(loop, warmup, repeats)
     counted = step.get_hlo_collectives(inputs.state, inputs.batch)
-    return Timing(tuple(times), warmup, first, counted)
+    return Timing(tuple(times), warmup, first, counted, task_compute_s=task_compute_s(
+        step, plan, loop))
 
 
 # Interleaved timing: each plan gets this many times the case's timed steps, one step of each
@@ -121,7 +154,8 @@ def measure_plans(step_fn: Callable, plans: dict[str, Plan], inputs: LocalInputs
     ``rounds * repeats`` rounds each time one step of every plan in turn, so that a change in
     the machine's load falls on all of them alike (a shared machine's load moves within
     seconds). Each plan's ``Timing`` holds all its timed steps and its HLO's collectives (a
-    pipelined plan's: every program of one more step, after the timing)."""
+    pipelined plan's: every program of one more step, after the timing) and, pipelined, its
+    tasks' summed time (``task_compute_s``: a few more steps, every task waited for)."""
     import autopar
 
     # a plan given under several names (autopar's plan is one of the baselines' own) is one
@@ -145,9 +179,10 @@ def measure_plans(step_fn: Callable, plans: dict[str, Plan], inputs: LocalInputs
             jax.block_until_ready(loop())
             times[name].append(time.perf_counter() - start)
     out = {}
-    for name in distinct:
+    for name, plan in distinct.items():
         counted = steps[name].get_hlo_collectives(inputs.state, inputs.batch)
-        out[name] = Timing(tuple(times[name]), warmup, firsts[name], counted)
+        out[name] = Timing(tuple(times[name]), warmup, firsts[name], counted,
+                           task_compute_s=task_compute_s(steps[name], plan, loops[name]))
     return {name: out[first_name[id(plan)]] for name, plan in plans.items()}
 
 

@@ -138,12 +138,13 @@ def _kinds(kinds: dict | None) -> str:
 def _cases_table(cases: Sequence[Row]) -> list[str]:
     lines = ["| case | where | devices | params | method stages: submesh/logical mesh | "
              "trace (s) | ILP (s) | DP (s) | planning total (s) | ILP solves | est. step (s) | "
-             "est. TFLOPS/device | measured step (s) | measured TFLOPS/device |",
-             "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "est. TFLOPS/device | measured step (s) | measured TFLOPS/device | "
+             "runtime overhead |",
+             "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in cases:
         if r.get("error"):
             lines.append(f"| {r['case']} | {r.get('where', '')} | — | — | error: {r['error']} "
-                         "| | | | | | | | | |")
+                         "| | | | | | | | | | |")
             continue
         p, m = r["planning"], r.get("measured") or {}
         lines.append(
@@ -151,20 +152,24 @@ def _cases_table(cases: Sequence[Row]) -> list[str]:
             f"{format_count(r['params'])} | {_stages(r['plan'], True)} | {_f(p['trace_s'])} | "
             f"{_f(p['ilp_s'])} | {_f(p['dp_s'])} | {_f(p['total_s'])} | {r['ilp_solves']} | "
             f"{_f(r['est_step_time_s'])} | {_f(r['est_tflops_per_device'])} | "
-            f"{_f(m.get('step_time_s'))} | {_f(m.get('tflops_per_device'))} |")
+            f"{_f(m.get('step_time_s'))} | {_f(m.get('tflops_per_device'))} | "
+            f"{_f(m.get('runtime_overhead'), 2)} |")
     return lines
 
 
 def _baselines_table(cases: Sequence[Row]) -> list[str]:
     lines = ["| case | baseline | plan | est. step (s) | est. / autopar's | measured step (s) | "
-             "measured / autopar's | note |", "|---|---|---|---:|---:|---:|---:|---|"]
+             "measured / autopar's | runtime overhead | note |",
+             "|---|---|---|---:|---:|---:|---:|---:|---|"]
     for r in cases:
         for b in r.get("baselines", []):
             note = f"error: {b['error']}" if b.get("error") else b.get("note", "")
+            overhead = (b.get("measured") or {}).get("runtime_overhead")
             lines.append(
                 f"| {r['case']} | {b['name']} | {_stages(b.get('plan'))} | "
                 f"{_f(b['est_step_time_s'])} | {_f(b['est_ratio'])} | "
-                f"{_f(b['measured_step_time_s'])} | {_f(b['measured_ratio'])} | {note} |")
+                f"{_f(b['measured_step_time_s'])} | {_f(b['measured_ratio'])} | "
+                f"{_f(overhead, 2)} | {note} |")
     return lines
 
 
@@ -345,8 +350,12 @@ How to read these tables:
   parallelism inside a host, data parallelism across hosts; the ILP places the batch and
   intermediates), *equal-layer* and *equal-operator* (as many stages as the DP chose, or the
   nearest count that splits evenly, 2 when the DP chose one; the full search evaluates them
-  as candidates). A ratio above 1 means autopar's plan is faster. Every estimate is the
-  whole step's (the pipelines' simulated schedule, tails and driver included).
+  as candidates), *one-stage pipeline* (local: `PipeshardParallel` with one stage over every
+  device, timed in the same rounds as the same stage, its logical mesh, run by
+  `ShardParallel`; the note gives that plan's time and the ratio: the pipeline runtime's own
+  cost, its microbatches and accumulation). A ratio above 1 means autopar's plan is faster.
+  Every estimate is the whole step's (the pipelines' simulated schedule, tails and driver
+  included).
 - **Measured** step times are medians of several steps after warm-up, on the local devices
   (simulated CPU devices share the host's cores: they measure the plan's overheads, not a GPU
   cluster's speed), each step called as a training loop calls it: the state the previous
@@ -354,8 +363,12 @@ How to read these tables:
   one-stage baselines are timed together, in interleaved rounds, so the machine's changing
   load falls on all of them alike. *Best simple / default* is the faster of data-parallel and
   intra-op-only measured over autopar's plan measured (1 or more: the default is at least as
-  fast as the best simple plan). Pipelined plans run one program per stage task: their
-  compiled HLO is not one program to count collectives in.
+  fast as the best simple plan). Pipelined plans run one program per stage task (a one-stage
+  pipeline: one program per step, `runtime/fused_step.py`): their collectives are every
+  program's, each times its calls. **Runtime overhead** (pipelined plans) is the measured
+  step over the sum of its tasks' measured times, each task waited for
+  (`ParallelizedStep.timed_call`, median of 3 steps): what the driver adds between the tasks
+  (dispatch, transfers, slicing, waiting) beyond them; 1 is none.
 - **Described clusters** are planned from abstract shapes, with memory not enforced:
   without rematerialisation the Alpa sizes keep more activations than a 16 GB V100 holds, and
   the comparison with Alpa's published runs is on its formula without the recomputed

@@ -177,3 +177,25 @@ def alpa_gpt_flops(config: Any, checkpoint_activations: bool = True) -> float:
     factor = 96 if checkpoint_activations else 72
     return (factor * b * s * h * h * config.num_layers * (1 + s / (6 * h))
             + 6 * b * s * h * config.vocab_size)
+
+
+def plan_one_stage_pipeline(model: ZooModel, cluster: ClusterSpec, *, microbatches: int,
+                            pipeline_layers: int | str = "auto") -> tuple[Plan, Plan]:
+    """``PipeshardParallel`` with one stage over every device of ``cluster``, and the same
+    stage (its logical mesh) run by ``ShardParallel``: the pair whose measured ratio is the
+    pipeline runtime's own cost (the microbatches' split, the accumulation, the driver)."""
+    import autopar
+    from autopar.compiler.planners import dispatch
+
+    marked = model.with_value_and_grad(autopar.value_and_grad)
+    method = autopar.PipeshardParallel(num_microbatches=microbatches, num_stages=1,
+                                       stages="uniform", layers=pipeline_layers)
+    step = dispatch.trace(marked.train_step, marked.abstract_inputs(), method, (1,))
+    pipelined = dispatch.plan(step, cluster).plan
+    pipelined.batch_argnums = (1,)
+    mesh = tuple(pipelined.stages[0].logical_mesh_shape)
+    shard = autopar.ShardParallel(mesh_shape=mesh)
+    step = dispatch.trace(marked.train_step, marked.abstract_inputs(), shard, (1,))
+    same = dispatch.plan(step, cluster).plan
+    same.batch_argnums = (1,)
+    return pipelined, same

@@ -23,6 +23,7 @@ from autopar.bench.planning import (
     candidate_rows,
     full_search,
     ilp_solves,
+    plan_one_stage_pipeline,
     plan_summary,
     planning_times,
     predicted_communication,
@@ -131,9 +132,16 @@ def run_case(case: BenchCase, options: RunOptions, phase: Phase) -> dict[str, An
     row["notes"] += list(plan.notes)
     local = _local_run(case, model, options, phase) if case.local else None
     timings: dict[str, Any] = {}
+    one_stage: tuple[Plan, Plan] | str | None = None
     if local is not None:
+        plans = _measured_plans(case, searched)
+        if Baseline.ONE_STAGE_PIPELINE in case.baselines:
+            with phase(f"{case.name}: planning the one-stage pipeline and its stage"):
+                one_stage = _plan_one_stage(case, model, cluster)
+            if isinstance(one_stage, tuple):
+                plans[_ONE_STAGE], plans[_SAME_STAGE] = one_stage
         with phase(f"{case.name}: running autopar's plan and the one-stage baselines"):
-            timings = local.run_together(_measured_plans(case, searched))
+            timings = local.run_together(plans)
         timing = timings.pop("autopar")
         row["measured"] = timing.to_dict() | {"tflops_per_device": tflops_per_device(
             flops, timing.median_s, cluster.num_devices)}
@@ -145,7 +153,7 @@ def run_case(case: BenchCase, options: RunOptions, phase: Phase) -> dict[str, An
         row["cost_model"] = _cost_model(est, timing.median_s, options, cluster, phase, replan,
                                         plan)
     row["baselines"] = _baselines(case, cluster, traced, searched, options, local, row,
-                                  phase, timings)
+                                  phase, timings, one_stage)
     if case.hand_plans:
         with phase(f"{case.name}: hand plans (pinned, and jax.jit from their inputs)"):
             row["hand_plans"] = hand_plan_rows(traced, cluster, est,
@@ -171,6 +179,51 @@ def _measured_plans(case: BenchCase, searched: Searched) -> dict[str, Plan]:
         if name is not None and name in searched.candidates:
             plans[baseline.value] = searched.candidates[name]
     return plans
+
+
+# the names the one-stage pipeline and its stage run by ShardParallel are timed under
+_ONE_STAGE = Baseline.ONE_STAGE_PIPELINE.value
+_SAME_STAGE = f"{_ONE_STAGE}: its stage by ShardParallel"
+
+
+def _plan_one_stage(case: BenchCase, model: ZooModel, cluster: ClusterSpec
+                    ) -> tuple[Plan, Plan] | str:
+    """The one-stage pipeline and its stage as a ShardParallel plan, or why not (the error)."""
+    try:
+        return plan_one_stage_pipeline(model, cluster, microbatches=case.microbatches,
+                                       pipeline_layers=case.pipeline_layers)
+    except AutoparError as err:
+        return " ".join(str(err).split())
+
+
+def _one_stage_baseline(one_stage: tuple[Plan, Plan] | str | None, timings: dict[str, Any],
+                        entry: dict) -> None:
+    """The one-stage pipeline's entry: its estimate and measurement, and beside them the same
+    stage run by ShardParallel (measured in the same rounds) and their ratio."""
+    if one_stage is None:
+        entry["note"] = "local cases only: timed beside its stage run by ShardParallel"
+        return
+    if isinstance(one_stage, str):
+        entry["error"] = one_stage
+        return
+    plan, same = one_stage
+    timing, same_timing = timings[_ONE_STAGE], timings[_SAME_STAGE]
+    entry.update({"est_step_time_s": plan.est_step_time_s, "plan": plan_summary(plan),
+                  "predicted_communication": predicted_communication(plan),
+                  "measured": timing.to_dict(), "measured_step_time_s": timing.median_s,
+                  "hlo_collectives": timing.hlo_collectives,
+                  "same_stage_shard_s": same_timing.median_s,
+                  "over_same_stage_shard": timing.median_s / same_timing.median_s,
+                  "cost_model": {"est_default_s": plan.est_step_time_s,
+                                 "measured_s": timing.median_s,
+                                 "measured_over_default": timing.median_s
+                                 / plan.est_step_time_s if plan.est_step_time_s else None,
+                                 "est_calibrated_s": None, "measured_over_calibrated": None,
+                                 "same_plan": None}})
+    mesh = "x".join(str(d) for d in plan.stages[0].logical_mesh_shape)
+    entry["note"] = (f"{plan.num_microbatches} microbatches; ShardParallel on the same "
+                     f"{mesh} mesh: {same_timing.median_s:.3g} s (pipeline / it: "
+                     f"{entry['over_same_stage_shard']:.2f})")
 
 
 def _simple_vs_default(row: dict[str, Any]) -> dict[str, Any] | None:
@@ -228,7 +281,8 @@ def _cost_model(est_s: float, measured_s: float, options: RunOptions, cluster: C
 
 def _baselines(case: BenchCase, cluster: ClusterSpec, traced: Any, searched: Searched,
                options: RunOptions, local: _Local | None, row: dict, phase: Phase,
-               timings: dict[str, Any]) -> list[dict[str, Any]]:
+               timings: dict[str, Any], one_stage: tuple[Plan, Plan] | str | None = None
+               ) -> list[dict[str, Any]]:
     est = searched.plan.est_step_time_s
     measured = (row["measured"] or {}).get("step_time_s")
     limit = options.ilp_time_limit_s
@@ -246,7 +300,9 @@ def _baselines(case: BenchCase, cluster: ClusterSpec, traced: Any, searched: Sea
                                  "measured_ratio": None, "note": "", "error": None}
         try:
             with phase(f"{case.name}: baseline {baseline.value}"):
-                if baseline in (Baseline.EQUAL_LAYER, Baseline.EQUAL_OPERATOR):
+                if baseline is Baseline.ONE_STAGE_PIPELINE:
+                    _one_stage_baseline(one_stage, timings, entry)
+                elif baseline in (Baseline.EQUAL_LAYER, Baseline.EQUAL_OPERATOR):
                     _pipeline_baseline(baseline, searched.plan, entry)
                 elif baseline is Baseline.MEGATRON and case.model not in MEGATRON_FAMILIES:
                     entry["note"] = f"Megatron's specs name GPT blocks; not for {case.model}"

@@ -34,6 +34,9 @@ class Baseline(enum.Enum):
     MEGATRON = "megatron"  # GPT only: Megatron-LM's tensor-parallel specs, pinned
     EQUAL_LAYER = "equal-layer"  # as many stages as the DP's, equal layers on equal submeshes
     EQUAL_OPERATOR = "equal-operator"  # as many stages, equal operator counts
+    # local cases: PipeshardParallel with one stage over every device, timed beside the same
+    # stage (its logical mesh) run by ShardParallel: the pipeline runtime's own cost
+    ONE_STAGE_PIPELINE = "one-stage pipeline"
 
 
 ALL_BASELINES: tuple[Baseline, ...] = tuple(Baseline)
@@ -189,7 +192,7 @@ def smoke_suite() -> Suite:
             BenchCase("mlp", "tiny", devices=2, microbatches=2, pipeline_layers=2,
                       warmup_steps=1, timed_steps=3,
                       baselines=(Baseline.SINGLE_DEVICE, Baseline.DATA_PARALLEL,
-                                 Baseline.EQUAL_LAYER)),
+                                 Baseline.ONE_STAGE_PIPELINE, Baseline.EQUAL_LAYER)),
             BenchCase("gpt", "2.6B", _GPT_2_6B_WHAT_IF + (("num_layers", 1),),
                       cluster=V100_NODE, microbatches=4, pipeline_layers=1,
                       baselines=(Baseline.SINGLE_DEVICE, Baseline.DATA_PARALLEL,

@@ -2,15 +2,17 @@
 its compiled HLO.
 
 A pipelined step is no one program: each piece's forward and backward tasks, the segments
-before and after the pipeline, the slicing of stacked inputs and the loss's mean over
-microbatches are jitted on their own and called as the schedule says. ``step_collectives``
-runs one step with the driver logging each call (``PipelineRunner(..., calls=...)``), compiles
-each distinct program once (its arguments' shapes, dtypes and shardings as they were) and
-counts its collectives (``runtime.hlo``), times the calls made with those arguments: a task that
-runs once per microbatch counts m times, a segment once. What is not a program is not counted:
-the moves between stages (``device_put``, no collectives) and the driver's eager slicing and
-adding. Bytes follow the cost model's full-tensor convention, so the totals stand beside the
-stage plans' predictions (``StagePlan.collectives``).
+before and after the pipeline, the slicing of stacked inputs, the cut into microbatches and the
+loss's mean over microbatches are jitted on their own and called as the schedule says (a
+one-stage pipeline's step is one program, ``runtime.fused_step``: logged once, as ``step``).
+``step_collectives`` runs one step with the driver logging each call (``PipelineRunner(...,
+calls=...)``), compiles each distinct program once (its arguments' shapes, dtypes and
+shardings as they were) and counts its collectives (``runtime.hlo``), times the calls made
+with those arguments: a task that runs once per microbatch counts m times, a segment once.
+What is not a program is not counted: the moves between stages (``device_put``, no
+collectives) and the driver's eager adding. Bytes follow the cost model's full-tensor
+convention, so the totals stand beside the stage plans' predictions
+(``StagePlan.collectives``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The driver's log of the programs a pipelined step runs (``PipelineRunner(..., calls=...)``),
-read by ``runtime.pipeline_hlo`` to count their collectives."""
+"""The driver's logs of a pipelined step: the programs it runs (``PipelineRunner(...,
+calls=...)``, read by ``runtime.pipeline_hlo`` to count their collectives) and when each task
+ran (``TaskRecord``, when timing is on)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,20 @@ from typing import Any
 
 import jax
 import numpy as np
+
+
+@dataclass
+class TaskRecord:
+    """When a task ran (seconds since the step started); filled when timing is on. ``kind``
+    is the schedule's (F, B, W) or ``step`` for a step run as one program
+    (``runtime.fused_step``: every microbatch's tasks, ``microbatch`` -1)."""
+
+    kind: str
+    microbatch: int
+    stage: int
+    chunk: int
+    start_s: float
+    end_s: float
 
 
 @dataclass(frozen=True)

@@ -114,6 +114,16 @@ def test_local_rows_have_measured_times_hlo_counts_and_cost_model_ratios(smoke):
         assert dp["predicted_communication"]["collectives"]["all-reduce"]["count"] >= 1
         assert row["baselines"][-1]["name"] == "equal-layer"
         assert row["baselines"][-1]["measured_step_time_s"] is None  # estimated only
+        # the one-stage pipeline, timed beside its stage run by ShardParallel; its tasks'
+        # measured time gives the runtime's overhead (one program: about the step)
+        one = timed["one-stage pipeline"]
+        assert one["plan"]["method"] == "pipeshard" and one["plan"]["num_stages"] == 1
+        assert one["over_same_stage_shard"] == pytest.approx(
+            one["measured_step_time_s"] / one["same_stage_shard_s"])
+        assert one["measured"]["runtime_overhead"] == pytest.approx(
+            one["measured_step_time_s"] / one["measured"]["task_compute_s"])
+        # autopar's plan has the column when it is pipelined
+        assert (measured["runtime_overhead"] is None) == (row["plan"]["method"] != "pipeshard")
 
 
 def test_hand_plans_are_planned_everywhere_and_run_with_jit_locally(smoke):

@@ -45,8 +45,8 @@ __all__ = [
 @dataclass(frozen=True)
 class DriverCounts:
     """What the pipeline driver issues per step: ``tasks`` (jitted stage programs: forward,
-    backward and weight-gradient tasks, segments, the losses' means), ``small_ops`` (eager
-    operations: microbatch slices, accumulator zeros, cotangent seeds and sums) and
+    backward and weight-gradient tasks, segments, the losses' means, the microbatches' cut),
+    ``small_ops`` (eager operations: cotangent and gradient sums) and
     ``transfers`` (``jax.device_put`` calls placing values on a stage)."""
 
     tasks: int
@@ -66,7 +66,9 @@ def driver_counts(pp: PipelineProgram, pieces: Sequence[Piece], stage_of_piece: 
     """The driver's operations per step for ``pieces`` owned by ``stage_of_piece`` (as
     ``runtime.pipeline.PipelineRunner`` runs them: one task per schedule entry, each input of
     a forward placed on its stage per microbatch unless it is a step input, fetched once per
-    stage; each output cotangent placed for the backward, each input gradient sent back)."""
+    stage; each output cotangent placed for the backward, each input gradient sent back).
+    A one-stage pipeline too: the runtime runs it task by task (its one-program form,
+    ``runtime.fused_step``, is opt-in: measured slower on XLA:CPU)."""
     m = num_microbatches
     stages = max(stage_of_piece) + 1
     sched = make_schedule(schedule, stages, m, num_chunks)
@@ -86,11 +88,10 @@ def driver_counts(pp: PipelineProgram, pieces: Sequence[Piece], stage_of_piece: 
         per_microbatch += len(roles.float_outputs)  # cotangents placed for the backward
         per_microbatch += len(roles.acts)  # input gradients sent to their producer
         transfers += m * per_microbatch
-        small += len(roles.params)  # the accumulators' zeros
-        transfers += len(roles.params)  # placed on the stage
+        # no accumulators' zeros: the first backward's gradients are the accumulators
     transfers += len(fetched)
-    small += m * len(pp.split_inputs)  # microbatch slices
-    small += 2 * m  # the loss's cotangent seed per microbatch, and its sum
+    tasks += len(pp.split_inputs)  # one program cuts each split input into its microbatches
+    # the loss's cotangent seed is made and placed once, then reused
     outputs = len(pp.loss_outputs)
     tasks += outputs  # the mean over microbatches of each loss output
     transfers += outputs * m

@@ -133,7 +133,9 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
         link = cluster.inter_host if submesh.num_hosts > 1 else cluster.intra_host
         transfer = f.bytes_per_microbatch * link.beta
         host = (m * (per_task * runtime.task_s + f.puts_per_microbatch * runtime.transfer_s)
-                + f.params * (runtime.task_s + 2 * runtime.transfer_s)
+                # each gradient sent to its home stage (the first backward's gradients are
+                # the accumulators: no zeros made and placed)
+                + f.params * runtime.transfer_s
                 + f.fixed * runtime.transfer_s)
         for shape in logical_shapes(submesh):
             mesh = submesh_mesh(cluster, submesh, shape)

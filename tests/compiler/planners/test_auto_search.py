@@ -135,7 +135,9 @@ def test_pipelines_win_where_the_runtime_is_cheap_and_lose_where_it_is_not():
                         if r["method"] == "pipeshard")
         ratios[name] = best_pipe / plan.est_step_time_s
         assert ratios[name] >= 1.0 or plan.is_pipelined
-    assert ratios["dear"] > 3 * ratios["cheap"]
+    # (3.1x here: the driver no longer places accumulators' zeros nor slices microbatch by
+    # microbatch, so the simulated devices' per-operation cost weighs less than it did)
+    assert ratios["dear"] > 2.5 * ratios["cheap"]
 
 
 def test_a_stage_reduces_its_gradients_once_per_step():

@@ -1,0 +1,71 @@
+"""A one-stage pipeline run as one program (``PipelineRunner(..., fuse=True)``,
+``runtime.fused_step``): the serial numbers, one logged program per step whose collectives are
+the step's, one timed record per step."""
+
+import jax
+import numpy as np
+import pytest
+from serial_reference import serial_run
+
+import autopar
+from autopar.api import local_cluster
+from autopar.compiler.planners.pipeshard import plan_pipeshard
+from autopar.ir.pipeline_program import build_pipeline_program
+from autopar.runtime.fused_step import FusedStep
+from autopar.runtime.pipeline import PipelineRunner
+from autopar.runtime.pipeline_hlo import step_collectives
+
+STEPS = 2
+M = 4
+CASES = [("gpt", "1f1b"), ("mlp", "gpipe"), ("mlp", "zb-h1")]
+
+
+@pytest.mark.parametrize("name, schedule", CASES, ids=[f"{n}-{s}" for n, s in CASES])
+def test_one_stage_pipeline_as_one_program_has_the_serial_numbers(name, schedule):
+    model = get_zoo(name)
+    state, batch = model.init_state(jax.random.key(0)), model.make_batch(jax.random.key(10))
+    method = autopar.PipeshardParallel(num_microbatches=M, schedule=schedule, num_stages=1,
+                                       stages="uniform", layers=2)
+    pp = build_pipeline_program(model.train_step, (state, batch), (1,), M)
+    plan = plan_pipeshard(pp, method, local_cluster())
+    assert len(plan.stages) == 1
+    runner = PipelineRunner.from_plan(pp, plan, jax.devices(), fuse=True)
+    assert isinstance(runner.fused, FusedStep)
+    ref_losses, ref_leaves = serial_run(model, STEPS)
+    for i in range(STEPS):
+        batch = model.make_batch(jax.random.key(10 + i))
+        out = runner(jax.tree_util.tree_leaves((state, batch)))
+        state, loss = jax.tree_util.tree_unflatten(pp.outer.out_tree, out)
+        assert float(loss) == pytest.approx(ref_losses[i], rel=1e-5, abs=1e-6)
+    atol = 2e-3 * model.config.learning_rate
+    for want, got in zip(ref_leaves, jax.tree_util.tree_leaves(state), strict=True):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=atol)
+
+    flat = jax.tree_util.tree_leaves((state, batch))
+    # the step is one program, called once
+    counted = step_collectives(runner, flat)
+    assert [(p.label, p.stage, p.calls) for p in counted.programs] == [("step", 0, 1)]
+    # timed: one record, the whole step's program over every microbatch
+    out = runner(flat, record=True)
+    assert np.isfinite(float(jax.tree_util.tree_unflatten(pp.outer.out_tree, out)[1]))
+    assert [(r.kind, r.microbatch, r.stage) for r in runner.records] == [("step", -1, 0)]
+    assert runner.records[0].end_s >= runner.records[0].start_s == 0.0
+
+
+def test_one_stage_pipeline_runs_task_by_task_unless_fused():
+    model = get_zoo("mlp")
+    step = autopar.parallelize(model.train_step, method=autopar.PipeshardParallel(
+        num_microbatches=M, num_stages=1, stages="uniform", layers=2), cache=False)
+    state, batch = model.init_state(jax.random.key(0)), model.make_batch(jax.random.key(1))
+    calls: dict[str, int] = {}
+    for program in step.pipeline_collectives(state, batch).programs:
+        calls[program.label] = calls.get(program.label, 0) + program.calls
+    # a forward and a backward per microbatch; the batch cut once per split input
+    assert calls["F0"] == calls["B0"] == M
+    assert all(n == 1 for label, n in calls.items() if label.startswith("microbatches"))
+
+
+def get_zoo(name):
+    from autopar.models import get_model
+
+    return get_model(name, "tiny", num_layers=2).with_value_and_grad(autopar.value_and_grad)
