@@ -22,20 +22,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 
 from autopar.runtime.program_calls import ProgramCall, TaskRecord, abstract_args
 
-if TYPE_CHECKING:
-    from autopar.runtime.pipeline import PipelineRunner
-
 
 class FusedStep:
     """One step of a one-stage ``PipelineRunner`` as one jitted program."""
 
-    def __init__(self, runner: PipelineRunner) -> None:
+    # ``runner`` is the PipelineRunner it fuses, typed Any: runtime.pipeline imports this
+    # module, and the architecture test counts even a type-checking import as a cycle
+    def __init__(self, runner: Any) -> None:
         self.runner = runner
         # the step's results it computes (the rest are constants of the traced step, which
         # the driver returns as they are)
