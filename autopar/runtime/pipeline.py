@@ -145,10 +145,9 @@ class PipelineRunner:
         # per (value, stage): the loss's cotangent seed (1 / m everywhere), placed once
         self._seeds: dict[tuple[int, int], Any] = {}
         # ``fuse``, one stage: the whole step as one program (its tasks' order is fixed,
-        # nothing waits on another stage), traced from this driver. Off by default: measured
-        # on 8 simulated CPU devices (GPT hidden 256, 4 layers, 4 microbatches, interleaved
-        # rounds) the one program ran 2.99 s a step against 1.77 s task by task
-        # (benchmarks/one_stage_pipeline.py)
+        # nothing waits on another stage), traced from this driver. Off by default: on 8
+        # simulated CPU devices it has not measured faster than task by task (GPT hidden 256,
+        # 4 layers, 4 microbatches: docs/pipeline.md, benchmarks/one_stage_pipeline.py)
         self.fused = FusedStep(self) if fuse and len(self.meshes) == 1 else None
 
     @classmethod
