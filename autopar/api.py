@@ -22,7 +22,7 @@ from autopar.compiler.graph.trace import TracedStep
 from autopar.errors import InvalidOptionError, PlanError
 from autopar.frontend.planning import StaticBinding, bind_static_args, plan_train_step
 from autopar.frontend.static_leaves import array_leaves, signature_part
-from autopar.ir.program import argument_names
+from autopar.ir.flatten import argument_names
 from autopar.ir.schedules import is_async
 from autopar.methods import METHOD_TYPES, AutoParallel, Method
 from autopar.plan import Plan

@@ -379,7 +379,7 @@ def tree_leaves(args: Sequence[Any], names: Sequence[str] = ("state", "batch"),
     """The leaves of a step's arguments, with the paths the tracer gives them."""
     import jax
 
-    from autopar.ir.program import leaf_path
+    from autopar.ir.flatten import leaf_path
 
     found = []
     for i, (name, arg) in enumerate(zip(names, args, strict=True)):
@@ -403,7 +403,7 @@ def jit_collectives(step: Callable, args: Sequence[Any], specs: Mapping[str, Sha
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from autopar.ir.program import leaf_path
+    from autopar.ir.flatten import leaf_path
     from autopar.runtime.hlo import count_collectives
     from autopar.runtime.shard import partition_spec
 

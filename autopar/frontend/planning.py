@@ -26,7 +26,7 @@ from autopar.frontend.static_leaves import (
     is_array_leaf,
     split_leaves,
 )
-from autopar.ir.program import argument_names, leaf_path
+from autopar.ir.flatten import argument_names, leaf_path
 from autopar.methods import Method
 from autopar.plan import Plan
 

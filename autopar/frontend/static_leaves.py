@@ -96,7 +96,7 @@ def signature_part(name: str, arg: Any) -> tuple:
         try:
             hash(leaf)
         except TypeError:
-            from autopar.ir.program import leaf_path
+            from autopar.ir.flatten import leaf_path
 
             raise InvalidOptionError(
                 f"argument leaf '{leaf_path(name, keypath)}' is a {type(leaf).__name__}, not an "

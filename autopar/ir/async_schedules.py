@@ -23,8 +23,8 @@ that reads it (its gradient's home); every reader of microbatch ``n`` reads the 
 owner's F(n) read, so one microbatch sees one version of every weight.
 
 Pure Python, no JAX: the runtime walks :meth:`WeightVersions.stage_task`; the version rules
-themselves and the live-version counts the compiler reads are ``schedules``' (the one source
-of schedule facts): ``version_read``, ``version_written``, ``weight_version_counts``.
+themselves and the live-version counts the compiler reads are ``schedule_orders``' (the one
+source of schedule facts): ``version_read``, ``version_written``, ``weight_version_counts``.
 """
 
 from __future__ import annotations
@@ -32,6 +32,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.errors import InvalidOptionError, PlanError, choices_text
+from autopar.ir.schedule_orders import (
+    live_versions,
+    make_schedule,
+    version_read,
+    version_written,
+)
 from autopar.ir.schedules import (
     ASYNC_SCHEDULES,
     Schedule,
@@ -39,10 +45,6 @@ from autopar.ir.schedules import (
     Task,
     TaskKind,
     check_schedule_options,
-    live_versions,
-    make_schedule,
-    version_read,
-    version_written,
 )
 
 
@@ -85,13 +87,13 @@ class WeightVersions:
 
     def reads(self, microbatch: int, stage: int) -> int:
         """The version of ``stage``'s parameters that F and B of ``microbatch`` use there
-        (``schedules.version_read``)."""
+        (``schedule_orders.version_read``)."""
         return version_read(self.name, self.num_stages, self.num_microbatches, microbatch,
                             stage)
 
     def writes(self, task: Task) -> int | None:
         """The version ``task`` creates on its stage by applying the update rule after it
-        (``schedules.version_written``)."""
+        (``schedule_orders.version_written``)."""
         return version_written(self.name, self.num_microbatches, task)
 
     def use(self, task: Task) -> VersionUse:
@@ -155,7 +157,7 @@ class WeightVersions:
 
     def live_versions(self, schedule: Schedule, stage: int) -> int:
         """Peak number of versions of ``stage``'s parameters alive between its tasks in
-        ``schedule`` (``schedules.live_versions``)."""
+        ``schedule`` (``schedule_orders.live_versions``)."""
         return live_versions(self.name, schedule, stage, self.num_microbatches)
 
 

@@ -26,7 +26,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from autopar.errors import PlanError
-from autopar.ir.pipeline_program import Piece, PipelineProgram, input_consumers
+from autopar.ir.pipeline_pieces import Piece, input_consumers
+from autopar.ir.pipeline_program import PipelineProgram
 
 _LOSS = -1  # tag of values computed from the loss function's loss and aux
 _OTHER = -2  # tag of values computed from step inputs outside the state (the batch)

@@ -1,6 +1,6 @@
 """A train step cut for pipelining: the loss forward in pieces, everything else in segments.
 
-The step is traced with its markers kept (``program.flatten_step(keep_markers=True)``): one
+The step is traced with its markers kept (``flatten.flatten_step(keep_markers=True)``): one
 ``autopar_value_and_grad`` equation holds the loss function. Its forward is flattened on its
 own (``forward``), and cut at equation positions into *pieces* (virtual stages); each piece's
 backward is derived from it by ``jax.vjp`` at run time. Every other equation of the step (batch
@@ -11,6 +11,9 @@ parameter lives); before them, its first consumer's stage. Equations are then gr
 
 Compiler and runtime both build this from the same trace, so piece and value ids agree. Pure:
 abstract shapes in, no devices.
+
+Cutting the forward into pieces, and what each piece's inputs and outputs are to its tasks:
+``pipeline_pieces``; grouping the other equations into segments: ``pipeline_segments``.
 """
 
 from __future__ import annotations
@@ -20,40 +23,14 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
-import numpy as np
 
 from autopar.errors import BatchSizeError, NoLossFunctionError, PlanError
+from autopar.ir.flatten import flatten_jaxpr, flatten_step
 from autopar.ir.loss_markers import PIPELINE_BOUNDARY, VALUE_AND_GRAD, LossFunction
-from autopar.ir.program import FlatProgram, TensorKind, flatten_jaxpr, flatten_step
+from autopar.ir.program import FlatProgram
 from autopar.ir.random_draws import RandomDraw, rewrite_draws
 from autopar.ir.scan_split import split_forward, split_step
 from autopar.ir.scan_units import LayerScan
-
-
-@dataclass(frozen=True)
-class Piece:
-    """A contiguous run of forward equations; ``inputs`` are read here and defined elsewhere
-    (forward inputs or earlier pieces), ``outputs`` are defined here and read later (or are
-    the forward's results)."""
-
-    index: int
-    eqns: tuple[int, ...]
-    inputs: tuple[int, ...]
-    outputs: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Step equations outside the loss run together on one stage. ``phase``: "before" the
-    pipeline (they do not depend on its results) or "after" it; ``level``: segments of one
-    level depend only on lower levels of other stages."""
-
-    phase: str
-    level: int
-    stage: int
-    eqns: tuple[int, ...]
-    inputs: tuple[int, ...]
-    outputs: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -231,223 +208,3 @@ def _depends_on(program: FlatProgram, sources: set[int]) -> set[int]:
         if any(i in reached for i in eqn.inputs):
             reached.update(eqn.outputs)
     return reached
-
-
-def cut_pieces(forward: FlatProgram, positions: Sequence[int]) -> list[Piece]:
-    """Pieces of ``forward`` cut before each equation index in ``positions``."""
-    n = len(forward.eqns)
-    cuts = [0, *positions, n]
-    if any(b <= a for a, b in zip(cuts, cuts[1:], strict=False)) or cuts[-1] != n:
-        raise PlanError(
-            f"pipeline cut positions {list(positions)} must rise strictly within 1..{n - 1}"
-        )
-    piece_of: dict[int, int] = {}  # value id -> defining piece
-    spans = list(zip(cuts, cuts[1:], strict=False))
-    for k, (a, b) in enumerate(spans):
-        for e in forward.eqns[a:b]:
-            for v in e.outputs:
-                piece_of[v] = k
-    constant = {v for v, kind in forward.kinds.items()
-                if kind in (TensorKind.CONST, TensorKind.LITERAL)}
-    read_later: dict[int, int] = {}  # value -> last piece reading it
-    reads: list[set[int]] = []
-    for k, (a, b) in enumerate(spans):
-        here = {i for e in forward.eqns[a:b] for i in e.inputs if i not in constant}
-        reads.append(here)
-        for v in here:
-            read_later[v] = max(read_later.get(v, -1), k)
-    results = set(forward.out_ids)
-    pieces = []
-    for k, (a, b) in enumerate(spans):
-        inputs = sorted(v for v in reads[k] if piece_of.get(v, -1) != k)
-        outputs = sorted(
-            v for v, p in piece_of.items()
-            if p == k and (read_later.get(v, -1) > k or v in results)
-        )
-        pieces.append(Piece(k, tuple(range(a, b)), tuple(inputs), tuple(outputs)))
-    return pieces
-
-
-def stage_scan_iterations(pp: PipelineProgram, pieces: Sequence[Piece],
-                          stage_of_piece: Sequence[int]) -> list[int]:
-    """How many iterations of the forward's layer scans each stage runs: a unit cut between
-    two stages counts for the stage that finishes it."""
-    last = {u.stop - 1 for scan in pp.layer_scans for u in scan.units if u.stop > u.start}
-    counts = [0] * (max(stage_of_piece, default=-1) + 1)
-    for piece in pieces:
-        counts[stage_of_piece[piece.index]] += sum(1 for i in piece.eqns if i in last)
-    return counts
-
-
-def input_consumers(pieces: Sequence[Piece]) -> dict[int, list[int]]:
-    """For each value read across pieces: the pieces that read it, in order."""
-    found: dict[int, list[int]] = {}
-    for piece in pieces:
-        for v in piece.inputs:
-            found.setdefault(v, []).append(piece.index)
-    return found
-
-
-def plan_segments(
-    pp: PipelineProgram, pieces: Sequence[Piece], stage_of_piece: Sequence[int]
-) -> tuple[list[Segment], dict[int, int]]:
-    """Group the step's other equations into segments; returns them (in run order) and the
-    home stage of every step value the pipeline produces or consumes."""
-    outer = pp.outer
-    consumers = input_consumers(pieces)
-    producer_piece = {v: p.index for p in pieces for v in p.outputs}
-    last_stage = stage_of_piece[-1]
-    home: dict[int, int] = {}
-    # the pipeline's results: the loss and aux where they are computed, each gradient with
-    # the first piece that reads its parameter
-    for k, fid in enumerate(pp.loss_outputs):
-        piece = producer_piece.get(fid)
-        home[pp.vg.outputs[k]] = last_stage if piece is None else stage_of_piece[piece]
-    for fid, gid in pp.grad_outputs().items():
-        home[gid] = stage_of_piece[consumers.get(fid, [0])[0]]
-    # where the pipeline wants each of its operands (the first piece reading it)
-    wanted: dict[int, int] = {}
-    for fid, oid in pp.operand_of.items():
-        stage = stage_of_piece[consumers.get(fid, [0])[0]]
-        wanted[oid] = min(wanted.get(oid, stage), stage)
-
-    after = _depends_on_outputs(outer, pp.vg_index)
-    eqn_home: dict[int, int] = {}
-    skipped = {pp.vg_index, *pp.input_splits}  # run by the driver itself
-    for e in outer.eqns:  # after the gradients: follow the operand bytes
-        if e.index in skipped or e.index not in after:
-            continue
-        weight: dict[int, float] = {}
-        for v in e.inputs:
-            if v in home:
-                weight[home[v]] = weight.get(home[v], 0.0) + _nbytes(outer.avals[v]) + 1.0
-        if weight:
-            eqn_home[e.index] = max(sorted(weight), key=lambda s: weight[s])
-            for v in e.outputs:
-                home[v] = eqn_home[e.index]
-    readers: dict[int, list[int]] = {}
-    for e in outer.eqns:
-        for v in e.inputs:
-            readers.setdefault(v, []).append(e.index)
-    out_ids = set(outer.out_ids)
-    for e in reversed(outer.eqns):  # the rest: where their first consumer is
-        if e.index in skipped or e.index in eqn_home:
-            continue
-        stages = []
-        for v in e.outputs:
-            stages += [eqn_home[r] for r in readers.get(v, []) if r in eqn_home]
-            if v in wanted:
-                stages.append(wanted[v])
-            if v in out_ids and not stages:
-                stages.append(0)
-        eqn_home[e.index] = min(stages) if stages else 0
-        for v in e.outputs:
-            home[v] = eqn_home[e.index]
-    return _group(pp, eqn_home, after), home
-
-
-def _depends_on_outputs(program: FlatProgram, index: int) -> set[int]:
-    reached = set(program.eqns[index].outputs)
-    dependent = set()
-    for e in program.eqns[index + 1 :]:
-        if any(i in reached for i in e.inputs):
-            reached.update(e.outputs)
-            dependent.add(e.index)
-    return dependent
-
-
-def _group(pp: PipelineProgram, eqn_home: dict[int, int], after: set[int]) -> list[Segment]:
-    outer = pp.outer
-    made_by: dict[int, int] = {v: e.index for e in outer.eqns for v in e.outputs}
-    level: dict[int, int] = {}
-    skipped = {pp.vg_index, *pp.input_splits}  # the driver runs them: their results are given
-    for e in outer.eqns:
-        if e.index in skipped:
-            continue
-        lv = 0
-        for v in e.inputs:
-            src = made_by.get(v)
-            if src is None or src in skipped or (src in after) != (e.index in after):
-                continue
-            lv = max(lv, level[src] + (eqn_home[src] != eqn_home[e.index]))
-        level[e.index] = lv
-    groups: dict[tuple[str, int, int], list[int]] = {}
-    for e in outer.eqns:
-        if e.index in skipped:
-            continue
-        phase = "after" if e.index in after else "before"
-        groups.setdefault((phase, level[e.index], eqn_home[e.index]), []).append(e.index)
-    constant = {v for v, kind in outer.kinds.items()
-                if kind in (TensorKind.CONST, TensorKind.LITERAL)}
-    used_elsewhere: dict[int, set[tuple]] = {}
-    for key, eqns in groups.items():
-        for i in eqns:
-            for v in outer.eqns[i].inputs:
-                used_elsewhere.setdefault(v, set()).add(key)
-    needed_outside = set(outer.out_ids) | set(pp.vg.inputs)
-    segments = []
-    for key in sorted(groups, key=lambda k: (k[0] != "before", k[1], k[2])):
-        eqns = groups[key]
-        defined = {v for i in eqns for v in outer.eqns[i].outputs}
-        inputs = sorted({v for i in eqns for v in outer.eqns[i].inputs} - defined - constant)
-        outputs = sorted(
-            v for v in defined
-            if v in needed_outside or used_elsewhere.get(v, set()) - {key}
-        )
-        segments.append(
-            Segment(key[0], key[1], key[2], tuple(eqns), tuple(inputs), tuple(outputs))
-        )
-    return segments
-
-
-def _nbytes(aval: Any) -> float:
-    return float(np.prod(aval.shape, dtype=np.float64)) * aval.dtype.itemsize
-
-
-@dataclass(frozen=True)
-class PieceRoles:
-    """What each input and output of a piece is to its forward and backward tasks.
-
-    ``params``: differentiated loss inputs (their gradients are accumulated); ``acts``: float
-    values from earlier pieces (their gradients flow back); ``fixed``: loss inputs that are
-    neither differentiated nor cut into microbatches; ``micro``: the rest (microbatch slices,
-    and non-float values from earlier pieces). Outputs: ``float_outputs`` carry cotangents back,
-    ``other_outputs`` do not."""
-
-    params: tuple[int, ...]
-    acts: tuple[int, ...]
-    fixed: tuple[int, ...]
-    micro: tuple[int, ...]
-    float_outputs: tuple[int, ...]
-    other_outputs: tuple[int, ...]
-
-    @property
-    def diff(self) -> tuple[int, ...]:
-        return self.params + self.acts
-
-    @property
-    def nondiff(self) -> tuple[int, ...]:
-        return self.fixed + self.micro
-
-
-def piece_roles(pp: PipelineProgram, piece: Piece) -> PieceRoles:
-    """Classify ``piece``'s inputs and outputs (the same way for planning and running)."""
-    fwd = pp.forward
-    loss_inputs = set(fwd.in_ids)
-    diff_inputs = set(pp.diff_inputs)
-    params = tuple(v for v in piece.inputs if v in diff_inputs)
-    acts = tuple(v for v in piece.inputs if v not in loss_inputs and _is_float(fwd.avals[v]))
-    fixed = tuple(
-        v for v in piece.inputs
-        if v in loss_inputs and v not in diff_inputs and v not in pp.split_inputs
-    )
-    taken = set(params) | set(acts) | set(fixed)
-    micro = tuple(v for v in piece.inputs if v not in taken)
-    float_out = tuple(v for v in piece.outputs if _is_float(fwd.avals[v]))
-    other_out = tuple(v for v in piece.outputs if v not in set(float_out))
-    return PieceRoles(params, acts, fixed, micro, float_out, other_out)
-
-
-def _is_float(aval: Any) -> bool:
-    # jax's issubdtype: a PRNG key's dtype (``key<fry>``) is no numpy dtype, and no float
-    return bool(jax.dtypes.issubdtype(aval.dtype, np.inexact))

@@ -14,9 +14,10 @@ from typing import Any
 
 import jax
 
+from autopar.ir.flatten import flatten_jaxpr, flatten_step
 from autopar.ir.loss_markers import LossFunction
-from autopar.ir.pipeline_program import cut_pieces
-from autopar.ir.program import FlatProgram, flatten_jaxpr, flatten_step, run_eqns
+from autopar.ir.pipeline_pieces import cut_pieces
+from autopar.ir.program import FlatProgram, run_eqns
 
 
 def loss_forward(loss: LossFunction) -> FlatProgram:

@@ -35,7 +35,8 @@ from typing import Any
 
 import jax
 
-from autopar.ir.program import FlatEqn, FlatProgram, TensorKind, flatten_closed_jaxpr
+from autopar.ir.flatten import flatten_closed_jaxpr
+from autopar.ir.program import FlatEqn, FlatProgram, TensorKind
 from autopar.ir.scan_units import LayerScan, ScanUnit
 
 # Primitives that act element by element on operands of one shape (rank-0 operands broadcast):

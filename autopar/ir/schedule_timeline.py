@@ -10,13 +10,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from autopar.errors import InvalidOptionError
+from autopar.ir.schedule_orders import make_schedule
 from autopar.ir.schedules import (
     Schedule,
     ScheduleName,
     Task,
     TaskKind,
     is_async,
-    make_schedule,
 )
 
 

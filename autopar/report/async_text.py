@@ -12,8 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 from autopar.ir.async_schedules import weight_versions
+from autopar.ir.schedule_orders import weight_version_counts
 from autopar.ir.schedule_timeline import Timeline, stage_timeline, steady_state
-from autopar.ir.schedules import ScheduleName, is_async, weight_version_counts
+from autopar.ir.schedules import ScheduleName, is_async
 from autopar.plan import Plan
 
 STEPS_DRAWN = 3

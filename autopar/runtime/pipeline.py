@@ -25,20 +25,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from autopar.ir.pipeline_program import (
-    Piece,
-    PipelineProgram,
-    Segment,
-    cut_pieces,
-    input_consumers,
-    piece_roles,
-    plan_segments,
-)
+from autopar.ir.pipeline_pieces import Piece, cut_pieces, input_consumers, piece_roles
+from autopar.ir.pipeline_program import PipelineProgram
+from autopar.ir.pipeline_segments import Segment, plan_segments
 from autopar.ir.program import run_eqns
 from autopar.ir.random_draws import draw_function
 from autopar.ir.remat_loss import layer_function
 from autopar.ir.scan_units import run_forward_eqns
-from autopar.ir.schedules import Schedule, TaskKind, make_schedule
+from autopar.ir.schedule_orders import make_schedule
+from autopar.ir.schedules import Schedule, TaskKind
 from autopar.plan import Plan
 from autopar.runtime.distributed import put
 from autopar.runtime.fused_step import FusedStep

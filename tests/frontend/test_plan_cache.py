@@ -33,7 +33,7 @@ from autopar.frontend.plan_cache import (
     default_cache_dir,
     program_fingerprint,
 )
-from autopar.ir.program import flatten_step
+from autopar.ir.flatten import flatten_step
 from autopar.models import get_model
 from autopar.plan import FORMAT_VERSION
 

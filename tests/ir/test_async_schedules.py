@@ -7,13 +7,8 @@ import pytest
 
 from autopar.errors import InvalidOptionError
 from autopar.ir.async_schedules import weight_versions
-from autopar.ir.schedules import (
-    Schedule,
-    TaskKind,
-    activation_counts,
-    make_schedule,
-    weight_version_counts,
-)
+from autopar.ir.schedule_orders import activation_counts, make_schedule, weight_version_counts
+from autopar.ir.schedules import Schedule, TaskKind
 
 SHAPES = [(1, 1), (1, 4), (2, 1), (2, 4), (3, 2), (3, 5), (4, 3), (4, 4), (4, 8), (6, 5)]
 

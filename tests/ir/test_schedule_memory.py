@@ -6,13 +6,9 @@ from __future__ import annotations
 import pytest
 
 from autopar.errors import InvalidOptionError
+from autopar.ir.schedule_orders import activation_counts, make_schedule
 from autopar.ir.schedule_timeline import simulate
-from autopar.ir.schedules import (
-    ScheduleName,
-    TaskKind,
-    activation_counts,
-    make_schedule,
-)
+from autopar.ir.schedules import ScheduleName, TaskKind
 
 
 def _grid():

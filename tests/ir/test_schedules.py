@@ -8,13 +8,13 @@ import json
 import pytest
 
 from autopar.errors import InvalidOptionError, PlanError
+from autopar.ir.schedule_orders import make_schedule
 from autopar.ir.schedule_timeline import render_text, simulate
 from autopar.ir.schedules import (
     Schedule,
     ScheduleName,
     Task,
     TaskKind,
-    make_schedule,
 )
 from autopar.report.swimlane import save_swimlane_png
 

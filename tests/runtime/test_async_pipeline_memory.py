@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import autopar
-from autopar.ir.schedules import weight_version_counts
+from autopar.ir.schedule_orders import weight_version_counts
 from autopar.models import get_model
 from autopar.runtime.async_pipeline import AsyncPipelineRunner
 

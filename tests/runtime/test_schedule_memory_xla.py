@@ -52,7 +52,8 @@ from autopar.api import local_cluster
 from autopar.compiler.planners.pipeshard import plan_pipeshard
 from autopar.compiler.planners.stage_costs import layer_cost_cache
 from autopar.ir.pipeline_program import build_pipeline_program
-from autopar.ir.schedules import ScheduleName, TaskKind, activation_counts
+from autopar.ir.schedule_orders import activation_counts
+from autopar.ir.schedules import ScheduleName, TaskKind
 from autopar.models import get_model
 from autopar.runtime.pipeline import PipelineRunner
 

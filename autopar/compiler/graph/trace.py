@@ -15,7 +15,8 @@ from typing import Any
 
 from autopar.compiler.graph.op_costs import primitive_flops
 from autopar.compiler.graph.opgraph import GraphIO, OpGraph, OpNode, ScanLoop, TensorInfo
-from autopar.ir.program import FlatProgram, flatten_step
+from autopar.ir.flatten import flatten_step
+from autopar.ir.program import FlatProgram
 from autopar.ir.remat_loss import flatten_step_rematerialised
 
 

@@ -39,8 +39,9 @@ from autopar.compiler.intra_op.sharding_ilp import (
     build_problem,
     read_solution,
 )
-from autopar.ir.pipeline_program import Piece, PieceRoles, PipelineProgram, piece_roles
-from autopar.ir.program import flatten_step
+from autopar.ir.flatten import flatten_step
+from autopar.ir.pipeline_pieces import Piece, PieceRoles, piece_roles
+from autopar.ir.pipeline_program import PipelineProgram
 from autopar.ir.scan_units import run_forward_eqns, whole_unit_runs
 from autopar.plan import CollectiveEstimate, ShardingSpec
 

@@ -29,9 +29,12 @@ from typing import Any
 
 from autopar.cluster import ClusterSpec, RuntimeCosts
 from autopar.compiler.cost.collectives import allreduce_time
-from autopar.ir.pipeline_program import Piece, PipelineProgram, piece_roles, plan_segments
+from autopar.ir.pipeline_pieces import Piece, piece_roles
+from autopar.ir.pipeline_program import PipelineProgram
+from autopar.ir.pipeline_segments import plan_segments
+from autopar.ir.schedule_orders import make_schedule
 from autopar.ir.schedule_timeline import stage_timeline, steady_state
-from autopar.ir.schedules import ScheduleName, is_async, make_schedule
+from autopar.ir.schedules import ScheduleName, is_async
 
 __all__ = [
     "DriverCounts",

@@ -4,7 +4,8 @@ Shared by the search (:mod:`autopar.compiler.inter_op.stage_dp`) and its public 
 (:mod:`autopar.compiler.inter_op.stages`, which re-exports everything here). Pure Python.
 
 How many microbatches' activations a stage holds is the schedule's own fact
-(:func:`autopar.ir.schedules.activation_counts`, from its task lists): the options only ask it.
+(:func:`autopar.ir.schedule_orders.activation_counts`, from its task lists): the options only
+ask it.
 Under GPipe and 1F1B the count depends on the stage's position from the last stage alone; under
 ZB-H1 and interleaved 1F1B on the total stage count too, which is why the search may have to
 run once per stage count (:meth:`StageDPOptions.counts_by_stages_from_end`).
@@ -19,13 +20,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.errors import InvalidOptionError, PlanError, choices_text
+from autopar.ir.schedule_orders import activation_counts, weight_version_counts
 from autopar.ir.schedules import (
     ScheduleName,
-    activation_counts,
     check_schedule_options,
     is_async,
     schedule_name,
-    weight_version_counts,
 )
 
 __all__ = ["StageDPOptions"]

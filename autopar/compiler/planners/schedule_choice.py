@@ -21,7 +21,8 @@ from autopar.compiler.planners.stage_costs import layer_cost_cache
 from autopar.errors import InvalidOptionError, PlanError
 from autopar.ir.async_schedules import weight_versions
 from autopar.ir.pipeline_program import PipelineProgram
-from autopar.ir.schedules import ScheduleName, is_async, weight_version_counts
+from autopar.ir.schedule_orders import weight_version_counts
+from autopar.ir.schedules import ScheduleName, is_async
 from autopar.methods import SCHEDULE_AUTO, PipeshardParallel
 from autopar.plan import MethodName, Plan
 

@@ -26,7 +26,8 @@ from autopar.compiler.inter_op.stages import (
 )
 from autopar.compiler.intra_op.sharding_ilp import IntraOpOptions
 from autopar.errors import InvalidOptionError
-from autopar.ir.pipeline_program import Piece, PipelineProgram, cut_pieces, piece_roles
+from autopar.ir.pipeline_pieces import Piece, cut_pieces, piece_roles
+from autopar.ir.pipeline_program import PipelineProgram
 from autopar.ir.schedules import ScheduleName
 from autopar.methods import PipeshardParallel
 from autopar.plan import CollectiveEstimate

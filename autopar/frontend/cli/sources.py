@@ -244,7 +244,7 @@ def _check_batch_leaves(step: Callable, args: Sequence[Any], batch: set[int],
     import jax
 
     from autopar.frontend.static_leaves import is_array_leaf
-    from autopar.ir.program import argument_names, leaf_path
+    from autopar.ir.flatten import argument_names, leaf_path
 
     names = argument_names(step, len(args))
     for i, (name, arg) in enumerate(zip(names, args, strict=True)):

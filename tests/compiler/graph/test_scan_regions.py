@@ -11,7 +11,8 @@ from scan_steps import nested_and_odd_loss, odd_args
 from autopar.compiler.graph.batch_split import group_collectives, propagate_batch_split
 from autopar.compiler.graph.opgraph import SCAN_ENTER, SCAN_EXIT
 from autopar.compiler.graph.trace import build_graph, trace_step
-from autopar.ir.program import flatten_step, run_eqns
+from autopar.ir.flatten import flatten_step
+from autopar.ir.program import run_eqns
 from autopar.models import get_model
 from autopar.plan import CollectiveKind
 

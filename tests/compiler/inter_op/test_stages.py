@@ -25,7 +25,8 @@ from autopar.compiler.inter_op.stages import (
     uniform_stages,
 )
 from autopar.errors import InvalidOptionError, PlanError
-from autopar.ir.schedules import ScheduleName, TaskKind, make_schedule
+from autopar.ir.schedule_orders import make_schedule
+from autopar.ir.schedules import ScheduleName, TaskKind
 
 CLUSTERS = [(1, 8), (2, 4), (1, 4), (2, 2), (1, 2), (4, 2)]
 

@@ -23,7 +23,8 @@ from strategy_helpers import sds
 from autopar.compiler.graph.trace import TracedStep, build_graph, trace_step
 from autopar.compiler.intra_op.strategies import control, indexing, misc, slicing
 from autopar.compiler.intra_op.strategies.base import Strategy, StrategyContext
-from autopar.ir.program import SCAN_ENTER, SCAN_EXIT, flatten_step
+from autopar.ir.flatten import flatten_step
+from autopar.ir.program import SCAN_ENTER, SCAN_EXIT
 from autopar.models import get_model
 from autopar.plan import CollectiveKind
 

@@ -1,0 +1,135 @@
+"""The pipeline's pieces: the loss forward cut at equation positions into contiguous runs
+(virtual stages), and the role each piece input and output plays for its forward and backward
+tasks. Planning and running both read pieces through these functions, so a piece means the
+same equations, and its values the same roles, to the compiler's costs and the runtime's
+tasks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from autopar.errors import PlanError
+from autopar.ir.pipeline_program import PipelineProgram
+from autopar.ir.program import FlatProgram, TensorKind
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A contiguous run of forward equations; ``inputs`` are read here and defined elsewhere
+    (forward inputs or earlier pieces), ``outputs`` are defined here and read later (or are
+    the forward's results)."""
+
+    index: int
+    eqns: tuple[int, ...]
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+
+
+def cut_pieces(forward: FlatProgram, positions: Sequence[int]) -> list[Piece]:
+    """Pieces of ``forward`` cut before each equation index in ``positions``."""
+    n = len(forward.eqns)
+    cuts = [0, *positions, n]
+    if any(b <= a for a, b in zip(cuts, cuts[1:], strict=False)) or cuts[-1] != n:
+        raise PlanError(
+            f"pipeline cut positions {list(positions)} must rise strictly within 1..{n - 1}"
+        )
+    piece_of: dict[int, int] = {}  # value id -> defining piece
+    spans = list(zip(cuts, cuts[1:], strict=False))
+    for k, (a, b) in enumerate(spans):
+        for e in forward.eqns[a:b]:
+            for v in e.outputs:
+                piece_of[v] = k
+    constant = {v for v, kind in forward.kinds.items()
+                if kind in (TensorKind.CONST, TensorKind.LITERAL)}
+    read_later: dict[int, int] = {}  # value -> last piece reading it
+    reads: list[set[int]] = []
+    for k, (a, b) in enumerate(spans):
+        here = {i for e in forward.eqns[a:b] for i in e.inputs if i not in constant}
+        reads.append(here)
+        for v in here:
+            read_later[v] = max(read_later.get(v, -1), k)
+    results = set(forward.out_ids)
+    pieces = []
+    for k, (a, b) in enumerate(spans):
+        inputs = sorted(v for v in reads[k] if piece_of.get(v, -1) != k)
+        outputs = sorted(
+            v for v, p in piece_of.items()
+            if p == k and (read_later.get(v, -1) > k or v in results)
+        )
+        pieces.append(Piece(k, tuple(range(a, b)), tuple(inputs), tuple(outputs)))
+    return pieces
+
+
+def stage_scan_iterations(pp: PipelineProgram, pieces: Sequence[Piece],
+                          stage_of_piece: Sequence[int]) -> list[int]:
+    """How many iterations of the forward's layer scans each stage runs: a unit cut between
+    two stages counts for the stage that finishes it."""
+    last = {u.stop - 1 for scan in pp.layer_scans for u in scan.units if u.stop > u.start}
+    counts = [0] * (max(stage_of_piece, default=-1) + 1)
+    for piece in pieces:
+        counts[stage_of_piece[piece.index]] += sum(1 for i in piece.eqns if i in last)
+    return counts
+
+
+def input_consumers(pieces: Sequence[Piece]) -> dict[int, list[int]]:
+    """For each value read across pieces: the pieces that read it, in order."""
+    found: dict[int, list[int]] = {}
+    for piece in pieces:
+        for v in piece.inputs:
+            found.setdefault(v, []).append(piece.index)
+    return found
+
+
+@dataclass(frozen=True)
+class PieceRoles:
+    """What each input and output of a piece is to its forward and backward tasks.
+
+    ``params``: differentiated loss inputs (their gradients are accumulated); ``acts``: float
+    values from earlier pieces (their gradients flow back); ``fixed``: loss inputs that are
+    neither differentiated nor cut into microbatches; ``micro``: the rest (microbatch slices,
+    and non-float values from earlier pieces). Outputs: ``float_outputs`` carry cotangents back,
+    ``other_outputs`` do not."""
+
+    params: tuple[int, ...]
+    acts: tuple[int, ...]
+    fixed: tuple[int, ...]
+    micro: tuple[int, ...]
+    float_outputs: tuple[int, ...]
+    other_outputs: tuple[int, ...]
+
+    @property
+    def diff(self) -> tuple[int, ...]:
+        return self.params + self.acts
+
+    @property
+    def nondiff(self) -> tuple[int, ...]:
+        return self.fixed + self.micro
+
+
+def piece_roles(pp: PipelineProgram, piece: Piece) -> PieceRoles:
+    """Classify ``piece``'s inputs and outputs (the same way for planning and running)."""
+    fwd = pp.forward
+    loss_inputs = set(fwd.in_ids)
+    diff_inputs = set(pp.diff_inputs)
+    params = tuple(v for v in piece.inputs if v in diff_inputs)
+    acts = tuple(v for v in piece.inputs if v not in loss_inputs and _is_float(fwd.avals[v]))
+    fixed = tuple(
+        v for v in piece.inputs
+        if v in loss_inputs and v not in diff_inputs and v not in pp.split_inputs
+    )
+    taken = set(params) | set(acts) | set(fixed)
+    micro = tuple(v for v in piece.inputs if v not in taken)
+    float_out = tuple(v for v in piece.outputs if _is_float(fwd.avals[v]))
+    other_out = tuple(v for v in piece.outputs if v not in set(float_out))
+    return PieceRoles(params, acts, fixed, micro, float_out, other_out)
+
+
+def _is_float(aval: Any) -> bool:
+    # jax's issubdtype: a PRNG key's dtype (``key<fry>``) is no numpy dtype, and no float
+    return bool(jax.dtypes.issubdtype(aval.dtype, np.inexact))

@@ -1,0 +1,147 @@
+"""The pipeline's segments: the step's equations outside the loss (batch preprocessing before
+it, the optimizer update after it), each placed on a home stage and grouped by (phase, level,
+stage) into runs that each execute as one jitted function. The compiler prices and the runtime
+runs the same grouping, made here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from autopar.ir.pipeline_pieces import Piece, input_consumers
+from autopar.ir.pipeline_program import PipelineProgram
+from autopar.ir.program import FlatProgram, TensorKind
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Step equations outside the loss run together on one stage. ``phase``: "before" the
+    pipeline (they do not depend on its results) or "after" it; ``level``: segments of one
+    level depend only on lower levels of other stages."""
+
+    phase: str
+    level: int
+    stage: int
+    eqns: tuple[int, ...]
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+
+
+def plan_segments(
+    pp: PipelineProgram, pieces: Sequence[Piece], stage_of_piece: Sequence[int]
+) -> tuple[list[Segment], dict[int, int]]:
+    """Group the step's other equations into segments; returns them (in run order) and the
+    home stage of every step value the pipeline produces or consumes."""
+    outer = pp.outer
+    consumers = input_consumers(pieces)
+    producer_piece = {v: p.index for p in pieces for v in p.outputs}
+    last_stage = stage_of_piece[-1]
+    home: dict[int, int] = {}
+    # the pipeline's results: the loss and aux where they are computed, each gradient with
+    # the first piece that reads its parameter
+    for k, fid in enumerate(pp.loss_outputs):
+        piece = producer_piece.get(fid)
+        home[pp.vg.outputs[k]] = last_stage if piece is None else stage_of_piece[piece]
+    for fid, gid in pp.grad_outputs().items():
+        home[gid] = stage_of_piece[consumers.get(fid, [0])[0]]
+    # where the pipeline wants each of its operands (the first piece reading it)
+    wanted: dict[int, int] = {}
+    for fid, oid in pp.operand_of.items():
+        stage = stage_of_piece[consumers.get(fid, [0])[0]]
+        wanted[oid] = min(wanted.get(oid, stage), stage)
+
+    after = _depends_on_outputs(outer, pp.vg_index)
+    eqn_home: dict[int, int] = {}
+    skipped = {pp.vg_index, *pp.input_splits}  # run by the driver itself
+    for e in outer.eqns:  # after the gradients: follow the operand bytes
+        if e.index in skipped or e.index not in after:
+            continue
+        weight: dict[int, float] = {}
+        for v in e.inputs:
+            if v in home:
+                weight[home[v]] = weight.get(home[v], 0.0) + _nbytes(outer.avals[v]) + 1.0
+        if weight:
+            eqn_home[e.index] = max(sorted(weight), key=lambda s: weight[s])
+            for v in e.outputs:
+                home[v] = eqn_home[e.index]
+    readers: dict[int, list[int]] = {}
+    for e in outer.eqns:
+        for v in e.inputs:
+            readers.setdefault(v, []).append(e.index)
+    out_ids = set(outer.out_ids)
+    for e in reversed(outer.eqns):  # the rest: where their first consumer is
+        if e.index in skipped or e.index in eqn_home:
+            continue
+        stages = []
+        for v in e.outputs:
+            stages += [eqn_home[r] for r in readers.get(v, []) if r in eqn_home]
+            if v in wanted:
+                stages.append(wanted[v])
+            if v in out_ids and not stages:
+                stages.append(0)
+        eqn_home[e.index] = min(stages) if stages else 0
+        for v in e.outputs:
+            home[v] = eqn_home[e.index]
+    return _group(pp, eqn_home, after), home
+
+
+def _depends_on_outputs(program: FlatProgram, index: int) -> set[int]:
+    reached = set(program.eqns[index].outputs)
+    dependent = set()
+    for e in program.eqns[index + 1 :]:
+        if any(i in reached for i in e.inputs):
+            reached.update(e.outputs)
+            dependent.add(e.index)
+    return dependent
+
+
+def _group(pp: PipelineProgram, eqn_home: dict[int, int], after: set[int]) -> list[Segment]:
+    outer = pp.outer
+    made_by: dict[int, int] = {v: e.index for e in outer.eqns for v in e.outputs}
+    level: dict[int, int] = {}
+    skipped = {pp.vg_index, *pp.input_splits}  # the driver runs them: their results are given
+    for e in outer.eqns:
+        if e.index in skipped:
+            continue
+        lv = 0
+        for v in e.inputs:
+            src = made_by.get(v)
+            if src is None or src in skipped or (src in after) != (e.index in after):
+                continue
+            lv = max(lv, level[src] + (eqn_home[src] != eqn_home[e.index]))
+        level[e.index] = lv
+    groups: dict[tuple[str, int, int], list[int]] = {}
+    for e in outer.eqns:
+        if e.index in skipped:
+            continue
+        phase = "after" if e.index in after else "before"
+        groups.setdefault((phase, level[e.index], eqn_home[e.index]), []).append(e.index)
+    constant = {v for v, kind in outer.kinds.items()
+                if kind in (TensorKind.CONST, TensorKind.LITERAL)}
+    used_elsewhere: dict[int, set[tuple]] = {}
+    for key, eqns in groups.items():
+        for i in eqns:
+            for v in outer.eqns[i].inputs:
+                used_elsewhere.setdefault(v, set()).add(key)
+    needed_outside = set(outer.out_ids) | set(pp.vg.inputs)
+    segments = []
+    for key in sorted(groups, key=lambda k: (k[0] != "before", k[1], k[2])):
+        eqns = groups[key]
+        defined = {v for i in eqns for v in outer.eqns[i].outputs}
+        inputs = sorted({v for i in eqns for v in outer.eqns[i].inputs} - defined - constant)
+        outputs = sorted(
+            v for v in defined
+            if v in needed_outside or used_elsewhere.get(v, set()) - {key}
+        )
+        segments.append(
+            Segment(key[0], key[1], key[2], tuple(eqns), tuple(inputs), tuple(outputs))
+        )
+    return segments
+
+
+def _nbytes(aval: Any) -> float:
+    return float(np.prod(aval.shape, dtype=np.float64)) * aval.dtype.itemsize

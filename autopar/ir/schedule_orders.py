@@ -1,0 +1,226 @@
+"""Each pipeline schedule family's task order, and the per-stage facts counted from it.
+
+:func:`make_schedule` builds a :class:`~autopar.ir.schedules.Schedule` from one builder per
+family: GPipe, 1F1B (whose order the asynchronous schedules run too), zb-h1 and interleaved
+1F1B. The compiler's stage memory reads the counts taken from the same lists, so they live
+beside the builders: :func:`activation_counts` (microbatches in flight) and
+:func:`weight_version_counts` (parameter versions alive, from the asynchronous schedules'
+version rules :func:`version_read` and :func:`version_written`). Shared by compiler and
+runtime like ``schedules``: it imports nothing from either half and no JAX.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from autopar.ir.schedules import (
+    ASYNC_SCHEDULES,
+    Schedule,
+    ScheduleName,
+    Task,
+    TaskKind,
+    check_schedule_options,
+)
+
+
+def _gpipe(p: int, m: int, stage: int) -> list[Task]:
+    # All forwards, then all backwards: every microbatch's activations are held at once.
+    return [Task(TaskKind.F, i, stage) for i in range(m)] + [
+        Task(TaskKind.B, i, stage) for i in range(m)
+    ]
+
+
+def _one_f_one_b(p: int, m: int, stage: int) -> list[Task]:
+    # PipeDream-flush: enough warm-up forwards to fill the pipe below this stage, then one
+    # forward and one backward in turn, then drain the remaining backwards.
+    warmup = min(p - stage - 1, m)
+    tasks = [Task(TaskKind.F, i, stage) for i in range(warmup)]
+    for j in range(m - warmup):
+        tasks += [Task(TaskKind.F, warmup + j, stage), Task(TaskKind.B, j, stage)]
+    tasks += [Task(TaskKind.B, j, stage) for j in range(m - warmup, m)]
+    return tasks
+
+
+def _zb_h1(p: int, m: int, stage: int) -> list[Task]:
+    # 1F1B's F/B order, with W split off and held back by `stage` backwards: stage s keeps
+    # p - s - 1 warm-up forwards + 1 + s delayed weight gradients = p microbatches until W, the
+    # same peak as 1F1B's stage 0, and its delayed Ws fill the cool-down where 1F1B idles.
+    warmup = min(p - stage - 1, m)
+    w_delay = stage
+    tasks = [Task(TaskKind.F, i, stage) for i in range(warmup)]
+    next_forward, next_w = warmup, 0
+    for j in range(m):
+        if next_forward < m:
+            tasks.append(Task(TaskKind.F, next_forward, stage))
+            next_forward += 1
+        tasks.append(Task(TaskKind.B, j, stage))
+        if j + 1 - next_w > w_delay:
+            tasks.append(Task(TaskKind.W, next_w, stage))
+            next_w += 1
+    tasks += [Task(TaskKind.W, i, stage) for i in range(next_w, m)]
+    return tasks
+
+
+def _interleaved(p: int, m: int, v: int, stage: int) -> list[Task]:
+    # Megatron-LM's interleaved 1F1B. Microbatches go through the chunks in groups of p: the k-th
+    # forward of this stage is chunk (k // p) % v of microbatch (k // (p*v)) * p + k % p;
+    # backwards walk the chunks in reverse. Warm-up covers the deeper stages' first round.
+    total = m * v
+
+    def forward(k: int) -> Task:
+        group, within = divmod(k, p * v)
+        return Task(TaskKind.F, group * p + within % p, stage, within // p)
+
+    def backward(k: int) -> Task:
+        group, within = divmod(k, p * v)
+        return Task(TaskKind.B, group * p + within % p, stage, v - 1 - within // p)
+
+    warmup = min(2 * (p - stage - 1) + (v - 1) * p, total)
+    tasks = [forward(k) for k in range(warmup)]
+    for k in range(total - warmup):
+        tasks += [forward(warmup + k), backward(k)]
+    tasks += [backward(k) for k in range(total - warmup, total)]
+    return tasks
+
+
+def make_schedule(
+    name: str, num_stages: int, num_microbatches: int, num_chunks: int = 1
+) -> Schedule:
+    """Build and validate the named schedule (a :class:`ScheduleName` or its string).
+
+    Raises InvalidOptionError as :func:`check_schedule_options` does.
+    """
+    schedule = _build(
+        check_schedule_options(name, num_stages, num_microbatches, num_chunks),
+        num_stages,
+        num_microbatches,
+        num_chunks,
+    )
+    schedule.validate()
+    return schedule
+
+
+def _build(name: ScheduleName, p: int, m: int, v: int) -> Schedule:
+    """The task lists of checked options, not yet validated (``make_schedule`` validates)."""
+    if name == ScheduleName.GPIPE:
+        lists = [_gpipe(p, m, s) for s in range(p)]
+    elif name in (ScheduleName.ONE_F_ONE_B, *ASYNC_SCHEDULES):
+        # asynchronous schedules run 1F1B's order; ``m`` microbatches in a row without a flush
+        # in between is their steady state (the versions each task uses: ``async_schedules``)
+        lists = [_one_f_one_b(p, m, s) for s in range(p)]
+    elif name == ScheduleName.ZB_H1:
+        lists = [_zb_h1(p, m, s) for s in range(p)]
+    else:
+        lists = [_interleaved(p, m, v, s) for s in range(p)]
+    return Schedule(name, p, m, v, tuple(tuple(ts) for ts in lists))
+
+
+def activation_counts(
+    name: str, num_stages: int, num_microbatches: int, num_chunks: int = 1
+) -> tuple[float, ...]:
+    """Per stage, how many microbatches' worth of that stage's activations it holds at peak.
+
+    The one source of this fact for the compiler (stage DP, stage memory): the schedule's own
+    task lists, :meth:`Schedule.in_flight` counted until the task that frees a forward's stored
+    values (W when the schedule splits the backward, since the weight gradient still reads
+    them; else B), divided by ``num_chunks`` (an interleaved chunk holds ``1/v`` of the stage's
+    layers). Fractional for interleaved schedules: p=4, m=8, v=2 gives (5.5, 4.5, 3.5, 2.5).
+    Asynchronous schedules are counted in their steady state (calls back to back, no drain
+    between them: ``p - i`` on stage ``i`` whatever ``m``). Cached per (schedule, p, m, v);
+    InvalidOptionError as :func:`make_schedule`. The lists are
+    the ones :func:`make_schedule` returns, without its validation (a dependency walk that
+    costs far more than the count, and that the schedule tests run on every builder).
+    """
+    name = check_schedule_options(name, num_stages, num_microbatches, num_chunks)
+    return _activation_counts(name, num_stages, num_microbatches, num_chunks)
+
+
+@functools.lru_cache(maxsize=4096)
+def _activation_counts(
+    name: ScheduleName, num_stages: int, num_microbatches: int, num_chunks: int
+) -> tuple[float, ...]:
+    if name in ASYNC_SCHEDULES:  # the pipeline is not drained between calls
+        schedule = _build(name, num_stages, steady_microbatches(num_stages, num_microbatches), 1)
+    else:
+        schedule = _build(name, num_stages, num_microbatches, num_chunks)
+    until = TaskKind.W if schedule.splits_backward else TaskKind.B
+    return tuple(
+        schedule.in_flight(stage, until=until) / num_chunks for stage in range(num_stages)
+    )
+
+
+def steady_microbatches(num_stages: int, num_microbatches: int) -> int:
+    """How many microbatches (whole calls of ``num_microbatches``) an asynchronous schedule is
+    simulated over to see its steady state: stage 0 holds up to ``p`` microbatches in flight,
+    whose weight versions are ``p`` apart; ``3p`` and two calls more are past the fill."""
+    return num_microbatches * (-(-3 * num_stages // num_microbatches) + 2)
+
+
+def version_read(name: ScheduleName, num_stages: int, num_microbatches: int,
+                 microbatch: int, stage: int) -> int:
+    """The version of ``stage``'s weights that F and B of ``microbatch`` (numbered from the
+    pipeline's start) read under an asynchronous schedule; version ``v``: after ``v`` updates.
+    PipeDream: the newest when the forward runs, ``n - (p - 1 - i)``; 2BW: the previous call's,
+    ``n // m - 1``; 0 while the pipeline fills. The backward reads what the forward read."""
+    if name == ScheduleName.PIPEDREAM:
+        return max(0, microbatch - (num_stages - 1 - stage))
+    return max(0, microbatch // num_microbatches - 1)
+
+
+def version_written(name: ScheduleName, num_microbatches: int, task: Task) -> int | None:
+    """The version ``task`` writes by applying the update after it (None: it writes none):
+    PipeDream after every backward, 2BW after the last backward of each call."""
+    if task.kind is not TaskKind.B:
+        return None
+    n, m = task.microbatch, num_microbatches
+    if name == ScheduleName.PIPEDREAM:
+        return n + 1
+    return n // m + 1 if n % m == m - 1 else None
+
+
+def weight_version_counts(
+    name: str, num_stages: int, num_microbatches: int, num_chunks: int = 1
+) -> tuple[int, ...]:
+    """Per stage, how many versions of that stage's parameters it holds at peak.
+
+    The one source of this fact for the compiler (stage memory) and the runtime's check: 1 for
+    the synchronous schedules; for the asynchronous ones, counted in their steady state from
+    the versions their tasks read and write (:func:`version_read`, :func:`version_written`):
+    PipeDream with weight stashing ``p - i`` on stage ``i``, PipeDream-2BW 2. Cached;
+    InvalidOptionError as :func:`make_schedule`.
+    """
+    name = check_schedule_options(name, num_stages, num_microbatches, num_chunks)
+    if name not in ASYNC_SCHEDULES:
+        return (1,) * num_stages
+    return _weight_version_counts(name, num_stages, num_microbatches)
+
+
+@functools.lru_cache(maxsize=1024)
+def _weight_version_counts(name: ScheduleName, p: int, m: int) -> tuple[int, ...]:
+    schedule = _build(name, p, steady_microbatches(p, m), 1)
+    return tuple(live_versions(name, schedule, stage, m) for stage in range(p))
+
+
+def live_versions(name: ScheduleName, schedule: Schedule, stage: int,
+                  num_microbatches: int) -> int:
+    """Peak number of versions of ``stage``'s weights alive between its tasks in ``schedule``
+    (an asynchronous schedule's lists, calls of ``num_microbatches`` back to back): the newest,
+    those that microbatches in flight (F run, B not yet) read, and an older one the next
+    forward still reads (2BW between its calls)."""
+    p, m = schedule.num_stages, num_microbatches
+    forwards = [t.microbatch for t in schedule.tasks[stage] if t.kind is TaskKind.F]
+    latest, in_flight, next_forward, peak = 0, set(), 0, 0
+    for task in schedule.tasks[stage]:
+        if task.kind is TaskKind.F:
+            in_flight.add(task.microbatch)
+            next_forward += 1
+        else:
+            in_flight.discard(task.microbatch)
+            written = version_written(name, m, task)
+            latest = latest if written is None else written
+        live = {latest} | {version_read(name, p, m, n, stage) for n in in_flight}
+        if next_forward < len(forwards):
+            upcoming = version_read(name, p, m, forwards[next_forward], stage)
+            live |= {upcoming} if upcoming <= latest else set()
+        peak = max(peak, len(live))
+    return peak
