@@ -21,14 +21,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from autopar.bench.hand_plans import (
-    HAND_PLANS,
-    HandPlan,
-    collective_traffic,
-    graph_leaves,
-    jit_collectives,
-    plan_pinned,
-)
+from autopar.bench.hand_oracle import collective_traffic, jit_collectives, plan_pinned
+from autopar.bench.hand_plans import HAND_PLANS, HandPlan, graph_leaves
 from autopar.cluster import ClusterSpec
 from autopar.compiler.cost.estimate import one_call_time_s
 from autopar.compiler.cost.mesh import LogicalMesh

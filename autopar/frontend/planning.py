@@ -19,6 +19,7 @@ import jax
 from autopar.cluster import ClusterSpec
 from autopar.compiler.graph.trace import TracedStep, trace_step
 from autopar.compiler.planners import dispatch
+from autopar.compiler.planners.step_program import StepProgram
 from autopar.errors import InvalidOptionError, PlanError, TraceError
 from autopar.frontend.static_leaves import (
     StaticOutputs,
@@ -162,14 +163,14 @@ def plan_train_step(
     return _planned(step, cluster, cache, key, ilp_observer)
 
 
-def _planned(step: dispatch.StepProgram, cluster: ClusterSpec, cache: Any, key: str | None,
+def _planned(step: StepProgram, cluster: ClusterSpec, cache: Any, key: str | None,
              ilp_observer: Callable[[Any, Any], None] | None) -> PlannedStep:
     planned = dispatch.plan(step, cluster, ilp_observer=ilp_observer)
     _store(cache, key, planned.plan)
     return PlannedStep(planned.traced, planned.plan, planned.pipeline)
 
 
-def _cache_key(cache: Any, step: dispatch.StepProgram, cluster: ClusterSpec) -> str | None:
+def _cache_key(cache: Any, step: StepProgram, cluster: ClusterSpec) -> str | None:
     if cache is None:
         return None
     from autopar.frontend.plan_cache import cache_key, program_fingerprint

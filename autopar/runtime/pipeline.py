@@ -1,16 +1,16 @@
 """Run a pipelined train step: stage executables, the schedule's driver, transfers.
 
-Each piece (virtual stage) of the loss forward gets jitted tasks on its stage's devices:
-F (forward; returns the activations and the ``jax.vjp`` function, whose leaves are the
-residuals the backward needs), B (backward to the piece's inputs, adding the parameters'
-gradients into an accumulator) and, for zero-bubble schedules, B and W split (input gradients
-first, weight gradients later). The driver walks the schedule's global order; values cross
-stages with ``jax.device_put`` to the receiving stage's sharding, straight from the producing
-stage to every consumer (a long skip connection is not relayed through the stages between).
-The step's other equations run as jitted segments on their home stages before and after the
-pipeline. A piece's first backward in a step makes its gradient accumulators (its gradients),
-later ones add into them, donated. One stage, ``fuse=True``: the whole step traced into one
-program (``runtime.fused_step``), since nothing there waits on another stage.
+Each piece (virtual stage) of the loss forward gets jitted tasks on its stage's devices
+(``runtime.pipeline_tasks``): F (forward; returns the activations and the ``jax.vjp`` function,
+whose leaves are the residuals the backward needs), B (backward to the piece's inputs, adding
+the parameters' gradients into an accumulator) and, for zero-bubble schedules, B and W split
+(input gradients first, weight gradients later). The driver walks the schedule's global order;
+values cross stages with ``jax.device_put`` to the receiving stage's sharding, straight from the
+producing stage to every consumer (a long skip connection is not relayed through the stages
+between). The step's other equations run as jitted segments on their home stages before and
+after the pipeline. A piece's first backward in a step makes its gradient accumulators (its
+gradients), later ones add into them, donated. One stage, ``fuse=True``: the whole step traced
+into one program (``runtime.fused_step``), since nothing there waits on another stage.
 """
 
 from __future__ import annotations
@@ -25,18 +25,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from autopar.ir.pipeline_pieces import Piece, cut_pieces, input_consumers, piece_roles
+from autopar.ir.pipeline_pieces import Piece, cut_pieces, input_consumers
 from autopar.ir.pipeline_program import PipelineProgram
 from autopar.ir.pipeline_segments import Segment, plan_segments
 from autopar.ir.program import run_eqns
 from autopar.ir.random_draws import draw_function
-from autopar.ir.remat_loss import layer_function
-from autopar.ir.scan_units import run_forward_eqns
 from autopar.ir.schedule_orders import make_schedule
 from autopar.ir.schedules import Schedule, TaskKind
 from autopar.plan import Plan
 from autopar.runtime.distributed import put
 from autopar.runtime.fused_step import FusedStep
+from autopar.runtime.pipeline_tasks import PieceTasks, piece_tasks
 from autopar.runtime.program_calls import ProgramCall, TaskRecord, abstract_args
 from autopar.runtime.shard import partition_spec
 
@@ -48,25 +47,6 @@ class StageDevices:
     device_ids: tuple[int, ...]
     mesh_shape: tuple[int, ...]
     axis_names: tuple[str, ...]
-
-
-@dataclass
-class _PieceTasks:
-    piece: Piece
-    stage: int
-    diff: list[int]  # inputs differentiated: parameters, then float activations
-    params: list[int]  # the parameters among them
-    nondiff: list[int]
-    float_outputs: list[int]
-    other_outputs: list[int]
-    forward: Any = None
-    backward: Any = None
-    backward_input: Any = None
-    backward_weight: Any = None
-    # the first microbatch's: its gradients become the accumulators (no zeros made, placed
-    # and added to)
-    backward_first: Any = None
-    backward_weight_first: Any = None
 
 
 @dataclass
@@ -194,72 +174,10 @@ class PipelineRunner:
 
     # -- executables ---------------------------------------------------------------------------
 
-    def _piece_tasks(self, piece: Piece) -> _PieceTasks:
-        fwd = self.pp.forward
-        roles = piece_roles(self.pp, piece)
-        diff, params, nondiff = list(roles.diff), list(roles.params), list(roles.nondiff)
-        float_out, other_out = list(roles.float_outputs), list(roles.other_outputs)
-        t = _PieceTasks(piece, self.stage_of_piece[piece.index], diff, params, nondiff,
-                        float_out, other_out)
-        n_params = len(params)
-
-        inside = set(piece.eqns)
-        layers = [layer for layer in self.remat_layers if layer.eqns and layer.eqns[0] in inside]
-        rematerialise = self.remat_stages[t.stage] and layers
-        # the stage plan's layout of what the piece computes: held to it as it is made, so
-        # XLA communicates where the plan does (the backward, derived by jax.vjp, follows:
-        # a constraint's transpose constrains the cotangent alike)
-        mesh, specs = self.meshes[t.stage], self.specs[t.stage]
-        made = {v for i in piece.eqns for v in fwd.eqns[i].outputs}
-        held = {v: NamedSharding(mesh, partition_spec(specs[v])) for v in made if v in specs}
-
-        def hold(v: int, x: Any) -> Any:
-            return jax.lax.with_sharding_constraint(x, held[v]) if v in held else x
-
-        def run(diff_vals: list[Any], nondiff_vals: list[Any]) -> tuple[list[Any], list[Any]]:
-            env = dict(zip(diff, diff_vals, strict=True))
-            env.update(zip(nondiff, nondiff_vals, strict=True))
-            if rematerialise:
-                for layer in layers:
-                    ins = [v for v in layer.inputs if v in env]
-                    outs = jax.checkpoint(layer_function(fwd, layer, ins))([env[v] for v in ins])
-                    env.update(zip(layer.outputs, outs, strict=True))
-            else:  # a stage's whole units of a layer scan run as one shorter scan
-                run_forward_eqns(fwd, piece.eqns, env, self.pp.layer_scans,
-                                 hold if held else None)
-            return [env[v] for v in float_out], [env[v] for v in other_out]
-
-        def forward(diff_vals, nondiff_vals):
-            outs, vjp_fn, others = jax.vjp(lambda d: run(d, nondiff_vals), diff_vals, has_aux=True)
-            return outs, others, vjp_fn
-
-        def backward(vjp_fn, cots, acc):
-            (grads,) = vjp_fn(cots)
-            return grads[n_params:], [a + g for a, g in zip(acc, grads[:n_params], strict=True)]
-
-        def backward_input(vjp_fn, cots):
-            (grads,) = vjp_fn(cots)
-            return grads[n_params:]
-
-        def backward_weight(vjp_fn, cots, acc):
-            (grads,) = vjp_fn(cots)
-            return [a + g for a, g in zip(acc, grads[:n_params], strict=True)]
-
-        def backward_first(vjp_fn, cots):
-            (grads,) = vjp_fn(cots)
-            return grads[n_params:], list(grads[:n_params])
-
-        def backward_weight_first(vjp_fn, cots):
-            (grads,) = vjp_fn(cots)
-            return list(grads[:n_params])
-
-        t.forward = jax.jit(forward)
-        t.backward = jax.jit(backward, donate_argnums=(2,))
-        t.backward_input = jax.jit(backward_input)
-        t.backward_weight = jax.jit(backward_weight, donate_argnums=(2,))
-        t.backward_first = jax.jit(backward_first)
-        t.backward_weight_first = jax.jit(backward_weight_first)
-        return t
+    def _piece_tasks(self, piece: Piece) -> PieceTasks:
+        stage = self.stage_of_piece[piece.index]
+        layers = self.remat_layers if self.remat_stages[stage] else ()
+        return piece_tasks(self.pp, piece, stage, self.meshes[stage], self.specs[stage], layers)
 
     def _input_split_fns(self) -> list[tuple[int, list[int], Any]]:
         """Per stacked step input: (its id, its slices' ids, a jitted function making them).

@@ -3,7 +3,7 @@ the driver's own work on the host.
 
 The stage search compares stage partitions by Alpa's formula (``stage_dp``); this module is
 the estimate every pipelined candidate is finally judged by, the same one the one-stage
-plans are compared with (``planners/dispatch``: the full search keeps the least of them):
+plans are compared with (``planners/auto``: the full search keeps the least of them):
 
     step = before + max over stages (end of the stage's last task + its tail) + host
 

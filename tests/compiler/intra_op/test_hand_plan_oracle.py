@@ -14,7 +14,7 @@ a tied embedding) on a mesh (1x4, 2x2, 2x4), and each hand plan of
    of its search space (up to tying, which pins refine: a higher free objective means tying
    merged decisions that should differ).
 
-What is compared is the bytes the busiest device sends (``hand_plans.collective_traffic``: an
+What is compared is the bytes the busiest device sends (``hand_oracle.collective_traffic``: an
 all-reduce of M bytes over n devices sends 2(n-1)/n M, a reduce-scatter or all-gather
 (n-1)/n M, an all-to-all (n-1)/n^2 M), plus the batch bytes each device is fed
 (``feed_bytes``), which the ILP pays for too. XLA:CPU has no reduce-scatter (it all-reduces and
@@ -56,16 +56,14 @@ from hand_plan_models import (
     tied_embedding,
 )
 
-from autopar.bench.hand_plans import (
+from autopar.bench.hand_oracle import (
     collective_traffic,
     cpu_reduce_scatter_excess,
     feed_bytes,
-    graph_leaves,
-    hand_plan,
     jit_collectives,
     plan_pinned,
-    tree_leaves,
 )
+from autopar.bench.hand_plans import graph_leaves, hand_plan, tree_leaves
 from autopar.cluster import ClusterSpec, load_cluster
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.trace import trace_step

@@ -1,0 +1,179 @@
+"""The full search (``AutoParallel``): its tracing (the plain step, and the pipeline cut when
+pipelines are candidates) and its planning: every one-stage candidate (each method, ShardParallel
+also on a 2-D mesh) and the pipelined one planned on the same cost model, the fastest plan
+fitting the memory budget kept, with a planning record of every candidate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from autopar.cluster import ClusterSpec, format_mesh_shape
+from autopar.compiler.graph.trace import TracedStep, build_graph, trace_step
+from autopar.compiler.inter_op.submesh import SubmeshShape
+from autopar.compiler.planners.stage_costs import logical_shapes
+from autopar.compiler.planners.step_program import IlpObserver, PlannedProgram, StepProgram
+from autopar.errors import AutoparError, BatchSizeError, NoLossFunctionError, PlanError
+from autopar.ir.pipeline_program import build_pipeline_program
+from autopar.methods import AutoParallel, Method, PipeshardParallel, ShardParallel
+from autopar.plan import Plan
+
+OneStagePlanner = Callable[[StepProgram, ClusterSpec, IlpObserver | None, float],
+                           PlannedProgram]
+PipelinePlanner = Callable[[StepProgram, PipeshardParallel, TracedStep, ClusterSpec],
+                           PlannedProgram]
+
+
+def trace_auto(fn: Callable, args: Sequence[Any], method: AutoParallel,
+               batch_argnums: tuple[int, ...]) -> StepProgram:
+    """The plain step (for the one-stage candidates) and, when pipelines are candidates and
+    the step can be pipelined, its pipeline cut."""
+    step = StepProgram(trace_step(fn, args), method, batch_argnums, fn=fn, args=tuple(args))
+    if "pipeshard" not in method.candidates:
+        return step
+    try:
+        pp = build_pipeline_program(fn, args, batch_argnums, method.num_microbatches)
+    except (NoLossFunctionError, BatchSizeError) as err:
+        step.notes.append(f"no pipelined candidate: {err}")
+        return step
+    step.pipeline = pp
+    step.pipeline_traced = TracedStep(pp.outer, build_graph(pp.outer))
+    return step
+
+
+def plan_auto(step: StepProgram, cluster: ClusterSpec, ilp_observer: IlpObserver | None, *,
+              plan_one_stage: OneStagePlanner, plan_pipelined: PipelinePlanner) -> PlannedProgram:
+    """The full search: every candidate method planned on the same cost model, the fastest
+    plan fitting the memory budget kept. Its planning record lists every candidate (the
+    pipelined ones each stage partition the stage search compared) with its estimate.
+
+    ``plan_one_stage(step, cluster, ilp_observer, budget)`` and ``plan_pipelined(step, method,
+    traced, cluster)`` plan one candidate: passed in rather than imported, since they are
+    ``dispatch``'s, the one place that dispatches on the method's type, which imports this
+    module."""
+    method = step.method
+    assert isinstance(method, AutoParallel)
+    start = time.perf_counter()
+    budget = method.memory_budget_bytes or cluster.device.memory_bytes
+    found: dict[str, PlannedProgram] = {}
+    rows: list[dict[str, Any]] = []
+    phases: dict[str, float] = {}
+    for name, candidate in _one_stage_candidates(method, cluster):
+        single = StepProgram(step.traced, candidate, step.batch_argnums, fn=step.fn,
+                             args=step.args)
+        began = time.perf_counter()
+        try:
+            planned = plan_one_stage(single, cluster, ilp_observer, budget)
+        except AutoparError as err:
+            rows.append(_failed_row(name, name, err))
+            continue
+        finally:
+            phases[f"{name}_s"] = time.perf_counter() - began
+        found[name] = planned
+        rows.append(_candidate_row(name, planned.plan, budget))
+    if step.pipeline is not None:
+        pipelined = method.pipeline_method()
+        began = time.perf_counter()
+        try:
+            found["pipeshard"] = plan_pipelined(step, pipelined, step.pipeline_traced, cluster)
+        except AutoparError as err:
+            rows.append(_failed_row("pipeshard", "pipeshard", err))
+        finally:
+            phases["pipeshard_s"] = time.perf_counter() - began
+        if "pipeshard" in found:
+            planned = found["pipeshard"]
+            phases.update(planned.plan.planning.phases)
+            phases.pop("total_s", None)
+            inner = planned.plan.planning.candidates
+            search = planned.plan.planning.stage_search or {}
+            if inner and search:
+                inner[0]["ilp_statuses"] = dict(search.get("ilp_statuses", {}))
+                inner[0]["ilp_solves"] = int(search.get("ilp_solves", 0))
+            ilp_notes = [n for n in planned.plan.notes if "stage-cost ILPs" in n]
+            for row in inner:
+                row = dict(row, name=f"pipeshard: {row['name']}")
+                if row.pop("chosen", False):
+                    note = row.get("note", "")
+                    row.update(_candidate_row(row["name"], planned.plan, budget))
+                    row["note"] = "; ".join(n for n in (note, row["note"]) if n)
+                rows.append(row)
+    fitting = [(n, p) for n, p in found.items() if _fits_budget(p.plan, budget)]
+    if not fitting:
+        least = min(found.values(), key=lambda p: p.plan.peak_memory_bytes, default=None)
+        if least is None:
+            reasons = "; ".join(f"{r['name']}: {r['note']}" for r in rows)
+            raise PlanError(f"the full search planned no candidate: {reasons}")
+        raise PlanError(
+            f"no candidate of the full search fits in {budget / 2**30:.2f} GiB per device: the "
+            f"least memory is {least.plan.peak_memory_bytes / 2**30:.2f} GiB "
+            f"({least.plan.method.value}); raise memory_budget_bytes, or use a larger cluster")
+    name, best = min(fitting, key=lambda item: item[1].plan.est_step_time_s)
+    plan = best.plan
+    chosen_name = next((r["name"] for r in rows if r.get("chosen_plan") is plan), name)
+    for row in rows:
+        row["chosen"] = row.pop("chosen_plan", None) is plan
+    ranked = sorted((r for r in rows if r.get("est_step_time_s") is not None and r["fits"]),
+                    key=lambda r: r["est_step_time_s"])
+    runner_up = next((r for r in ranked if not r["chosen"]), None)
+    summary = (f"the full search compared {len(rows)} candidate plans and chose "
+               f"{chosen_name} (est. {plan.est_step_time_s:.4g} s/step)")
+    if runner_up is not None:
+        summary += (f"; next: {runner_up['name']} (est. {runner_up['est_step_time_s']:.4g} s, "
+                    f"{runner_up['est_step_time_s'] / plan.est_step_time_s:.2f}x)")
+    plan.notes.insert(0, summary)
+    if step.pipeline is not None and "pipeshard" in found and plan is not \
+            found["pipeshard"].plan:
+        plan.notes.extend(f"pipelined candidates: {n}" for n in ilp_notes)
+    options = {"method": "auto", "chosen": plan.method.value,
+               "candidates": list(method.candidates),
+               "num_microbatches": method.num_microbatches, "schedule": method.schedule,
+               "remat": method.remat}
+    plan.planning.method_options = options | {"chosen_options": plan.planning.method_options}
+    plan.planning.candidates = rows
+    plan.planning.planning_time_s = time.perf_counter() - start
+    plan.planning.phases = phases | {"total_s": plan.planning.planning_time_s}
+    return PlannedProgram(best.traced, plan, best.pipeline, candidates=found)
+
+
+def _one_stage_candidates(method: AutoParallel, cluster: ClusterSpec
+                          ) -> list[tuple[str, Method]]:
+    """The full search's one-stage candidates by name. ShardParallel runs on every logical
+    mesh the stage search gives a stage over the whole cluster (``logical_shapes``): one axis,
+    and a 2-D one (hosts x devices per host, or 2 x n/2 on one host), where the ILP can put
+    the batch on one axis and the model on the other, as a data x tensor expert plan does."""
+    found: list[tuple[str, Method]] = []
+    whole = SubmeshShape(cluster.num_hosts, cluster.devices_per_host)
+    for candidate in method.one_stage_methods():
+        found.append((candidate.name.value, candidate))
+        if isinstance(candidate, ShardParallel):
+            for shape in logical_shapes(whole)[1:]:
+                found.append((f"shard {format_mesh_shape(shape)}",
+                              dataclasses.replace(candidate, mesh_shape=shape)))
+    return found
+
+
+def _fits_budget(plan: Plan, budget: float) -> bool:
+    return plan.peak_memory_bytes <= budget
+
+
+def _candidate_row(name: str, plan: Plan, budget: float) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "name": name, "method": plan.method.value, "est_step_time_s": plan.est_step_time_s,
+        "peak_memory_bytes": plan.peak_memory_bytes,
+        "fits": _fits_budget(plan, budget), "num_stages": len(plan.stages),
+        "estimate": dict(plan.planning.estimate),
+        "note": "rematerialised" if plan.remat_positions is not None else "",
+        "chosen_plan": plan,
+    }
+    if not row["fits"]:
+        row["note"] = (row["note"] + "; " if row["note"] else "") + (
+            f"needs {plan.peak_memory_bytes / 2**30:.2f} GiB per device, over the budget")
+    return row
+
+
+def _failed_row(name: str, method: str, err: Exception) -> dict[str, Any]:
+    return {"name": name, "method": method, "est_step_time_s": None, "fits": False,
+            "note": " ".join(str(err).split())}

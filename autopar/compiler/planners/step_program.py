@@ -1,0 +1,70 @@
+"""What the compiler plans and what it gives back: a traced step (:class:`StepProgram`) and a
+plan with the program its tensor ids refer to (:class:`PlannedProgram`). Apart from
+``dispatch``, so that the full search (``auto``), which ``dispatch`` calls, makes and returns
+them without importing ``dispatch`` back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from autopar.compiler.graph.trace import TracedStep
+from autopar.ir.pipeline_program import PipelineProgram
+from autopar.methods import Method
+from autopar.plan import Plan
+
+IlpObserver = Callable[[Any, Any], None]
+
+
+@dataclass
+class StepProgram:
+    """A traced step as the compiler plans it.
+
+    ``traced``: the program (and graph) the plan's tensor ids refer to; for a pipelined
+    method the outer program, which holds the loss function as one equation. ``pipeline``:
+    the pipeline cut (loss forward, pieces' inputs) when the method pipelines. ``fn`` and
+    ``args``: the step itself, for tracing again with rematerialised layers. ``method``: what
+    will plan it (the full search's one-stage fallback replaces a pipeline method that cannot
+    pipeline this step). ``notes``: what the plan should say about how it was traced.
+    """
+
+    traced: TracedStep
+    method: Method
+    batch_argnums: tuple[int, ...]
+    pipeline: PipelineProgram | None = None
+    fn: Callable | None = None
+    args: tuple[Any, ...] = ()
+    notes: list[str] = field(default_factory=list)
+    # the full search (AutoParallel): ``traced`` is the plain step (its one-stage candidates'
+    # program), this the pipeline's outer program (its pipelined candidates')
+    pipeline_traced: TracedStep | None = None
+
+    @property
+    def programs(self) -> tuple[Any, ...]:
+        """The flat programs that identify the step (what a plan cache key hashes): for a
+        pipeline also the microbatch forward, which tells two loss functions apart."""
+        if self.pipeline is not None and self.pipeline_traced is None:
+            return (self.pipeline.outer, self.pipeline.forward)
+        if self.pipeline is not None:
+            return (self.traced.program, self.pipeline.forward)
+        return (self.traced.program,)
+
+    def parts_for(self, plan: Plan) -> tuple[TracedStep, PipelineProgram | None]:
+        """The traced program and pipeline cut that ``plan`` (made for this step) runs on."""
+        if plan.is_pipelined:
+            return (self.pipeline_traced or self.traced), self.pipeline
+        return self.traced, None
+
+
+@dataclass
+class PlannedProgram:
+    """A plan and the program its tensor ids refer to (traced again when rematerialised).
+    ``candidates``: for the full search, every candidate's plan by name (the benchmark runs
+    them as its baselines; not saved with the plan)."""
+
+    traced: TracedStep
+    plan: Plan
+    pipeline: PipelineProgram | None = None
+    candidates: dict[str, PlannedProgram] = field(default_factory=dict)

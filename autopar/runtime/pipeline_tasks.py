@@ -1,0 +1,116 @@
+"""Each piece's jitted tasks for a pipelined step (``runtime.pipeline`` drives them).
+
+A piece (virtual stage) of the loss forward gets, on its stage's devices: F (forward; returns
+the activations and the ``jax.vjp`` function, whose leaves are the residuals the backward
+needs), B (backward to the piece's inputs, adding the parameters' gradients into an
+accumulator) and, for zero-bubble schedules, B and W split (input gradients first, weight
+gradients later); each backward also in a first-microbatch variant whose gradients become the
+accumulators. Kept apart from the driver: what a task computes is fixed when the runner is
+built, while the driver only decides when each runs and where its values go.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+
+from autopar.ir.pipeline_pieces import Piece, piece_roles
+from autopar.ir.pipeline_program import PipelineProgram
+from autopar.ir.remat_loss import layer_function
+from autopar.ir.scan_units import run_forward_eqns
+from autopar.runtime.shard import partition_spec
+
+
+@dataclass
+class PieceTasks:
+    """One piece's jitted tasks and the forward value ids they take and give."""
+
+    piece: Piece
+    stage: int
+    diff: list[int]  # inputs differentiated: parameters, then float activations
+    params: list[int]  # the parameters among them
+    nondiff: list[int]
+    float_outputs: list[int]
+    other_outputs: list[int]
+    forward: Any = None
+    backward: Any = None
+    backward_input: Any = None
+    backward_weight: Any = None
+    # the first microbatch's: its gradients become the accumulators (no zeros made, placed
+    # and added to)
+    backward_first: Any = None
+    backward_weight_first: Any = None
+
+
+def piece_tasks(pp: PipelineProgram, piece: Piece, stage: int, mesh: Mesh,
+                specs: dict[int, Any], remat_layers: Sequence[Piece] = ()) -> PieceTasks:
+    """``piece``'s jitted tasks on ``stage`` (its devices as ``mesh``, ``specs`` its plan's
+    forward value id -> ShardingSpec). ``remat_layers``: the forward cut at every layer
+    boundary when the stage is rematerialised (empty otherwise): each layer of the piece then
+    runs under jax.checkpoint, and the backward keeps only layer inputs."""
+    fwd = pp.forward
+    roles = piece_roles(pp, piece)
+    diff, params, nondiff = list(roles.diff), list(roles.params), list(roles.nondiff)
+    float_out, other_out = list(roles.float_outputs), list(roles.other_outputs)
+    t = PieceTasks(piece, stage, diff, params, nondiff, float_out, other_out)
+    n_params = len(params)
+
+    inside = set(piece.eqns)
+    layers = [layer for layer in remat_layers if layer.eqns and layer.eqns[0] in inside]
+    rematerialise = bool(layers)
+    # the stage plan's layout of what the piece computes: held to it as it is made, so
+    # XLA communicates where the plan does (the backward, derived by jax.vjp, follows:
+    # a constraint's transpose constrains the cotangent alike)
+    made = {v for i in piece.eqns for v in fwd.eqns[i].outputs}
+    held = {v: NamedSharding(mesh, partition_spec(specs[v])) for v in made if v in specs}
+
+    def hold(v: int, x: Any) -> Any:
+        return jax.lax.with_sharding_constraint(x, held[v]) if v in held else x
+
+    def run(diff_vals: list[Any], nondiff_vals: list[Any]) -> tuple[list[Any], list[Any]]:
+        env = dict(zip(diff, diff_vals, strict=True))
+        env.update(zip(nondiff, nondiff_vals, strict=True))
+        if rematerialise:
+            for layer in layers:
+                ins = [v for v in layer.inputs if v in env]
+                outs = jax.checkpoint(layer_function(fwd, layer, ins))([env[v] for v in ins])
+                env.update(zip(layer.outputs, outs, strict=True))
+        else:  # a stage's whole units of a layer scan run as one shorter scan
+            run_forward_eqns(fwd, piece.eqns, env, pp.layer_scans, hold if held else None)
+        return [env[v] for v in float_out], [env[v] for v in other_out]
+
+    def forward(diff_vals, nondiff_vals):
+        outs, vjp_fn, others = jax.vjp(lambda d: run(d, nondiff_vals), diff_vals, has_aux=True)
+        return outs, others, vjp_fn
+
+    def backward(vjp_fn, cots, acc):
+        (grads,) = vjp_fn(cots)
+        return grads[n_params:], [a + g for a, g in zip(acc, grads[:n_params], strict=True)]
+
+    def backward_input(vjp_fn, cots):
+        (grads,) = vjp_fn(cots)
+        return grads[n_params:]
+
+    def backward_weight(vjp_fn, cots, acc):
+        (grads,) = vjp_fn(cots)
+        return [a + g for a, g in zip(acc, grads[:n_params], strict=True)]
+
+    def backward_first(vjp_fn, cots):
+        (grads,) = vjp_fn(cots)
+        return grads[n_params:], list(grads[:n_params])
+
+    def backward_weight_first(vjp_fn, cots):
+        (grads,) = vjp_fn(cots)
+        return list(grads[:n_params])
+
+    t.forward = jax.jit(forward)
+    t.backward = jax.jit(backward, donate_argnums=(2,))
+    t.backward_input = jax.jit(backward_input)
+    t.backward_weight = jax.jit(backward_weight, donate_argnums=(2,))
+    t.backward_first = jax.jit(backward_first)
+    t.backward_weight_first = jax.jit(backward_weight_first)
+    return t
