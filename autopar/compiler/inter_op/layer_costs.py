@@ -8,20 +8,22 @@ the parameter's). Traced at microbatch shapes, the ILP's objective is the stage'
 microbatch; its choice for the piece's inputs is the stage's plan. Layers of the same structure
 are costed once (``LayerCostCache``).
 
-Two parts of that step run once per step, not once per microbatch, and are priced so before
-the ILP chooses (``_amortise``): the gradients' reduction (the collectives of the nodes that
-make each parameter's gradient, and the resharding of the gradient into the update) runs after
-the last microbatch's backward, on the accumulated gradient; and the update is the step's own
-optimizer (its equations after the gradients, ``step_update_work``: Adam's about a dozen flops
-per parameter, not the placeholder ``p - g``), on the parameter as the plan lays it out. Both
-enter the objective divided by the microbatch count (Alpa's ``grad_acc_num_micro_batches``),
-and ``PieceCost`` keeps them apart (``sync_s``, ``update_s``: per step).
+Two parts of that step run once per step, not once per microbatch, and are priced so before the
+ILP chooses (``step_parts.amortise``): the gradients' reduction (the collectives of the nodes
+that make each parameter's gradient, and the resharding of the gradient into the update) runs
+after the last microbatch's backward, on the accumulated gradient (the model's assumption, as
+Alpa's; the runtime reduces every microbatch's gradient today: docs/pipeline.md, "Where a
+one-stage pipeline's time goes"); and the update is the step's
+own optimizer (its equations after the gradients, ``step_update_work``: Adam's about a dozen
+flops per parameter, not the placeholder ``p - g``), on the parameter as the plan lays it out.
+Both enter the objective divided by the microbatch count (Alpa's
+``grad_acc_num_micro_batches``), and ``PieceCost`` keeps them apart (``sync_s``, ``update_s``:
+per step).
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -29,13 +31,13 @@ from typing import Any
 import jax
 
 from autopar.compiler.cost.mesh import LogicalMesh
-from autopar.compiler.graph.opgraph import SCAN_EXIT, OpGraph
+from autopar.compiler.graph.opgraph import OpGraph
 from autopar.compiler.graph.trace import build_graph
 from autopar.compiler.inter_op.piece_plan import forward_value_specs, piece_collectives
+from autopar.compiler.inter_op.step_parts import StepWork, amortise, gradient_nodes, step_work
 from autopar.compiler.intra_op.ilp import solve
 from autopar.compiler.intra_op.sharding_ilp import (
     IntraOpOptions,
-    ProblemParts,
     build_problem,
     read_solution,
 )
@@ -44,68 +46,6 @@ from autopar.ir.pipeline_pieces import Piece, PieceRoles, piece_roles
 from autopar.ir.pipeline_program import PipelineProgram
 from autopar.ir.scan_units import run_forward_eqns, whole_unit_runs
 from autopar.plan import CollectiveEstimate, ShardingSpec
-
-# Ops a parameter's gradient passes through on its way from the node that sums it over the
-# batch (a weight gradient's dot, a bias gradient's reduce) to the update: the walk back from
-# the update stops at the first op not in this list, which is that node. A scan region's exit
-# is one too, and a split or slice: a scanned layer's gradient is made inside the body (each
-# iteration's slice of a stacked parameter's gradient, a ``ys``), the exit only stacks it and
-# the split (the transpose of the concatenation that feeds a stage's layers to one scan over
-# their slices) cuts each layer's out; stopping there would leave the body's reduction priced
-# per microbatch, not per step as the unrolled layer's.
-_GRADIENT_PASS_THROUGH = frozenset({
-    "transpose", "reshape", "convert_element_type", "copy", "copy_p", "squeeze", "add",
-    "add_any", "reduce_precision", "slice", "split", SCAN_EXIT,
-})
-
-
-@dataclass(frozen=True)
-class StepWork:
-    """Work of the step outside the loss forward and its backward, from the traced step:
-    ``update_flops``: per dtype, flops of the equations after the gradients (the optimizer
-    update, a gradient norm) per parameter element; ``before_flops``: per dtype, flops of
-    the equations before the loss function (batch preprocessing), per step."""
-
-    update_flops: dict[str, float]
-    before_flops: dict[str, float]
-    param_elements: float
-
-    def update_seconds(self, elements: float, mesh: LogicalMesh) -> float:
-        """Seconds of the update of ``elements`` parameter elements on one device of ``mesh``."""
-        return math.fsum(per * elements / _rate(mesh, dtype)
-                         for dtype, per in self.update_flops.items())
-
-    def before_seconds(self, mesh: LogicalMesh, parts: int) -> float:
-        """Seconds of the preprocessing, split ``parts`` ways (the batch's devices)."""
-        return math.fsum(f / max(parts, 1) / _rate(mesh, dtype)
-                         for dtype, f in self.before_flops.items())
-
-
-def _rate(mesh: LogicalMesh, dtype: str) -> float:
-    return mesh.device.flops_for(dtype) * mesh.compute_efficiency
-
-
-def step_work(pp: PipelineProgram) -> StepWork:
-    """The step's own work around the pipeline (see :class:`StepWork`), priced per node as
-    the one-stage planners price it (each node's flops at its result's dtype)."""
-    outer = pp.outer
-    graph = build_graph(outer)
-    after = set(pp.vg.outputs)
-    update: Counter[str] = Counter()
-    before: Counter[str] = Counter()
-    for node in graph.nodes:
-        if node.id == pp.vg_index:
-            continue
-        dtype = graph.tensors[node.outputs[0]].dtype if node.outputs else "float32"
-        if any(t in after for t in node.inputs):
-            after.update(node.outputs)
-            update[dtype] += node.flops
-        else:
-            before[dtype] += node.flops
-    elements = float(sum(math.prod(outer.avals[pp.operand_of[f]].shape)
-                         for f in pp.diff_inputs))
-    per = {d: f / elements for d, f in update.items() if f} if elements else {}
-    return StepWork(per, {d: f for d, f in before.items() if f}, elements)
 
 
 @dataclass(frozen=True)
@@ -321,110 +261,16 @@ def solve_status(cost: PieceCost) -> str:
     return "proven"
 
 
-def _gradient_nodes(graph: OpGraph) -> tuple[dict[int, int], set[int]]:
-    """The placeholder update ``p - g`` of every parameter (node id -> the operand position of
-    its gradient), and the nodes that make the gradients (each reached back from ``g``
-    through ``_GRADIENT_PASS_THROUGH`` ops, up to and including the first other op)."""
-    updates: dict[int, int] = {}
-    for io in graph.outputs:
-        if not io.path.startswith("out/0/p/"):
-            continue
-        node = graph.nodes[graph.producer[io.tensor]]
-        if node.primitive == "sub" and len(node.inputs) == 2:
-            updates[node.id] = 1
-    makers: set[int] = set()
-    stack = [graph.nodes[u].inputs[k] for u, k in updates.items()]
-    while stack:
-        t = stack.pop()
-        n = graph.producer.get(t)
-        if n is None or n in makers:
-            continue
-        makers.add(n)
-        node = graph.nodes[n]
-        if node.primitive in _GRADIENT_PASS_THROUGH:
-            stack.extend(node.inputs)
-    return updates, makers
-
-
-def _amortise(problem: Any, parts: ProblemParts, graph: OpGraph, mesh: LogicalMesh,
-              work: StepWork, m: int) -> Any:
-    """Rewrite ``problem`` (in place) so that the per-step parts cost what they cost per
-    microbatch: the gradients' collectives (their makers' own and the resharding into the
-    update) divided by ``m``, and each placeholder update's compute replaced by the step's
-    update of that parameter, divided by ``m``. Returns a function of the chosen strategies
-    giving (sync, update, placeholder compute) seconds per step."""
-    table = parts.table
-    updates, makers = _gradient_nodes(graph)
-    keep = 1.0 / max(m, 1)
-    sizes = {a: mesh.axis_size(a) for a in mesh.axis_names}
-    edges = {(e.src, e.dst): e for e in problem.edges}
-
-    def update_s(member: int, strategy: Any) -> float:
-        info = graph.tensors[graph.nodes[member].outputs[0]]
-        shards = strategy.output_specs[0].num_shards(sizes)
-        return work.update_seconds(info.size / shards, mesh)
-
-    uses = []  # (tensor, producer variable, consumer variable, matrix)
-    for u, k in updates.items():
-        t = graph.nodes[u].inputs[k]
-        if t not in table.tensor_home:
-            continue
-        dst = table.variable_of(u)
-        strategies = dst.members[u]
-        matrix = parts.edges.use_matrix(
-            t, lambda s=strategies, k=k: [x.input_specs[k] for x in s], ("use", id(strategies), k))
-        uses.append((table.home_variable(t).index, dst.index, matrix))
-    for var, node in zip(table.variables, problem.nodes, strict=True):
-        costs = list(node.costs)
-        for member, strategies in var.members.items():
-            if member in makers:
-                for c, st in enumerate(strategies):
-                    costs[c] -= (1.0 - keep) * st.communication_time_s
-            if member in updates:
-                for c, st in enumerate(strategies):
-                    costs[c] += keep * update_s(member, st) - st.compute_time_s
-        node.costs = [max(c, 0.0) for c in costs]
-    for src, dst, matrix in uses:
-        if src == dst:
-            node = problem.nodes[src]
-            node.costs = [max(c - (1.0 - keep) * d, 0.0)
-                          for c, d in zip(node.costs, matrix.diagonal(), strict=True)]
-        elif (src, dst) in edges:
-            edge = edges[(src, dst)]
-            edge.costs = [[max(c - (1.0 - keep) * d, 0.0) for c, d in zip(row, mrow, strict=True)]
-                          for row, mrow in zip(edge.costs, matrix.tolist(), strict=True)]
-
-    fed = {-(1 + k) for k, io in enumerate(graph.inputs) if io.path.startswith("batch/")}
-
-    def per_step(choices: list[int]) -> tuple[float, float, float, float]:
-        """(sync, update, placeholder compute, feed) seconds of the chosen strategies."""
-        sync = update = placeholder = feed = 0.0
-        for var, c in zip(table.variables, choices, strict=True):
-            for member, strategies in var.members.items():
-                if member in makers:
-                    sync += strategies[c].communication_time_s
-                if member in updates:
-                    update += update_s(member, strategies[c])
-                    placeholder += strategies[c].compute_time_s
-                if member in fed:
-                    feed += strategies[c].cost
-        for src, dst, matrix in uses:
-            sync += float(matrix[choices[src], choices[dst]])
-        return sync, update, placeholder, feed
-
-    return per_step
-
-
 def _solve_piece(pp: PipelineProgram, piece: Piece, graph: OpGraph, paths: dict[str, int],
                  mesh: LogicalMesh, options: IntraOpOptions, reshard_cache: dict,
                  state_per_parameter: float, work: StepWork, m: int) -> PieceCost:
     problem, parts = build_problem(graph, mesh, options, reshard_cache)
-    per_step = _amortise(problem, parts, graph, mesh, work, m)
+    per_step = amortise(problem, parts, graph, mesh, work, m)
     solution = solve(problem, solver=options.solver, time_limit_s=options.time_limit_s,
                      relative_gap=options.relative_gap)
     node_strategy, input_spec, _, tensor_spec, _ = read_solution(parts, solution.choices)
     per_microbatch_moves, per_step_moves = piece_collectives(
-        parts, graph, node_strategy, tensor_spec, *_gradient_nodes(graph))
+        parts, graph, node_strategy, tensor_spec, *gradient_nodes(graph))
     sync, update, placeholder, feed = per_step(solution.choices)
     sizes = {a: mesh.axis_size(a) for a in mesh.axis_names}
     by_path = {io.path: io.tensor for io in graph.inputs}

@@ -22,7 +22,7 @@ from typing import Any
 
 from autopar.cluster import ClusterSpec
 from autopar.compiler.graph.trace import build_graph
-from autopar.compiler.inter_op.layer_costs import LayerCostCache, step_work
+from autopar.compiler.inter_op.layer_costs import LayerCostCache
 from autopar.compiler.inter_op.layers import layer_positions
 from autopar.compiler.inter_op.pipeline_cost import (
     PipelineEstimate,
@@ -40,6 +40,7 @@ from autopar.compiler.inter_op.stages import (
     solve_stages,
     uniform_stages,
 )
+from autopar.compiler.inter_op.step_parts import step_work
 from autopar.compiler.planners.stage_costs import (
     CostClock,
     layer_cost_cache,
