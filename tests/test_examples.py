@@ -53,7 +53,8 @@ def test_flax_quickstart_trains_on_two_stages_as_the_serial_step_does(capsys):
     final = example.main()
     out = capsys.readouterr().out
     # the stage DP chooses the count: on simulated CPU devices, where every pipeline task costs
-    # the driver hundreds of microseconds, one stage (issue 18's runtime costs)
+    # the driver hundreds of microseconds, one stage (issue 18's runtime costs), run as one
+    # program
     assert re.search(r"plan: \d+ stage\(s\)", out)
     losses = [float(x) for x in re.findall(r"loss ([\d.]+)", out)]
     # the serial reference from the example's own start; main() donated its copy

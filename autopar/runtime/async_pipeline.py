@@ -77,6 +77,7 @@ class AsyncPipelineRunner(PipelineRunner):
     peak_live_versions: list[int]
 
     def __init__(self, *args: Any, **kwargs: Any):
+        kwargs["fuse"] = False  # its driver streams calls and updates: never one program
         super().__init__(*args, **kwargs)
         p = self.schedule.num_stages
         if self.schedule.num_chunks != 1 or self.stage_of_piece != list(range(p)):
@@ -114,7 +115,7 @@ class AsyncPipelineRunner(PipelineRunner):
                   stash_weights: bool = True) -> AsyncPipelineRunner:
         """The runner for an asynchronous pipeshard ``Plan``; ``stash_weights=False`` is the
         test switch described in the module docstring."""
-        runner = super().from_plan(pp, plan, devices)
+        runner = super().from_plan(pp, plan, devices, fuse=False)
         runner.stash_weights = stash_weights
         return runner  # type: ignore[return-value]
 

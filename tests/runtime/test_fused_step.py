@@ -1,5 +1,5 @@
-"""A one-stage pipeline run as one program (``PipelineRunner(..., fuse=True)``,
-``runtime.fused_step``): the serial numbers, one logged program per step whose collectives are
+"""A one-stage pipeline run as one program (``runtime.fused_step``, the runtime's default for
+one stage): the serial numbers, one logged program per step whose collectives are
 the step's, one timed record per step."""
 
 import jax
@@ -52,15 +52,25 @@ def test_one_stage_pipeline_as_one_program_has_the_serial_numbers(name, schedule
     assert runner.records[0].end_s >= runner.records[0].start_s == 0.0
 
 
-def test_one_stage_pipeline_runs_task_by_task_unless_fused():
+def test_one_stage_pipeline_is_one_program_unless_told_otherwise():
     model = get_zoo("mlp")
-    step = autopar.parallelize(model.train_step, method=autopar.PipeshardParallel(
-        num_microbatches=M, num_stages=1, stages="uniform", layers=2), cache=False)
+    method = autopar.PipeshardParallel(num_microbatches=M, num_stages=1, stages="uniform",
+                                       layers=2)
+    step = autopar.parallelize(model.train_step, method=method, cache=False)
     state, batch = model.init_state(jax.random.key(0)), model.make_batch(jax.random.key(1))
+    # the default: the whole step, every microbatch's tasks in it, is one logged program
+    labels = [program.label for program in step.pipeline_collectives(state, batch).programs]
+    assert labels == ["step"]
+    # fuse=False: a forward and a backward per microbatch; the batch cut once per split input
+    pp = build_pipeline_program(model.train_step, (state, batch), (1,), M)
+    plan = step.get_plan(state, batch)
+    runner = PipelineRunner.from_plan(pp, plan, jax.devices(), fuse=False)
+    assert runner.fused is None
+    logged = []
+    runner(jax.tree_util.tree_leaves((state, batch)), calls=logged)
     calls: dict[str, int] = {}
-    for program in step.pipeline_collectives(state, batch).programs:
-        calls[program.label] = calls.get(program.label, 0) + program.calls
-    # a forward and a backward per microbatch; the batch cut once per split input
+    for call in logged:
+        calls[call.label] = calls.get(call.label, 0) + 1
     assert calls["F0"] == calls["B0"] == M
     assert all(n == 1 for label, n in calls.items() if label.startswith("microbatches"))
 

@@ -16,7 +16,8 @@ plans are compared with (``planners/auto``: the full search keeps the least of t
 - *host*: the driver's work, one host thread issuing every task, transfer and small
   operation of the step one after the other (``runtime/pipeline.py``), counted from the
   pieces and the schedule (:func:`driver_counts`) and priced with the cluster's
-  ``RuntimeCosts``. A one-stage plan pays one call of one program instead.
+  ``RuntimeCosts``. A one-stage plan, and a one-stage pipeline (``runtime.fused_step``), pays
+  one call of one program instead.
 
 Pure: no devices, no JAX arrays.
 """
@@ -50,18 +51,22 @@ class DriverCounts:
     """What the pipeline driver issues per step: ``tasks`` (jitted stage programs: forward,
     backward and weight-gradient tasks, segments, the losses' means, the microbatches' cut),
     ``small_ops`` (eager operations: cotangent and gradient sums) and
-    ``transfers`` (``jax.device_put`` calls placing values on a stage)."""
+    ``transfers`` (``jax.device_put`` calls placing values on a stage); ``calls``: calls of
+    one program holding the whole step (a one-stage pipeline's, ``runtime.fused_step``)."""
 
     tasks: int
     small_ops: int
     transfers: int
+    calls: int = 0
 
     def seconds(self, runtime: RuntimeCosts) -> float:
         """Host seconds per step."""
-        return (self.tasks + self.small_ops) * runtime.task_s + self.transfers * runtime.transfer_s
+        return (self.calls * runtime.call_s + (self.tasks + self.small_ops) * runtime.task_s
+                + self.transfers * runtime.transfer_s)
 
     def to_dict(self) -> dict[str, int]:
-        return {"tasks": self.tasks, "small_ops": self.small_ops, "transfers": self.transfers}
+        return {"tasks": self.tasks, "small_ops": self.small_ops, "transfers": self.transfers,
+                "calls": self.calls}
 
 
 def driver_counts(pp: PipelineProgram, pieces: Sequence[Piece], stage_of_piece: Sequence[int],
@@ -70,10 +75,13 @@ def driver_counts(pp: PipelineProgram, pieces: Sequence[Piece], stage_of_piece: 
     ``runtime.pipeline.PipelineRunner`` runs them: one task per schedule entry, each input of
     a forward placed on its stage per microbatch unless it is a step input, fetched once per
     stage; each output cotangent placed for the backward, each input gradient sent back).
-    A one-stage pipeline too: the runtime runs it task by task (its one-program form,
-    ``runtime.fused_step``, is opt-in: measured slower on XLA:CPU)."""
+    A synchronous one-stage pipeline is one call of one program (``runtime.fused_step``, the
+    runtime's default for one stage): the accumulation, the microbatches' cut and the
+    segments are inside it."""
     m = num_microbatches
     stages = max(stage_of_piece) + 1
+    if stages == 1 and not is_async(schedule):
+        return DriverCounts(0, 0, 0, calls=1)
     sched = make_schedule(schedule, stages, m, num_chunks)
     tasks = len(sched.global_order())
     loss_inputs = set(pp.operand_of)

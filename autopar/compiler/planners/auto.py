@@ -101,6 +101,17 @@ def plan_auto(step: StepProgram, cluster: ClusterSpec, ilp_observer: IlpObserver
                     row["note"] = "; ".join(n for n in (note, row["note"]) if n)
                 rows.append(row)
     fitting = [(n, p) for n, p in found.items() if _fits_budget(p.plan, budget)]
+    # A one-stage pipeline is the one-stage ShardParallel step cut into microbatches: what it
+    # adds (each microbatch reduces its gradients, smaller programs) its stage costs do not
+    # price (docs/pipeline.md), so it is kept only for its memory, when no one-stage plan fits
+    one_stage_fits = any(n != "pipeshard" for n, _ in fitting)
+    if one_stage_fits and "pipeshard" in found and len(found["pipeshard"].plan.stages) == 1:
+        fitting = [(n, p) for n, p in fitting if n != "pipeshard"]
+        for row in rows:
+            if row.get("chosen_plan") is found["pipeshard"].plan:
+                row["note"] = "; ".join(x for x in (row.get("note", ""), (
+                    "one stage: a one-stage plan fits, and the microbatch split's costs are "
+                    "not in this estimate")) if x)
     if not fitting:
         least = min(found.values(), key=lambda p: p.plan.peak_memory_bytes, default=None)
         if least is None:

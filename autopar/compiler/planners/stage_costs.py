@@ -28,7 +28,7 @@ from autopar.compiler.intra_op.sharding_ilp import IntraOpOptions
 from autopar.errors import InvalidOptionError
 from autopar.ir.pipeline_pieces import Piece, cut_pieces, piece_roles
 from autopar.ir.pipeline_program import PipelineProgram
-from autopar.ir.schedules import ScheduleName
+from autopar.ir.schedules import ScheduleName, is_async
 from autopar.methods import PipeshardParallel
 from autopar.plan import CollectiveEstimate
 
@@ -125,6 +125,7 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
     runtime = cluster.runtime
     facts = _range_facts(pp, positions)
     per_task = tasks_per_microbatch(method.schedule)
+    one_program = not is_async(method.schedule)
     whole = whole or cluster
 
     def candidates(start: int, end: int, submesh: SubmeshShape) -> list[StageCandidate]:
@@ -138,6 +139,9 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
                 # the accumulators: no zeros made and placed)
                 + f.params * runtime.transfer_s
                 + f.fixed * runtime.transfer_s)
+        if one_program and submesh.num_devices == cluster.num_devices:
+            # the only stage: the runtime runs the step as one program (runtime.fused_step)
+            host = runtime.call_s
         for shape in logical_shapes(submesh):
             mesh = submesh_mesh(cluster, submesh, shape)
             costs = [cache.cost(pp, layers[k], mesh) for k in range(start, end)]
