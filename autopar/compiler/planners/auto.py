@@ -109,6 +109,7 @@ def plan_auto(step: StepProgram, cluster: ClusterSpec, ilp_observer: IlpObserver
         fitting = [(n, p) for n, p in fitting if n != "pipeshard"]
         for row in rows:
             if row.get("chosen_plan") is found["pipeshard"].plan:
+                row["eligible"] = False
                 row["note"] = "; ".join(x for x in (row.get("note", ""), (
                     "one stage: a one-stage plan fits, and the microbatch split's costs are "
                     "not in this estimate")) if x)
@@ -126,7 +127,8 @@ def plan_auto(step: StepProgram, cluster: ClusterSpec, ilp_observer: IlpObserver
     chosen_name = next((r["name"] for r in rows if r.get("chosen_plan") is plan), name)
     for row in rows:
         row["chosen"] = row.pop("chosen_plan", None) is plan
-    ranked = sorted((r for r in rows if r.get("est_step_time_s") is not None and r["fits"]),
+    ranked = sorted((r for r in rows if r.get("est_step_time_s") is not None and r["fits"]
+                     and r.get("eligible", True)),
                     key=lambda r: r["est_step_time_s"])
     runner_up = next((r for r in ranked if not r["chosen"]), None)
     summary = (f"the full search compared {len(rows)} candidate plans and chose "

@@ -243,7 +243,7 @@ def test_a_one_stage_pipeline_is_kept_only_when_no_one_stage_plan_fits():
     plan = planned(step, args, autopar.AutoParallel(), local_cluster())
     rows = {r["name"]: r for r in plan.planning.candidates}
     dp = rows["pipeshard: stage DP"]
-    assert dp["num_stages"] == 1 and dp["fits"] and not dp["chosen"]
+    assert dp["num_stages"] == 1 and dp["fits"] and not dp["chosen"] and not dp["eligible"]
     assert "a one-stage plan fits" in dp["note"]
     assert not plan.is_pipelined
     # its host cost is one call of one program (runtime.fused_step), not a driver's tasks
