@@ -22,8 +22,7 @@ function's outputs are new buffers), so the forward returns its residuals withou
 backward takes them back from the store (the stashed version). An update donates the state
 copy it replaces when the runtime made it in this call and no task reads it any more (what a
 call was given, and gave back, stays the caller's). ``stash_weights=False`` (a test switch)
-makes each backward run its forward again at the newest weights instead, as PipeDream
-without stashing does.
+makes each backward rerun its forward at the newest weights, as PipeDream without stashing.
 """
 
 from __future__ import annotations
@@ -115,7 +114,7 @@ class AsyncPipelineRunner(PipelineRunner):
                   stash_weights: bool = True) -> AsyncPipelineRunner:
         """The runner for an asynchronous pipeshard ``Plan``; ``stash_weights=False`` is the
         test switch described in the module docstring."""
-        runner = super().from_plan(pp, plan, devices, fuse=False)
+        runner = super().from_plan(pp, plan, devices)
         runner.stash_weights = stash_weights
         return runner  # type: ignore[return-value]
 

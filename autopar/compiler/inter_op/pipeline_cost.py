@@ -41,6 +41,7 @@ __all__ = [
     "DriverCounts",
     "PipelineEstimate",
     "driver_counts",
+    "runs_as_one_program",
     "estimate_pipeline",
     "replica_allreduce_time",
 ]
@@ -69,6 +70,12 @@ class DriverCounts:
                 "calls": self.calls}
 
 
+def runs_as_one_program(schedule: str, num_stages: int) -> bool:
+    """Whether the runtime runs the pipelined step as one program (``runtime.fused_step``):
+    one stage under a synchronous schedule, where nothing waits on another stage."""
+    return num_stages == 1 and not is_async(schedule)
+
+
 def driver_counts(pp: PipelineProgram, pieces: Sequence[Piece], stage_of_piece: Sequence[int],
                   schedule: str, num_microbatches: int, num_chunks: int = 1) -> DriverCounts:
     """The driver's operations per step for ``pieces`` owned by ``stage_of_piece`` (as
@@ -80,7 +87,7 @@ def driver_counts(pp: PipelineProgram, pieces: Sequence[Piece], stage_of_piece: 
     segments are inside it."""
     m = num_microbatches
     stages = max(stage_of_piece) + 1
-    if stages == 1 and not is_async(schedule):
+    if runs_as_one_program(schedule, stages):
         return DriverCounts(0, 0, 0, calls=1)
     sched = make_schedule(schedule, stages, m, num_chunks)
     tasks = len(sched.global_order())

@@ -15,7 +15,11 @@ from dataclasses import dataclass
 from autopar.cluster import ClusterSpec
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.inter_op.layer_costs import LayerCostCache, PieceCost
-from autopar.compiler.inter_op.pipeline_cost import replica_allreduce_time, tasks_per_microbatch
+from autopar.compiler.inter_op.pipeline_cost import (
+    replica_allreduce_time,
+    runs_as_one_program,
+    tasks_per_microbatch,
+)
 from autopar.compiler.inter_op.remat import remat_candidates
 from autopar.compiler.inter_op.stages import (
     StageCandidate,
@@ -28,7 +32,7 @@ from autopar.compiler.intra_op.sharding_ilp import IntraOpOptions
 from autopar.errors import InvalidOptionError
 from autopar.ir.pipeline_pieces import Piece, cut_pieces, piece_roles
 from autopar.ir.pipeline_program import PipelineProgram
-from autopar.ir.schedules import ScheduleName, is_async
+from autopar.ir.schedules import ScheduleName
 from autopar.methods import PipeshardParallel
 from autopar.plan import CollectiveEstimate
 
@@ -125,7 +129,6 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
     runtime = cluster.runtime
     facts = _range_facts(pp, positions)
     per_task = tasks_per_microbatch(method.schedule)
-    one_program = not is_async(method.schedule)
     whole = whole or cluster
 
     def candidates(start: int, end: int, submesh: SubmeshShape) -> list[StageCandidate]:
@@ -139,7 +142,7 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
                 # the accumulators: no zeros made and placed)
                 + f.params * runtime.transfer_s
                 + f.fixed * runtime.transfer_s)
-        if one_program and submesh.num_devices == cluster.num_devices:
+        if submesh.num_devices == cluster.num_devices and runs_as_one_program(method.schedule, 1):
             # the only stage: the runtime runs the step as one program (runtime.fused_step)
             host = runtime.call_s
         for shape in logical_shapes(submesh):
