@@ -97,6 +97,11 @@ class PipelineRunner:
         # per stage: forward value id -> ShardingSpec the stage's plan gives it
         self.specs = [dict(d) for d in specs] if specs is not None else [{} for _ in stages]
         self.consumers = input_consumers(self.pieces)
+        # step values the stage plans lay out by a forward value's spec: each loss input
+        # (a parameter) as the pieces read it, each parameter's gradient as its parameter
+        # (the optimizer update then runs on the plan's shards, not on replicated copies)
+        self.spec_source = {oid: fid for fid, oid in pp.operand_of.items()}
+        self.spec_source.update({gid: fid for fid, gid in pp.grad_outputs().items()})
         # rematerialised stages run each layer (``remat_layers``: the forward cut at every
         # layer boundary) under jax.checkpoint: the backward keeps only layer inputs
         self.remat_layers = list(remat_layers)
@@ -267,11 +272,26 @@ class PipelineRunner:
         return value
 
     def _fetch(self, st: _StepState, vid: int, stage: int, fid: int | None = None) -> Any:
-        """Step value ``vid`` on ``stage`` (as loss input ``fid`` when given)."""
+        """Step value ``vid`` on ``stage`` (as loss input ``fid`` when given, else as the
+        forward value whose layout it shares, ``spec_source``). A value with no layout of
+        its own that already lies on the stage's devices stays as it is: where it was made
+        (an optimizer state as the update made it), not replicated."""
         key = (vid, stage, fid)
         if key not in st.placed:
-            st.placed[key] = self._put(st.env[vid], stage, fid)
+            value = st.env[vid]
+            source = fid if fid is not None else self.spec_source.get(vid)
+            if source is None and self._on_stage(value, stage):
+                st.placed[key] = value
+            else:
+                st.placed[key] = self._put(value, stage, source)
         return st.placed[key]
+
+    def _on_stage(self, value: Any, stage: int) -> bool:
+        if isinstance(value, jax.core.Tracer):  # one program: every value is on its mesh
+            return self.fused is not None
+        sharding = getattr(value, "sharding", None)
+        return (isinstance(value, jax.Array) and value.committed and sharding is not None
+                and sharding.device_set == set(self.meshes[stage].devices.flat))
 
     def _call(self, st: _StepState, label: str, stage: int | None, fn: Any, *args: Any) -> Any:
         """``fn(*args)``, logged in ``st.calls`` when the step keeps a log."""
@@ -395,7 +415,7 @@ class PipelineRunner:
             for p in self.consumers.get(fid, []):
                 t = self.tasks[p]
                 g = st.accum[p][t.params.index(fid)]
-                g = self._put(g, stage)
+                g = self._put(g, stage, fid)
                 total = g if total is None else total + g
             if total is None:
                 aval = self.pp.forward.avals[fid]
