@@ -179,23 +179,41 @@ def alpa_gpt_flops(config: Any, checkpoint_activations: bool = True) -> float:
             + 6 * b * s * h * config.vocab_size)
 
 
+@dataclass(frozen=True)
+class OneStagePipelinePlans:
+    """A one-stage pipeline and what its measured time is set beside: ``pipelined``
+    (``PipeshardParallel``, one stage over every device, the case's microbatches),
+    ``one_microbatch`` (the same with one microbatch: the pipeline runtime with no split) and
+    ``same_stage`` (the pipelined stage's logical mesh run by ``ShardParallel``). Pipelined /
+    one microbatch is the microbatches' own cost; one microbatch / same stage the runtime's."""
+
+    pipelined: Plan
+    one_microbatch: Plan
+    same_stage: Plan
+
+
 def plan_one_stage_pipeline(model: ZooModel, cluster: ClusterSpec, *, microbatches: int,
-                            pipeline_layers: int | str = "auto") -> tuple[Plan, Plan]:
-    """``PipeshardParallel`` with one stage over every device of ``cluster``, and the same
-    stage (its logical mesh) run by ``ShardParallel``: the pair whose measured ratio is the
-    pipeline runtime's own cost (the microbatches' split, the accumulation, the driver)."""
+                            pipeline_layers: int | str = "auto") -> OneStagePipelinePlans:
+    """``PipeshardParallel`` with one stage over every device of ``cluster``, at
+    ``microbatches`` and at one, and the same stage (its logical mesh) run by
+    ``ShardParallel`` (see ``OneStagePipelinePlans``)."""
     import autopar
     from autopar.compiler.planners import dispatch
 
     marked = model.with_value_and_grad(autopar.value_and_grad)
-    method = autopar.PipeshardParallel(num_microbatches=microbatches, num_stages=1,
-                                       stages="uniform", layers=pipeline_layers)
-    step = dispatch.trace(marked.train_step, marked.abstract_inputs(), method, (1,))
-    pipelined = dispatch.plan(step, cluster).plan
-    pipelined.batch_argnums = (1,)
+
+    def pipeline(m: int) -> Plan:
+        method = autopar.PipeshardParallel(num_microbatches=m, num_stages=1,
+                                           stages="uniform", layers=pipeline_layers)
+        step = dispatch.trace(marked.train_step, marked.abstract_inputs(), method, (1,))
+        plan = dispatch.plan(step, cluster).plan
+        plan.batch_argnums = (1,)
+        return plan
+
+    pipelined = pipeline(microbatches)
     mesh = tuple(pipelined.stages[0].logical_mesh_shape)
     shard = autopar.ShardParallel(mesh_shape=mesh)
     step = dispatch.trace(marked.train_step, marked.abstract_inputs(), shard, (1,))
     same = dispatch.plan(step, cluster).plan
     same.batch_argnums = (1,)
-    return pipelined, same
+    return OneStagePipelinePlans(pipelined, pipeline(1), same)

@@ -120,6 +120,12 @@ def test_local_rows_have_measured_times_hlo_counts_and_cost_model_ratios(smoke):
         assert one["plan"]["method"] == "pipeshard" and one["plan"]["num_stages"] == 1
         assert one["over_same_stage_shard"] == pytest.approx(
             one["measured_step_time_s"] / one["same_stage_shard_s"])
+        # and beside the pipeline at one microbatch: the two ratios split its cost over
+        # ShardParallel into the microbatches' (over it) and the runtime's (it over ShardParallel)
+        assert one["one_microbatch_s"] > 0
+        assert one["over_one_microbatch"] * one["one_microbatch_over_same_stage_shard"] == (
+            pytest.approx(one["over_same_stage_shard"]))
+        assert "at one microbatch" in one["note"]
         assert one["measured"]["runtime_overhead"] == pytest.approx(
             one["measured_step_time_s"] / one["measured"]["task_compute_s"])
         # autopar's plan has the column when it is pipelined
