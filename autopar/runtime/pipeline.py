@@ -407,7 +407,9 @@ class PipelineRunner:
         for k, fid in enumerate(self.pp.loss_outputs):
             out_id = vg.outputs[k]
             stage = self.home.get(out_id, self.stage_of_piece[-1])
-            parts = [self._put(st.acts[(fid, i)], stage) for i in range(self.m)]
+            # each microbatch's in the layout its stage made it (batch norm's statistics
+            # split by channel stay split): replicating each would gather it per microbatch
+            parts = [self._put(st.acts[(fid, i)], stage, fid) for i in range(self.m)]
             st.env[out_id] = self._call(st, f"mean{k}", stage, _mean, parts)
         for fid, gid in self.pp.grad_outputs().items():
             stage = self.home[gid]
