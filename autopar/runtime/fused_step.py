@@ -10,8 +10,8 @@ accumulated in the program, the placements the stage plan's layouts held with
 ``with_sharding_constraint``), and a step is one call, as a ShardParallel step of the same
 stage is. The numbers are the driver's: the same microbatches, the same accumulation order.
 
-Only the step's small results (``pipeline.shared_outputs``) are then put on every device of
-the plan, outside the program, as the driver puts them.
+The step's small results (``pipeline.shared_outputs``) go on every device of the plan, which
+for one stage is the program's own mesh: the program itself places them there.
 
 The default for one stage (``PipelineRunner(..., fuse=False)`` keeps the tasks apart): on 8
 simulated CPU devices, 4 microbatches, it measured 1.2x-5x faster than the same plan task by
@@ -47,7 +47,11 @@ class FusedStep:
         st = runner.new_state(flat_args)
         runner.run_step(st)
         self.computed = [v for v in runner.pp.outer.out_ids if v in st.env]
-        return [st.env[v] for v in self.computed]
+        # one stage: "every device of the plan" is this program's mesh, so the small results
+        # are placed there in the program rather than by a call per result after it (a
+        # Wide-ResNet's batch statistics are a few dozen)
+        return [jax.lax.with_sharding_constraint(st.env[v], runner.everywhere)
+                if v in runner.shared_outputs else st.env[v] for v in self.computed]
 
     def __call__(self, flat_args: Sequence[Any], record: bool = False,
                  calls: list[ProgramCall] | None = None) -> list[Any]:

@@ -267,7 +267,8 @@ class PipelineRunner:
         state) where its segment made it, as global arrays (``distributed.to_host`` reads
         them anywhere)."""
         value = st.env[vid] if vid in st.env else self.pp.outer.values[vid]
-        if vid in self.shared_outputs and isinstance(value, jax.Array):
+        if (vid in self.shared_outputs and isinstance(value, jax.Array)
+                and value.sharding != self.everywhere):
             return put(value, self.everywhere)
         return value
 
