@@ -118,3 +118,25 @@ def test_a_pipelined_step_keeps_gradients_and_state_in_its_plans_layouts():
         predicted[c.kind.value] = predicted.get(c.kind.value, 0.0) + c.nbytes
     emitted = step.get_hlo_collectives(state, batch)
     assert emitted["all-gather"]["bytes"] <= 1.1 * predicted.get("all-gather", 0.0)
+
+
+def test_a_pipelined_steps_batch_statistics_are_averaged_where_they_were_made():
+    """Wide-ResNet's loss returns its batch statistics (aux), one per microbatch, split by
+    channel as the stage made them: their mean over microbatches is taken in that layout, and
+    only the mean is then gathered, once per step, as the step returns its loss results on
+    every device. Putting each microbatch's replicated first (as the driver once did)
+    gathered every statistic once per microbatch."""
+    model = get_model("wresnet", "tiny").with_value_and_grad(autopar.value_and_grad)
+    method = autopar.PipeshardParallel(num_microbatches=MICROBATCHES, num_stages=1,
+                                       stages="uniform", layers=2)
+    step = autopar.parallelize(model.train_step, method=method, cache=False)
+    state, batch = model.init_state(jax.random.key(0)), model.make_batch(jax.random.key(1))
+    state, _ = step(state, batch)
+    statistics = jax.tree_util.tree_leaves(state["batch_stats"])
+    # the stage plan splits them (else nothing would need gathering and the test no point)
+    assert any(not leaf.sharding.is_fully_replicated for leaf in statistics) or any(
+        spec.dims and any(spec.dims)
+        for path, spec in step.get_plan(state, batch).stages[0].input_shardings.items()
+        if "batch_stats" in path)
+    emitted = step.get_hlo_collectives(state, batch)
+    assert emitted["all-gather"]["count"] <= len(statistics), (emitted, len(statistics))
