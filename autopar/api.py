@@ -231,7 +231,7 @@ class ParallelizedStep:
         if not hasattr(runner, "records"):
             raise InvalidOptionError("timed_call times pipeline tasks; this step is not "
                                      f"pipelined (method {compiled.plan.method})")
-        from autopar.runtime.pipeline import measured_idle_fraction
+        from autopar.runtime.program_calls import measured_idle_fraction
 
         flat = self._flat_inputs(compiled, args)
         out = runner(flat, record=True)

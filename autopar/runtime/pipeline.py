@@ -437,15 +437,6 @@ def shared_outputs(pp: PipelineProgram) -> frozenset[int]:
                      if v in loss_results or not getattr(outer.avals[v], "shape", ()))
 
 
-def measured_idle_fraction(records: Sequence[TaskRecord], num_stages: int) -> float:
-    """1 - busy time / (stages x span) over recorded tasks (each stage runs one at a time)."""
-    if not records:
-        return 0.0
-    span = max(r.end_s for r in records) - min(r.start_s for r in records)
-    busy = sum(r.end_s - r.start_s for r in records)
-    return max(0.0, 1.0 - busy / (num_stages * span)) if span > 0 else 0.0
-
-
 @jax.jit
 def _mean(parts: list[Any]) -> Any:
     return sum(parts[1:], parts[0]) / len(parts)

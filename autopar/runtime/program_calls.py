@@ -4,6 +4,7 @@ ran (``TaskRecord``, when timing is on)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,3 +50,12 @@ def abstract_args(args: Any) -> Any:
         return x
 
     return jax.tree.map(leaf, args)
+
+
+def measured_idle_fraction(records: Sequence[TaskRecord], num_stages: int) -> float:
+    """1 - busy time / (stages x span) over recorded tasks (each stage runs one at a time)."""
+    if not records:
+        return 0.0
+    span = max(r.end_s for r in records) - min(r.start_s for r in records)
+    busy = sum(r.end_s - r.start_s for r in records)
+    return max(0.0, 1.0 - busy / (num_stages * span)) if span > 0 else 0.0
