@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from autopar.bench.hand_accumulation import HandStep
 from autopar.models import ZooModel
 from autopar.plan import Plan
 
@@ -149,13 +150,16 @@ MEASURE_ROUNDS = 4
 
 def measure_plans(step_fn: Callable, plans: dict[str, Plan], inputs: LocalInputs,
                   devices: Sequence[Any], warmup: int, repeats: int,
-                  rounds: int = MEASURE_ROUNDS) -> dict[str, Timing]:
+                  rounds: int = MEASURE_ROUNDS,
+                  hand_steps: Mapping[str, HandStep] | None = None) -> dict[str, Timing]:
     """Time several plans of one step together: each is built and warmed up first, then
     ``rounds * repeats`` rounds each time one step of every plan in turn, so that a change in
     the machine's load falls on all of them alike (a shared machine's load moves within
     seconds). Each plan's ``Timing`` holds all its timed steps and its HLO's collectives (a
     pipelined plan's: every program of one more step, after the timing) and, pipelined, its
-    tasks' summed time (``task_compute_s``: a few more steps, every task waited for)."""
+    tasks' summed time (``task_compute_s``: a few more steps, every task waited for).
+    ``hand_steps``: steps compiled outside autopar (``hand_accumulation.HandStep``), timed in
+    the same rounds under their names."""
     import autopar
 
     # a plan given under several names (autopar's plan is one of the baselines' own) is one
@@ -170,9 +174,13 @@ def measure_plans(step_fn: Callable, plans: dict[str, Plan], inputs: LocalInputs
         loops[name] = TrainingLoop(step, inputs.state, inputs.batch)
         firsts[name], _ = time_calls(loops[name], warmup, 0)
         steps[name] = step
+    hand = dict(hand_steps or {})
+    for name, made in hand.items():
+        loops[name] = TrainingLoop(made.jitted, made.state, inputs.batch)
+        firsts[name], _ = time_calls(loops[name], warmup, 0)
     import jax
 
-    times: dict[str, list[float]] = {name: [] for name in distinct}
+    times: dict[str, list[float]] = {name: [] for name in loops}
     for _ in range(rounds * repeats):
         for name, loop in loops.items():
             start = time.perf_counter()
@@ -183,7 +191,10 @@ def measure_plans(step_fn: Callable, plans: dict[str, Plan], inputs: LocalInputs
         counted = steps[name].get_hlo_collectives(inputs.state, inputs.batch)
         out[name] = Timing(tuple(times[name]), warmup, firsts[name], counted,
                            task_compute_s=task_compute_s(steps[name], plan, loops[name]))
-    return {name: out[first_name[id(plan)]] for name, plan in plans.items()}
+    timed = {name: out[first_name[id(plan)]] for name, plan in plans.items()}
+    for name, made in hand.items():
+        timed[name] = Timing(tuple(times[name]), warmup, firsts[name], made.hlo_collectives)
+    return timed
 
 
 def measure_single_device(step_fn: Callable, inputs: LocalInputs, device: Any, warmup: int,

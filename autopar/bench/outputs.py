@@ -352,10 +352,13 @@ How to read these tables:
   nearest count that splits evenly, 2 when the DP chose one; the full search evaluates them
   as candidates), *one-stage pipeline* (local: `PipeshardParallel` with one stage over every
   device, timed in the same rounds as the same stage, its logical mesh, run by
-  `ShardParallel`, and as the same pipeline at one microbatch; the note gives both times and
-  the ratios: pipeline / ShardParallel is the microbatches' cost and the runtime's together,
-  pipeline / one microbatch the microbatches' alone, one microbatch / ShardParallel the
-  runtime's alone). A ratio above 1 means autopar's plan is faster.
+  `ShardParallel`, as the same pipeline at one microbatch, and as the same microbatches
+  accumulated by a hand-written step (`lax.scan`, `bench/hand_accumulation.py`) under
+  `jax.jit` from the stage's input layouts; the note gives the times and the ratios:
+  pipeline / ShardParallel is the microbatches' cost and the runtime's together, pipeline /
+  one microbatch the microbatches' alone, one microbatch / ShardParallel the runtime's alone,
+  and pipeline / hand accumulation the runtime's beside the same work written without
+  autopar). A ratio above 1 means autopar's plan is faster.
   Every estimate is the whole step's (the pipelines' simulated schedule, tails and driver
   included).
 - **Measured** step times are medians of several steps after warm-up, on the local devices

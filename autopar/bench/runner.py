@@ -17,7 +17,7 @@ from typing import Any
 
 from autopar.bench import baselines as bl
 from autopar.bench.hand_baselines import hand_plan_rows
-from autopar.bench.one_stage import fill_entry, plan_for_case, timed_plans
+from autopar.bench.one_stage import fill_entry, hand_steps, plan_for_case, timed_plans
 from autopar.bench.planning import (
     OneStagePipelinePlans,
     Searched,
@@ -74,13 +74,16 @@ class _Local:
         return measure_plan(self.step_fn, plan, self.inputs, self.devices,
                             self.case.warmup_steps, self.case.timed_steps)
 
-    def run_together(self, plans: dict[str, Plan]) -> dict[str, Any]:
-        """Every plan timed in interleaved rounds (``measure.measure_plans``): the machine's
-        load drifts alike over all of them, so their ratios are steadier."""
+    def run_together(self, plans: dict[str, Plan], hand_steps: dict[str, Any] | None = None
+                     ) -> dict[str, Any]:
+        """Every plan (and every step compiled by hand, ``hand_steps``) timed in interleaved
+        rounds (``measure.measure_plans``): the machine's load drifts alike over all of them,
+        so their ratios are steadier."""
         from autopar.bench.measure import measure_plans
 
         return measure_plans(self.step_fn, plans, self.inputs, self.devices,
-                             self.case.warmup_steps, self.case.timed_steps)
+                             self.case.warmup_steps, self.case.timed_steps,
+                             hand_steps=hand_steps)
 
 
 def case_cluster(case: BenchCase, options: RunOptions) -> ClusterSpec:
@@ -136,13 +139,15 @@ def run_case(case: BenchCase, options: RunOptions, phase: Phase) -> dict[str, An
     one_stage: OneStagePipelinePlans | str | None = None
     if local is not None:
         plans = _measured_plans(case, searched)
+        hand = {}
         if Baseline.ONE_STAGE_PIPELINE in case.baselines:
             with phase(f"{case.name}: planning the one-stage pipeline and its stage"):
                 one_stage = plan_for_case(case, model, cluster)
             if isinstance(one_stage, OneStagePipelinePlans):
                 plans.update(timed_plans(one_stage))
+                hand = hand_steps(one_stage, model, local.inputs, local.devices)
         with phase(f"{case.name}: running autopar's plan and the one-stage baselines"):
-            timings = local.run_together(plans)
+            timings = local.run_together(plans, hand)
         timing = timings.pop("autopar")
         row["measured"] = timing.to_dict() | {"tflops_per_device": tflops_per_device(
             flops, timing.median_s, cluster.num_devices)}

@@ -126,6 +126,12 @@ def test_local_rows_have_measured_times_hlo_counts_and_cost_model_ratios(smoke):
         assert one["over_one_microbatch"] * one["one_microbatch_over_same_stage_shard"] == (
             pytest.approx(one["over_same_stage_shard"]))
         assert "at one microbatch" in one["note"]
+        # and beside the same microbatches accumulated by a hand-written step under jax.jit,
+        # whose compiled program reduces the gradient over the two devices
+        assert one["over_hand_accumulation"] == pytest.approx(
+            one["measured_step_time_s"] / one["hand_accumulation_s"])
+        assert one["hand_accumulation_collectives"]["all-reduce"]["count"] >= 1
+        assert "accumulated by hand" in one["note"]
         assert one["measured"]["runtime_overhead"] == pytest.approx(
             one["measured_step_time_s"] / one["measured"]["task_compute_s"])
         # autopar's plan has the column when it is pipelined
