@@ -8,8 +8,9 @@ less (each op once, on the whole batch), so pipeline / ShardParallel mixes what 
 costs with what the split itself costs on the devices. This module writes the split the way
 a user writes it without autopar (``lax.scan`` over the microbatches, summing the loss, the
 loss's aux results and the gradients, as MaxText and Levanter accumulate) and compiles it
-with ``jax.jit`` from the same stage's input layouts, XLA's propagation placing the rest.
-Pipeline / this is what autopar's runtime costs beyond the work the plan asked for.
+with ``jax.jit`` from the input layouts of the same stage run by ShardParallel (planned on
+the whole batch), XLA's propagation placing the rest. Pipeline / this is what autopar's
+runtime and its stage plan cost beyond the same work written by hand.
 
 It is written against the zoo's model API (loss and optimizer), not derived from a plan:
 the numerics are the pipeline's (``docs/pipeline.md``: loss, aux results and gradients are

@@ -1,8 +1,8 @@
 """The bench's one-stage pipeline baseline (local cases): the pipeline with one stage over
 every device, timed in the case's rounds beside the same pipeline at one microbatch, its
 stage run by ShardParallel (``planning.OneStagePipelinePlans``) and the same microbatches
-accumulated by a hand-written step under ``jax.jit`` from its stage's input layouts
-(``hand_accumulation``), and the entry that sets the four side by side."""
+accumulated by a hand-written step under ``jax.jit`` from that ShardParallel plan's input
+layouts (``hand_accumulation``), and the entry that sets the four side by side."""
 
 from __future__ import annotations
 
@@ -51,7 +51,8 @@ def timed_plans(one_stage: OneStagePipelinePlans) -> dict[str, Plan]:
 def hand_steps(one_stage: OneStagePipelinePlans, model: ZooModel, inputs: Any,
                devices: list[Any]) -> dict[str, HandStep]:
     """The pipeline's microbatches accumulated by a hand-written step (``lax.scan``) under
-    ``jax.jit`` with its stage's input layouts, under the name it is timed under."""
+    ``jax.jit`` with the input layouts of its stage run by ShardParallel, under the name it
+    is timed under."""
     return {_HAND_ACCUMULATION: jit_accumulation(
         model, one_stage.pipelined.num_microbatches, one_stage.same_stage, inputs, devices)}
 

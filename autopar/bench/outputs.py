@@ -354,7 +354,7 @@ How to read these tables:
   device, timed in the same rounds as the same stage, its logical mesh, run by
   `ShardParallel`, as the same pipeline at one microbatch, and as the same microbatches
   accumulated by a hand-written step (`lax.scan`, `bench/hand_accumulation.py`) under
-  `jax.jit` from the stage's input layouts; the note gives the times and the ratios:
+  `jax.jit` from the ShardParallel plan's input layouts; the note gives the times and ratios:
   pipeline / ShardParallel is the microbatches' cost and the runtime's together, pipeline /
   one microbatch the microbatches' alone, one microbatch / ShardParallel the runtime's alone,
   and pipeline / hand accumulation the runtime's beside the same work written without

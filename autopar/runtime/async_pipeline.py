@@ -42,7 +42,8 @@ from autopar.ir.program import run_eqns
 from autopar.ir.scan_units import run_forward_eqns
 from autopar.ir.schedules import Task, TaskKind
 from autopar.plan import Plan
-from autopar.runtime.pipeline import PipelineRunner, TaskRecord, _mean, _StepState
+from autopar.runtime.pipeline import PipelineRunner, TaskRecord
+from autopar.runtime.pipeline_state import _mean, _StepState
 
 
 @dataclass
@@ -194,7 +195,7 @@ class AsyncPipelineRunner(PipelineRunner):
         for u in prog.updates:
             # a parameter as the stage's plan places it, Adam's moments like their parameter
             stream.copies.append({
-                k: self._put(state[k], u.stage, param_at.get(prog.follows.get(k, k)))
+                k: self.place(state[k], u.stage, param_at.get(prog.follows.get(k, k)))
                 for k in u.reads})
             params = [stream.copies[u.stage][prog.param_position[f]] for f in u.params]
             stream.store.append({0: params})
@@ -243,7 +244,7 @@ class AsyncPipelineRunner(PipelineRunner):
                                 f"microbatch {microbatch} needs it on stage {t.stage}")
             arrays = stream.store[owner][version]
             index = self.program.updates[owner].params.index(f)
-            values.append(self._put(arrays[index], t.stage, f))
+            values.append(self.place(arrays[index], t.stage, f))
         return values
 
     def _run_task(self, st: _StepState, stream: _Stream, task: Task) -> Any:
@@ -273,7 +274,7 @@ class AsyncPipelineRunner(PipelineRunner):
         group = self.versions.update_group(n)
         for f, g in zip(t.params, grads[:n_params], strict=True):
             owner = self.program.owner[f]
-            g = self._put(g, owner, f)
+            g = self.place(g, owner, f)
             key = (f, group)
             stream.grads[key] = g if key not in stream.grads else stream.grads[key] + g
         stream.in_flight[task.stage].discard(n)
@@ -306,7 +307,7 @@ class AsyncPipelineRunner(PipelineRunner):
             total = seed if total is None else total + seed
         if total is None:
             total = jnp.zeros(aval.shape, aval.dtype)
-        return self._put(total, stage, batched=True)
+        return self.place(total, stage, batched=True)
 
     def _update(self, stream: _Stream, stage: int, group: int, written: int) -> None:
         """Stage ``stage`` applies its update with the gradients of ``group``: version
@@ -317,7 +318,7 @@ class AsyncPipelineRunner(PipelineRunner):
             g = stream.grads.pop((f, group), None)
             if g is None:  # no piece read it: a zero gradient, as jax.grad gives
                 aval = self.pp.forward.avals[f]
-                g = self._put(jnp.zeros(aval.shape, aval.dtype), stage, f)
+                g = self.place(jnp.zeros(aval.shape, aval.dtype), stage, f)
             grads.append(g)
         copy, fresh = stream.copies[stage], stream.fresh
         params, others, written_at = _split_reads(prog, u)
@@ -378,12 +379,12 @@ class AsyncPipelineRunner(PipelineRunner):
         prog, last = self.program, self.stage_of_piece[-1]
         losses = []
         for fid in self.pp.loss_outputs:
-            parts = [self._put(st.acts.pop((fid, base + i)), last) for i in range(self.m)]
+            parts = [self.place(st.acts.pop((fid, base + i)), last) for i in range(self.m)]
             losses.append(_mean(parts))
         state = [flat_args[j] if src < 0 else stream.copies[src][j]
                  for j, src in enumerate(prog.source)]
         stream.returned = tuple(state)
-        inputs = {k: self._put(flat_args[k], last) for k in self.result_inputs}
+        inputs = {k: self.place(flat_args[k], last) for k in self.result_inputs}
         return state + list(self.result_fn(inputs, losses))
 
 

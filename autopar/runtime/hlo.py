@@ -25,8 +25,10 @@ Replica-group forms parsed: explicit ``{{0,1},{2,3}}``; empty ``{}`` (every devi
 jax 0.10, ``mesh['axis_0'=2,'axis_1'=4] {'axis_0'}``, optionally with
 ``, device_ids=([2,2,2]T(1,0,2))`` and sub-axes such as ``{'axis_1':(2)2}``.
 
-Counts are static: a collective inside a while-loop body counts once (``computation`` names
-the computation that holds it).
+Counts are static by default: a collective inside a while-loop body counts once
+(``computation`` names the computation that holds it); ``count_collectives(...,
+per_run=True)`` counts each as often as one run of the program executes it (a loop's body
+times its known trip count).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ import numpy as np
 
 from autopar.errors import HloParseError
 from autopar.plan import CollectiveKind
+from autopar.runtime.hlo_calls import COMPUTATION_RE as _COMPUTATION_RE
+from autopar.runtime.hlo_calls import computation_runs
 
 __all__ = [
     "CollectiveSummary",
@@ -63,7 +67,6 @@ _INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=%]+)\s*=\s*")
 _OPCODE_RE = re.compile(r"\s*([a-z][a-z0-9\-_]*)\(")
 _ARRAY_RE = re.compile(r"([a-z][a-z0-9_]*)\[([^\]]*)\](?:\{[^}]*\})?")
 _COMMENT_RE = re.compile(r"/\*.*?\*/")
-_COMPUTATION_RE = re.compile(r"^(?:ENTRY\s+)?%?([^\s(]+)\s*\(.*->.*\{\s*$")
 _IOTA_RE = re.compile(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _MESH_RE = re.compile(
     r"mesh\[(?P<axes>[^\]]*)\](?:,\s*device_ids=\((?P<ids>.*?)\))?\s*\{(?P<group>[^}]*)\}")
@@ -394,9 +397,16 @@ class CollectiveSummary:
                 "collectives": [c.to_dict() for c in self.collectives]}
 
 
-def count_collectives(hlo_text: str, num_devices: int | None = None) -> CollectiveSummary:
-    """Summary of :func:`parse_collectives`."""
-    return CollectiveSummary(parse_collectives(hlo_text, num_devices))
+def count_collectives(hlo_text: str, num_devices: int | None = None,
+                      per_run: bool = False) -> CollectiveSummary:
+    """Summary of :func:`parse_collectives`: static (a collective in a while loop's body
+    counts once), or with ``per_run`` as one run of the program executes them (each counted
+    as many times as its computation runs, :func:`computation_runs`)."""
+    found = parse_collectives(hlo_text, num_devices)
+    if per_run:
+        runs = computation_runs(hlo_text)
+        found = [c for c in found for _ in range(runs.get(c.computation, 1))]
+    return CollectiveSummary(found)
 
 
 def infer_mesh_axes(

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -36,34 +35,10 @@ from autopar.ir.schedules import Schedule, TaskKind
 from autopar.plan import Plan
 from autopar.runtime.distributed import put
 from autopar.runtime.fused_step import FusedStep
+from autopar.runtime.pipeline_state import StageDevices, _mean, _StepState, shared_outputs
 from autopar.runtime.pipeline_tasks import PieceTasks, piece_tasks
 from autopar.runtime.program_calls import ProgramCall, TaskRecord, abstract_args
 from autopar.runtime.shard import partition_spec
-
-
-@dataclass(frozen=True)
-class StageDevices:
-    """One stage's devices as a logical mesh (row-major ``device_ids``)."""
-
-    device_ids: tuple[int, ...]
-    mesh_shape: tuple[int, ...]
-    axis_names: tuple[str, ...]
-
-
-@dataclass
-class _StepState:
-    """Values of one step: the step's own, per-microbatch activations and cotangents."""
-
-    env: dict[int, Any]
-    placed: dict[tuple[int, int], Any] = field(default_factory=dict)
-    acts: dict[tuple[int, int], Any] = field(default_factory=dict)
-    cots: dict[tuple[int, int], Any] = field(default_factory=dict)
-    vjps: dict[tuple[int, int], Any] = field(default_factory=dict)
-    saved_cots: dict[tuple[int, int], list[Any]] = field(default_factory=dict)
-    accum: dict[int, list[Any] | None] = field(default_factory=dict)
-    loss_parts: dict[int, list[Any]] = field(default_factory=dict)
-    # when given, every program the step runs is logged here (``runtime.pipeline_hlo``)
-    calls: list[ProgramCall] | None = None
 
 
 class PipelineRunner:
@@ -167,7 +142,10 @@ class PipelineRunner:
             return NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
         return NamedSharding(mesh, PartitionSpec())
 
-    def _put(self, value: Any, stage: int, vid: int | None = None, batched: bool = False) -> Any:
+    def place(self, value: Any, stage: int, vid: int | None = None,
+              batched: bool = False) -> Any:
+        """``value`` on ``stage`` in the layout its plan gives forward value ``vid`` (see
+        ``sharding``): put there, or, traced into one program, held to it."""
         sharding = self.sharding(stage, value, vid, batched)
         if isinstance(value, jax.core.Tracer):
             # the driver traced as one program (``runtime.fused_step``): a placement on the
@@ -241,6 +219,19 @@ class PipelineRunner:
         """Every program of one step in the schedule's order, the step's values in ``st.env``
         (``record``: each task waited for and timed into ``records``)."""
         start = time.perf_counter()
+        self.begin_step(st)
+        for task in self.schedule.global_order():
+            t0 = time.perf_counter() - start
+            outs = self.run_task(st, task)
+            if record:
+                jax.block_until_ready(outs)
+                self.records.append(TaskRecord(task.kind.value, task.microbatch, task.stage,
+                                               task.chunk, t0, time.perf_counter() - start))
+        self.end_step(st)
+
+    def begin_step(self, st: _StepState) -> None:
+        """What runs before the schedule's tasks: the stacked inputs' splits, the segments
+        before the pipeline, the random draws and the microbatches of every split input."""
         for k, (vid, outs, fn) in enumerate(self.input_split_fns):
             st.env.update(zip(outs, self._call(st, f"split{k}", None, fn, st.env[vid]),
                               strict=True))
@@ -249,14 +240,12 @@ class PipelineRunner:
                 self._run_segment(st, k, seg)
         self._draw(st)
         self._split_batch(st)
-        for task in self.schedule.global_order():
-            t0 = time.perf_counter() - start
-            outs = self._run_task(st, task)
-            if record:
-                jax.block_until_ready(outs)
-                self.records.append(TaskRecord(task.kind.value, task.microbatch, task.stage,
-                                               task.chunk, t0, time.perf_counter() - start))
-        self._finish_pipeline(st)
+
+    def end_step(self, st: _StepState, loss_sums: Sequence[Any] | None = None) -> None:
+        """What runs after the tasks: the loss results' means and the gradients at their
+        homes (``loss_sums``: each loss result already summed over the microbatches, in its
+        stage's layout), then the segments after the pipeline."""
+        self._finish_pipeline(st, loss_sums)
         for k, seg in enumerate(self.segments):
             if seg.phase == "after":
                 self._run_segment(st, k, seg)
@@ -284,7 +273,7 @@ class PipelineRunner:
             if source is None and self._on_stage(value, stage):
                 st.placed[key] = value
             else:
-                st.placed[key] = self._put(value, stage, source)
+                st.placed[key] = self.place(value, stage, source)
         return st.placed[key]
 
     def _on_stage(self, value: Any, stage: int) -> bool:
@@ -327,9 +316,10 @@ class PipelineRunner:
     def _input(self, st: _StepState, vid: int, microbatch: int, stage: int) -> Any:
         if vid in self.pp.operand_of and vid not in self.pp.split_inputs:
             return self._fetch(st, self.pp.operand_of[vid], stage, vid)
-        return self._put(st.acts[(vid, microbatch)], stage, vid, batched=True)
+        return self.place(st.acts[(vid, microbatch)], stage, vid, batched=True)
 
-    def _run_task(self, st: _StepState, task: Any) -> Any:
+    def run_task(self, st: _StepState, task: Any) -> Any:
+        """Run one task of the schedule on the step's values ``st``; its outputs."""
         piece = task.piece(self.schedule.num_stages)
         t, i = self.tasks[piece], task.microbatch
         if task.kind == TaskKind.F:
@@ -377,7 +367,7 @@ class PipelineRunner:
     def _add_cotangent(self, st: _StepState, vid: int, i: int, g: Any) -> None:
         stage = self._producer_stage(vid)
         # laid out as the value is on its producer's stage: its backward reads it so
-        g = self._put(g, stage, vid, batched=True)
+        g = self.place(g, stage, vid, batched=True)
         key = (vid, i)
         st.cots[key] = g if key not in st.cots else st.cots[key] + g
 
@@ -391,7 +381,7 @@ class PipelineRunner:
                 # when the step is traced as one program: there it is a constant already)
                 key = (vid, stage)
                 if key not in self._seeds:
-                    self._seeds[key] = self._put(
+                    self._seeds[key] = self.place(
                         jnp.full(aval.shape, 1.0 / self.m, aval.dtype), stage, vid,
                         batched=True)
                 return self._seeds[key]
@@ -399,18 +389,24 @@ class PipelineRunner:
             total = seed if total is None else total + seed
         if total is None:
             total = jnp.zeros(aval.shape, aval.dtype)
-        return self._put(total, stage, vid, batched=True)
+        return self.place(total, stage, vid, batched=True)
 
-    def _finish_pipeline(self, st: _StepState) -> None:
+    def loss_stage(self, k: int) -> int:
+        """The stage where the loss function's ``k``-th result is averaged."""
+        return self.home.get(self.pp.vg.outputs[k], self.stage_of_piece[-1])
+
+    def _finish_pipeline(self, st: _StepState, loss_sums: Sequence[Any] | None = None) -> None:
         """The loss function's results as the step sees them: means over microbatches, and each
         gradient summed over the pieces that read its parameter, at its home stage."""
         vg = self.pp.vg
         for k, fid in enumerate(self.pp.loss_outputs):
-            out_id = vg.outputs[k]
-            stage = self.home.get(out_id, self.stage_of_piece[-1])
+            out_id, stage = vg.outputs[k], self.loss_stage(k)
+            if loss_sums is not None:
+                st.env[out_id] = loss_sums[k] / self.m
+                continue
             # each microbatch's in the layout its stage made it (batch norm's statistics
             # split by channel stay split): replicating each would gather it per microbatch
-            parts = [self._put(st.acts[(fid, i)], stage, fid) for i in range(self.m)]
+            parts = [self.place(st.acts[(fid, i)], stage, fid) for i in range(self.m)]
             st.env[out_id] = self._call(st, f"mean{k}", stage, _mean, parts)
         for fid, gid in self.pp.grad_outputs().items():
             stage = self.home[gid]
@@ -418,25 +414,9 @@ class PipelineRunner:
             for p in self.consumers.get(fid, []):
                 t = self.tasks[p]
                 g = st.accum[p][t.params.index(fid)]
-                g = self._put(g, stage, fid)
+                g = self.place(g, stage, fid)
                 total = g if total is None else total + g
             if total is None:
                 aval = self.pp.forward.avals[fid]
-                total = self._put(jnp.zeros(aval.shape, aval.dtype), stage)
+                total = self.place(jnp.zeros(aval.shape, aval.dtype), stage)
             st.env[gid] = total
-
-
-def shared_outputs(pp: PipelineProgram) -> frozenset[int]:
-    """The step's results a pipelined step returns on every device: the loss function's loss
-    and aux (means over the microbatches: metrics, not per-example values) as the step returns
-    them, and every scalar it returns (a metric computed after the loss, say). Not: its other
-    results, the new state, which stays where the stages hold it."""
-    outer = pp.outer
-    loss_results = set(pp.vg.outputs[: 1 + pp.loss.num_aux])
-    return frozenset(v for v in outer.out_ids
-                     if v in loss_results or not getattr(outer.avals[v], "shape", ()))
-
-
-@jax.jit
-def _mean(parts: list[Any]) -> Any:
-    return sum(parts[1:], parts[0]) / len(parts)

@@ -7,8 +7,9 @@ loss's mean over microbatches are jitted on their own and called as the schedule
 one-stage pipeline's step is one program, ``runtime.fused_step``: logged once, as ``step``).
 ``step_collectives`` runs one step with the driver logging each call (``PipelineRunner(...,
 calls=...)``), compiles each distinct program once (its arguments' shapes, dtypes and
-shardings as they were) and counts its collectives (``runtime.hlo``), times the calls made
-with those arguments: a task that runs once per microbatch counts m times, a segment once.
+shardings as they were) and counts its collectives (``runtime.hlo``) as one call executes
+them (a loop's body times its trip count), times the calls made with those arguments: a task
+that runs once per microbatch counts m times, a segment once.
 What is not a program is not counted: the moves between stages (``device_put``, no
 collectives) and the driver's eager adding. Bytes follow the cost model's full-tensor
 convention, so the totals stand beside the stage plans' predictions
@@ -95,8 +96,10 @@ def count_calls(calls: Sequence[ProgramCall], num_stages: int) -> StepCollective
     for same in groups.values():
         first = same[0]
         text = first.fn.lower(*first.args).compile().as_text()
+        # per run: a one-stage step's microbatches after the first are one loop
+        # (``runtime.fused_step``) whose body's collectives run once per microbatch
         programs.append(ProgramCollectives(first.label, first.stage, len(same),
-                                           count_collectives(text)))
+                                           count_collectives(text, per_run=True)))
     return StepCollectives(tuple(programs), num_stages)
 
 

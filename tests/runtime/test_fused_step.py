@@ -2,6 +2,8 @@
 one stage): the serial numbers, one logged program per step whose collectives are
 the step's, one timed record per step."""
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ from autopar.api import local_cluster
 from autopar.compiler.planners.pipeshard import plan_pipeshard
 from autopar.ir.pipeline_program import build_pipeline_program
 from autopar.runtime.fused_step import FusedStep
+from autopar.runtime.hlo import count_collectives
 from autopar.runtime.pipeline import PipelineRunner
 from autopar.runtime.pipeline_hlo import step_collectives
 
@@ -79,3 +82,34 @@ def get_zoo(name):
     from autopar.models import get_model
 
     return get_model(name, "tiny", num_layers=2).with_value_and_grad(autopar.value_and_grad)
+
+
+def test_later_microbatches_run_as_one_loop_that_emits_what_the_unrolled_step_does():
+    """The microbatches after the first run as one loop (``runtime.fused_step``): the step's
+    program holds a while loop of M - 1 iterations, its results are the unrolled program's,
+    and its collectives counted per run are the unrolled program's too."""
+    model = get_zoo("gpt")
+    state, batch = model.init_state(jax.random.key(0)), model.make_batch(jax.random.key(10))
+    method = autopar.PipeshardParallel(num_microbatches=M, num_stages=1, stages="uniform",
+                                       layers=2)
+    pp = build_pipeline_program(model.train_step, (state, batch), (1,), M)
+    plan = plan_pipeshard(pp, method, local_cluster())
+    flat = jax.tree_util.tree_leaves((state, batch))
+    looped = PipelineRunner.from_plan(pp, plan, jax.devices())
+    unrolled = PipelineRunner.from_plan(pp, plan, jax.devices())
+    unrolled.fused = FusedStep(unrolled, loop=False)
+    texts = []
+    for runner in (looped, unrolled):
+        calls = []
+        runner(flat, calls=calls)
+        (call,) = calls
+        texts.append(call.fn.lower(*call.args).compile().as_text())
+    assert re.findall(r'"known_trip_count":\{"n":"(\d+)"\}', texts[0]) == [str(M - 1)]
+    assert " while(" not in texts[1]
+    for got, want in zip(looped(flat), unrolled(flat), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-7)
+    emitted = [step_collectives(r, flat).by_kind() for r in (looped, unrolled)]
+    assert emitted[0]["all-reduce"]["count"] > count_collectives(texts[0]).by_kind()[
+        "all-reduce"]["count"]  # the loop's body counts once per microbatch it runs
+    for kind, counted in emitted[1].items():
+        assert emitted[0][kind]["bytes"] == counted["bytes"], kind

@@ -21,6 +21,7 @@ from autopar.runtime.hlo import (
     parse_collectives,
     parse_replica_groups,
 )
+from autopar.runtime.hlo_calls import computation_runs
 
 K = CollectiveKind
 
@@ -288,6 +289,28 @@ def test_real_loop_body_collective_counts_once(mesh1):
     fn = smap(lambda a: jax.lax.scan(step, a, None, length=3)[0], mesh1, P("x"), P("x"))
     c = only(compiled_hlo(fn, jnp.ones((64, 16), jnp.float32)), K.ALL_REDUCE)
     assert c.nbytes == 8 * 16 * 4 and c.computation != "" and "main" not in c.computation
+
+
+def test_per_run_a_loop_body_collective_counts_once_per_iteration(mesh1):
+    """A scan of 3 psums, inside a scan of 2: static, the inner body's psum counts once; per
+    run of the program, 2 x 3 times, and the one after the loops once."""
+    def inner(carry, _):
+        return jax.lax.psum(carry, "x") * 0.5, None
+
+    def outer(carry, _):
+        return jax.lax.scan(inner, carry, None, length=3)[0], None
+
+    def body(a):
+        return jax.lax.psum(jax.lax.scan(outer, a, None, length=2)[0] * 2.0, "x")
+
+    hlo = compiled_hlo(smap(body, mesh1, P("x"), P("x")), jnp.ones((64, 16), jnp.float32))
+    assert count_collectives(hlo).total_count == 2
+    per_run = count_collectives(hlo, per_run=True)
+    assert per_run.total_count == 7 and per_run.by_kind()["all-reduce"]["count"] == 7
+    runs = computation_runs(hlo)
+    loop_bodies = {c.computation for c in count_collectives(hlo).collectives} - {
+        name for name, n in runs.items() if n == 1}
+    assert [runs[name] for name in loop_bodies] == [6]
 
 
 def test_real_single_device_program_has_no_collectives():

@@ -132,9 +132,9 @@ class MeasuredRunner(PipelineRunner):
                 per_device[device] += nbytes
         return float(max(per_device.values(), default=0))
 
-    def _run_task(self, st: Any, task: Any) -> Any:
+    def run_task(self, st: Any, task: Any) -> Any:
         self._state = st
-        out = super()._run_task(st, task)
+        out = super().run_task(st, task)
         if task.kind is TaskKind.F:
             self.open[task.stage].add((task.microbatch, task.chunk))
         elif task.kind is self.frees:

@@ -1,0 +1,56 @@
+"""What a pipelined step's driver holds: each stage's devices, the values of one step, which
+results every device gets, and the microbatches' mean (``runtime.pipeline`` and
+``runtime.async_pipeline`` drive steps with them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+
+from autopar.ir.pipeline_program import PipelineProgram
+from autopar.runtime.program_calls import ProgramCall
+
+__all__ = ["StageDevices", "shared_outputs"]
+
+
+@dataclass(frozen=True)
+class StageDevices:
+    """One stage's devices as a logical mesh (row-major ``device_ids``)."""
+
+    device_ids: tuple[int, ...]
+    mesh_shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+
+
+@dataclass
+class _StepState:
+    """Values of one step: the step's own, per-microbatch activations and cotangents."""
+
+    env: dict[int, Any]
+    placed: dict[tuple[int, int], Any] = field(default_factory=dict)
+    acts: dict[tuple[int, int], Any] = field(default_factory=dict)
+    cots: dict[tuple[int, int], Any] = field(default_factory=dict)
+    vjps: dict[tuple[int, int], Any] = field(default_factory=dict)
+    saved_cots: dict[tuple[int, int], list[Any]] = field(default_factory=dict)
+    accum: dict[int, list[Any] | None] = field(default_factory=dict)
+    loss_parts: dict[int, list[Any]] = field(default_factory=dict)
+    # when given, every program the step runs is logged here (``runtime.pipeline_hlo``)
+    calls: list[ProgramCall] | None = None
+
+
+def shared_outputs(pp: PipelineProgram) -> frozenset[int]:
+    """The step's results a pipelined step returns on every device: the loss function's loss
+    and aux (means over the microbatches: metrics, not per-example values) as the step returns
+    them, and every scalar it returns (a metric computed after the loss, say). Not: its other
+    results, the new state, which stays where the stages hold it."""
+    outer = pp.outer
+    loss_results = set(pp.vg.outputs[: 1 + pp.loss.num_aux])
+    return frozenset(v for v in outer.out_ids
+                     if v in loss_results or not getattr(outer.avals[v], "shape", ()))
+
+
+@jax.jit
+def _mean(parts: list[Any]) -> Any:
+    return sum(parts[1:], parts[0]) / len(parts)
