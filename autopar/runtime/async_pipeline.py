@@ -43,7 +43,7 @@ from autopar.ir.scan_units import run_forward_eqns
 from autopar.ir.schedules import Task, TaskKind
 from autopar.plan import Plan
 from autopar.runtime.pipeline import PipelineRunner, TaskRecord
-from autopar.runtime.pipeline_state import _mean, _StepState
+from autopar.runtime.pipeline_state import StepState, microbatch_mean
 
 
 @dataclass
@@ -167,7 +167,7 @@ class AsyncPipelineRunner(PipelineRunner):
                 a is not b for a, b in zip(state, stream.returned, strict=True)):
             stream = self.stream = self._start(state)
         stream.fresh = {}  # what the last call returned is the caller's
-        st = _StepState(env=dict(zip(outer.in_ids, flat_args, strict=True)), acts=stream.acts,
+        st = StepState(env=dict(zip(outer.in_ids, flat_args, strict=True)), acts=stream.acts,
                         cots=stream.cots)
         self.records = []
         start = time.perf_counter()
@@ -202,7 +202,7 @@ class AsyncPipelineRunner(PipelineRunner):
         self.peak_live_versions = [1] * p
         return stream
 
-    def _inject(self, st: _StepState, base: int) -> None:
+    def _inject(self, st: StepState, base: int) -> None:
         """The microbatches of this call's split loss inputs, numbered from ``base``."""
         mb = self.micro
         for fid in self.pp.split_inputs:
@@ -247,7 +247,7 @@ class AsyncPipelineRunner(PipelineRunner):
             values.append(self.place(arrays[index], t.stage, f))
         return values
 
-    def _run_task(self, st: _StepState, stream: _Stream, task: Task) -> Any:
+    def _run_task(self, st: StepState, stream: _Stream, task: Task) -> Any:
         t, n = self.tasks[task.stage], task.microbatch
         programs, key = self.programs[t.piece.index], (t.piece.index, n)
         if task.kind is TaskKind.F:
@@ -285,7 +285,7 @@ class AsyncPipelineRunner(PipelineRunner):
         self._release(stream)
         return grads
 
-    def _forget(self, st: _StepState, t: Any, n: int) -> None:
+    def _forget(self, st: StepState, t: Any, n: int) -> None:
         """Drop microbatch ``n``'s values that no task reads after its backward on ``t``:
         every later piece's forward has run by then (the loss is kept for the results)."""
         keep = set(self.pp.loss_outputs)
@@ -296,7 +296,7 @@ class AsyncPipelineRunner(PipelineRunner):
             for fid in self.pp.split_inputs:
                 st.acts.pop((fid, n), None)
 
-    def _seeded_cotangent(self, st: _StepState, vid: int, n: int, stage: int) -> Any:
+    def _seeded_cotangent(self, st: StepState, vid: int, n: int, stage: int) -> Any:
         """The output cotangent of microbatch ``n``; the loss is seeded with 1 (PipeDream: each
         microbatch is its own minibatch) or 1/m (2BW: the call's mean)."""
         aval = self.pp.forward.avals[vid]
@@ -372,7 +372,7 @@ class AsyncPipelineRunner(PipelineRunner):
         return held + [x for store in self.stream.store for arrays in store.values()
                        for x in arrays]
 
-    def _results(self, st: _StepState, stream: _Stream, flat_args: Sequence[Any],
+    def _results(self, st: StepState, stream: _Stream, flat_args: Sequence[Any],
                  base: int) -> list[Any]:
         """The call's outputs: its microbatches' mean loss and aux, the state as the stages
         hold it, and the step's other results."""
@@ -380,7 +380,7 @@ class AsyncPipelineRunner(PipelineRunner):
         losses = []
         for fid in self.pp.loss_outputs:
             parts = [self.place(st.acts.pop((fid, base + i)), last) for i in range(self.m)]
-            losses.append(_mean(parts))
+            losses.append(microbatch_mean(parts))
         state = [flat_args[j] if src < 0 else stream.copies[src][j]
                  for j, src in enumerate(prog.source)]
         stream.returned = tuple(state)

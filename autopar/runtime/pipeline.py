@@ -35,7 +35,7 @@ from autopar.ir.schedules import Schedule, TaskKind
 from autopar.plan import Plan
 from autopar.runtime.distributed import put
 from autopar.runtime.fused_step import FusedStep
-from autopar.runtime.pipeline_state import StageDevices, _mean, _StepState, shared_outputs
+from autopar.runtime.pipeline_state import StageDevices, StepState, microbatch_mean, shared_outputs
 from autopar.runtime.pipeline_tasks import PieceTasks, piece_tasks
 from autopar.runtime.program_calls import ProgramCall, TaskRecord, abstract_args
 from autopar.runtime.shard import partition_spec
@@ -210,12 +210,12 @@ class PipelineRunner:
         return [self.output(st, v) for v in self.pp.outer.out_ids]
 
     def new_state(self, flat_args: Sequence[Any],
-                  calls: list[ProgramCall] | None = None) -> _StepState:
+                  calls: list[ProgramCall] | None = None) -> StepState:
         """A step's state holding its flat inputs (``calls``: the log of programs run)."""
-        return _StepState(env=dict(zip(self.pp.outer.in_ids, flat_args, strict=True)),
+        return StepState(env=dict(zip(self.pp.outer.in_ids, flat_args, strict=True)),
                           calls=calls)
 
-    def run_step(self, st: _StepState, record: bool = False) -> None:
+    def run_step(self, st: StepState, record: bool = False) -> None:
         """Every program of one step in the schedule's order, the step's values in ``st.env``
         (``record``: each task waited for and timed into ``records``)."""
         start = time.perf_counter()
@@ -229,7 +229,7 @@ class PipelineRunner:
                                                task.chunk, t0, time.perf_counter() - start))
         self.end_step(st)
 
-    def begin_step(self, st: _StepState) -> None:
+    def begin_step(self, st: StepState) -> None:
         """What runs before the schedule's tasks: the stacked inputs' splits, the segments
         before the pipeline, the random draws and the microbatches of every split input."""
         for k, (vid, outs, fn) in enumerate(self.input_split_fns):
@@ -241,7 +241,7 @@ class PipelineRunner:
         self._draw(st)
         self._split_batch(st)
 
-    def end_step(self, st: _StepState, loss_sums: Sequence[Any] | None = None) -> None:
+    def end_step(self, st: StepState, loss_sums: Sequence[Any] | None = None) -> None:
         """What runs after the tasks: the loss results' means and the gradients at their
         homes (``loss_sums``: each loss result already summed over the microbatches, in its
         stage's layout), then the segments after the pipeline."""
@@ -250,7 +250,7 @@ class PipelineRunner:
             if seg.phase == "after":
                 self._run_segment(st, k, seg)
 
-    def output(self, st: _StepState, vid: int) -> Any:
+    def output(self, st: StepState, vid: int) -> Any:
         """The step's result ``vid``: a small one (``shared_outputs``) on every device of the
         plan, so that every process of a run can read it (``float(loss)``); the rest (the new
         state) where its segment made it, as global arrays (``distributed.to_host`` reads
@@ -261,7 +261,7 @@ class PipelineRunner:
             return put(value, self.everywhere)
         return value
 
-    def _fetch(self, st: _StepState, vid: int, stage: int, fid: int | None = None) -> Any:
+    def _fetch(self, st: StepState, vid: int, stage: int, fid: int | None = None) -> Any:
         """Step value ``vid`` on ``stage`` (as loss input ``fid`` when given, else as the
         forward value whose layout it shares, ``spec_source``). A value with no layout of
         its own that already lies on the stage's devices stays as it is: where it was made
@@ -283,18 +283,18 @@ class PipelineRunner:
         return (isinstance(value, jax.Array) and value.committed and sharding is not None
                 and sharding.device_set == set(self.meshes[stage].devices.flat))
 
-    def _call(self, st: _StepState, label: str, stage: int | None, fn: Any, *args: Any) -> Any:
+    def _call(self, st: StepState, label: str, stage: int | None, fn: Any, *args: Any) -> Any:
         """``fn(*args)``, logged in ``st.calls`` when the step keeps a log."""
         if st.calls is not None:
             st.calls.append(ProgramCall(label, stage, fn, abstract_args(args)))
         return fn(*args)
 
-    def _run_segment(self, st: _StepState, k: int, seg: Segment) -> None:
+    def _run_segment(self, st: StepState, k: int, seg: Segment) -> None:
         values = [self._fetch(st, v, seg.stage) for v in seg.inputs]
         outs = self._call(st, f"segment{k}", seg.stage, self.segment_fns[k], *values)
         st.env.update(zip(seg.outputs, outs, strict=True))
 
-    def _draw(self, st: _StepState) -> None:
+    def _draw(self, st: StepState) -> None:
         """The whole batch's bits of each per-example random draw (``ir.random_draws``), on
         the stage of the first piece reading them: the serial step's own draw, which
         ``_split_batch`` then cuts like the batch."""
@@ -304,7 +304,7 @@ class PipelineRunner:
             values = [self._fetch(st, self.pp.operand_of[v], stage, v) for v in d.inputs]
             st.env[d.source] = self._call(st, f"draw{k}", stage, fn, *values)
 
-    def _split_batch(self, st: _StepState) -> None:
+    def _split_batch(self, st: StepState) -> None:
         """Each microbatch of every split loss input (placed on the stages that read it when
         they read it), cut by one program per input where it lies: not a slice each."""
         for k, fid in enumerate(sorted(self.pp.split_inputs)):
@@ -313,12 +313,12 @@ class PipelineRunner:
             for i, part in enumerate(parts):
                 st.acts[(fid, i)] = part
 
-    def _input(self, st: _StepState, vid: int, microbatch: int, stage: int) -> Any:
+    def _input(self, st: StepState, vid: int, microbatch: int, stage: int) -> Any:
         if vid in self.pp.operand_of and vid not in self.pp.split_inputs:
             return self._fetch(st, self.pp.operand_of[vid], stage, vid)
         return self.place(st.acts[(vid, microbatch)], stage, vid, batched=True)
 
-    def run_task(self, st: _StepState, task: Any) -> Any:
+    def run_task(self, st: StepState, task: Any) -> Any:
         """Run one task of the schedule on the step's values ``st``; its outputs."""
         piece = task.piece(self.schedule.num_stages)
         t, i = self.tasks[piece], task.microbatch
@@ -364,14 +364,14 @@ class PipelineRunner:
                 return self.stage_of_piece[p.index]
         return self.stage_of_piece[-1]
 
-    def _add_cotangent(self, st: _StepState, vid: int, i: int, g: Any) -> None:
+    def _add_cotangent(self, st: StepState, vid: int, i: int, g: Any) -> None:
         stage = self._producer_stage(vid)
         # laid out as the value is on its producer's stage: its backward reads it so
         g = self.place(g, stage, vid, batched=True)
         key = (vid, i)
         st.cots[key] = g if key not in st.cots else st.cots[key] + g
 
-    def _cotangent(self, st: _StepState, vid: int, i: int, stage: int) -> Any:
+    def _cotangent(self, st: StepState, vid: int, i: int, stage: int) -> Any:
         aval = self.pp.forward.avals[vid]
         total = st.cots.pop((vid, i), None)
         outputs = self.pp.loss_outputs
@@ -395,7 +395,7 @@ class PipelineRunner:
         """The stage where the loss function's ``k``-th result is averaged."""
         return self.home.get(self.pp.vg.outputs[k], self.stage_of_piece[-1])
 
-    def _finish_pipeline(self, st: _StepState, loss_sums: Sequence[Any] | None = None) -> None:
+    def _finish_pipeline(self, st: StepState, loss_sums: Sequence[Any] | None = None) -> None:
         """The loss function's results as the step sees them: means over microbatches, and each
         gradient summed over the pieces that read its parameter, at its home stage."""
         vg = self.pp.vg
@@ -407,7 +407,7 @@ class PipelineRunner:
             # each microbatch's in the layout its stage made it (batch norm's statistics
             # split by channel stay split): replicating each would gather it per microbatch
             parts = [self.place(st.acts[(fid, i)], stage, fid) for i in range(self.m)]
-            st.env[out_id] = self._call(st, f"mean{k}", stage, _mean, parts)
+            st.env[out_id] = self._call(st, f"mean{k}", stage, microbatch_mean, parts)
         for fid, gid in self.pp.grad_outputs().items():
             stage = self.home[gid]
             total = None

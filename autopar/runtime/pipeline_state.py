@@ -12,7 +12,7 @@ import jax
 from autopar.ir.pipeline_program import PipelineProgram
 from autopar.runtime.program_calls import ProgramCall
 
-__all__ = ["StageDevices", "shared_outputs"]
+__all__ = ["StageDevices", "StepState", "microbatch_mean", "shared_outputs"]
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class StageDevices:
 
 
 @dataclass
-class _StepState:
+class StepState:
     """Values of one step: the step's own, per-microbatch activations and cotangents."""
 
     env: dict[int, Any]
@@ -52,5 +52,7 @@ def shared_outputs(pp: PipelineProgram) -> frozenset[int]:
 
 
 @jax.jit
-def _mean(parts: list[Any]) -> Any:
+def microbatch_mean(parts: list[Any]) -> Any:
+    """The microbatches' mean of one result, summed in microbatch order (the fused step's
+    loop sums in the same order)."""
     return sum(parts[1:], parts[0]) / len(parts)
