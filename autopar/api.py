@@ -268,7 +268,8 @@ class ParallelizedStep:
     def get_hlo_collectives(self, *args: Any) -> dict[str, dict[str, int]]:
         """The collectives one step emits, counted in its compiled HLO: per kind (every kind
         listed), ``{"count": n, "bytes": b}`` (bytes in the cost model's full-tensor
-        convention, as the plan's ``StagePlan.collectives``). A one-stage step is one program
+        convention, as the plan's ``StagePlan.collectives``), each counted as often as one
+        run executes it (a scanned layer's, once per layer). A one-stage step is one program
         (compiled, not run); a pipelined step runs one step on these arguments (real arrays)
         and counts every program its driver ran, each times its calls
         (``autopar.runtime.pipeline_hlo``); its stages apart: ``pipeline_collectives``."""
@@ -276,7 +277,7 @@ class ParallelizedStep:
         if isinstance(compiled.executable, ShardedProgram):
             from autopar.runtime.hlo import count_collectives
 
-            return count_collectives(self.get_hlo_text(*args)).by_kind()
+            return count_collectives(self.get_hlo_text(*args), per_run=True).by_kind()
         return self.pipeline_collectives(*args).by_kind()
 
     def pipeline_collectives(self, *args: Any) -> StepCollectives:

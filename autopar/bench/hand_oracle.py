@@ -34,7 +34,8 @@ def jit_collectives(step: Callable, args: Sequence[Any], specs: Mapping[str, Sha
     """What XLA's own sharding propagation emits for ``step`` from the hand plan's inputs:
     ``jax.jit(step, in_shardings=specs, out_shardings=(state as in, rest replicated))``
     compiled on ``devices`` laid out as ``mesh_shape``; a
-    :class:`~autopar.runtime.hlo.CollectiveSummary` of its HLO, and the jitted function."""
+    :class:`~autopar.runtime.hlo.CollectiveSummary` of its HLO (as one run executes them: a
+    loop's body once per iteration), and the jitted function."""
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -57,7 +58,7 @@ def jit_collectives(step: Callable, args: Sequence[Any], specs: Mapping[str, Sha
     rest = jax.tree_util.tree_map(lambda _: whole, tuple(out_shape[1:]))
     jitted = jax.jit(step, in_shardings=in_shardings, out_shardings=(in_shardings[0], *rest))
     text = jitted.lower(*args).compile().as_text()
-    return count_collectives(text), jitted
+    return count_collectives(text, per_run=True), jitted
 
 
 def plan_pinned(traced: Any, mesh: Any, pins: Mapping[str, ShardingSpec], *,

@@ -308,7 +308,7 @@ def compiled_facts(result: CompileResult) -> tuple[dict[str, dict[str, int]], in
 
     executable = ShardedProgram(result.program, result.plan)
     flat = jax.tree_util.tree_leaves(result.dynamic_args)
-    counted = count_collectives(executable.hlo_text(flat)).by_kind()
+    counted = count_collectives(executable.hlo_text(flat), per_run=True).by_kind()
     logger.debug("HLO collectives: %s",
                  {k: v["count"] for k, v in counted.items() if v["count"]} or "none")
     m = executable.compiled(flat).memory_analysis()
