@@ -1,6 +1,6 @@
 """A pipelined plan's collectives: every program of one step counted in its compiled HLO, times
 its calls, and set beside the stage plans' prediction in the compile report (text, ``--json``,
-HTML, and ``autopar show`` of the document)."""
+HTML, and ``autopar show`` of the document); and a scanned model's loop bodies counted per layer."""
 
 from __future__ import annotations
 
@@ -139,3 +139,16 @@ def test_a_pipelined_steps_batch_statistics_are_averaged_where_they_were_made():
                if "batch_stats" in path)
     emitted = step.get_hlo_collectives(state, batch)
     assert emitted["all-gather"]["count"] <= len(statistics), (emitted, len(statistics))
+
+
+def test_a_scanned_models_report_counts_its_loop_bodies_per_layer(tmp_path, capsys):
+    """A scanned GPT's layers are one loop: its collectives run once per layer, as its plan
+    predicts them, and the report counts them so (statically, the body's would count once)."""
+    doc_path = tmp_path / "report.json"
+    code, _, err = run(["compile", "--model", "gpt-scan", "--size", "tiny", "--method", "shard",
+                        "--devices", 8, "--json", doc_path], capsys)
+    assert code == 0, err
+    collectives = json.loads(doc_path.read_text())["collectives"]
+    predicted, hlo = collectives["predicted"], collectives["hlo"]
+    assert hlo["all-reduce"]["count"] > 0
+    assert reduced_bytes(hlo) == pytest.approx(reduced_bytes(predicted), rel=0.1)
