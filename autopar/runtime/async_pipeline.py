@@ -72,8 +72,7 @@ class AsyncPipelineRunner(PipelineRunner):
     from one call to the next (see the module docstring)."""
 
     stash_weights: bool = True
-    #: per stage, the peak number of weight versions held (distinct buffers), since the
-    #: pipeline started
+    #: per stage, the peak number of weight versions held (distinct buffers) since the start
     peak_live_versions: list[int]
 
     def __init__(self, *args: Any, **kwargs: Any):
@@ -168,7 +167,7 @@ class AsyncPipelineRunner(PipelineRunner):
             stream = self.stream = self._start(state)
         stream.fresh = {}  # what the last call returned is the caller's
         st = StepState(env=dict(zip(outer.in_ids, flat_args, strict=True)), acts=stream.acts,
-                        cots=stream.cots)
+                       cots=stream.cots)
         self.records = []
         start = time.perf_counter()
         for vid, outs, fn in self.input_split_fns:
