@@ -30,10 +30,6 @@ from autopar.plan import Plan
 
 __all__ = ["HandStep", "accumulation_step", "jit_accumulation"]
 
-# the state entries every zoo model has; the rest (Wide-ResNet's batch_stats) is the loss's aux
-_CORE_KEYS = ("params", "opt_state")
-
-
 def accumulation_step(model: ZooModel, microbatches: int) -> Callable[[Any, Any], Any]:
     """``step(state, batch) -> (new_state, loss)``: one Adam step of ``model`` on the mean of
     ``microbatches`` microbatches' gradients, accumulated by ``lax.scan``; the loss and the
@@ -48,7 +44,7 @@ def accumulation_step(model: ZooModel, microbatches: int) -> Callable[[Any, Any]
 
     def step(state: Any, batch: Any) -> Any:
         params = state["params"]
-        extra = {k: v for k, v in state.items() if k not in _CORE_KEYS}
+        extra = model.extra_state(state)
         for leaf in jax.tree.leaves(batch):
             if leaf.shape[0] % microbatches:
                 raise InvalidOptionError(
@@ -94,9 +90,8 @@ def jit_accumulation(model: ZooModel, microbatches: int, stage_plan: Plan, input
                      devices: Sequence[Any]) -> HandStep:
     """:func:`accumulation_step` under ``jax.jit`` with the inputs of ``stage_plan``'s one
     stage in its layouts (new state as the old) on its logical mesh of ``devices``."""
-    import jax
 
-    from autopar.bench.hand_oracle import jit_collectives
+    from autopar.bench.hand_oracle import jit_collectives, state_in_layout
 
     stage = stage_plan.stages[0]
     stage_devices = [devices[i] for i in stage.device_ids]
@@ -104,5 +99,4 @@ def jit_accumulation(model: ZooModel, microbatches: int, stage_plan: Plan, input
     summary, jitted = jit_collectives(accumulation_step(model, microbatches), args,
                                       stage.input_shardings, stage_devices,
                                       stage.logical_mesh_shape, stage.axis_names)
-    placed = jitted.lower(*args).compile().input_shardings[0][0]
-    return HandStep(jitted, jax.device_put(inputs.state, placed), summary.by_kind())
+    return HandStep(jitted, state_in_layout(jitted, args), summary.by_kind())

@@ -21,7 +21,12 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from autopar.bench.hand_oracle import collective_traffic, jit_collectives, plan_pinned
+from autopar.bench.hand_oracle import (
+    collective_traffic,
+    jit_collectives,
+    plan_pinned,
+    state_in_layout,
+)
 from autopar.bench.hand_plans import HAND_PLANS, HandPlan, graph_leaves
 from autopar.cluster import ClusterSpec
 from autopar.compiler.cost.estimate import one_call_time_s
@@ -76,8 +81,6 @@ def measure_hand(step_fn: Any, inputs: Any, specs: dict, devices: Sequence[Any],
                  mesh_shape: tuple[int, int], warmup: int, repeats: int) -> dict[str, Any]:
     """``jax.jit(step, in_shardings=hand)`` on ``devices``: its median step time and the
     collectives XLA emitted (count by kind, and the bytes the busiest device sends)."""
-    import jax
-
     from autopar.bench.measure import TrainingLoop, time_calls
 
     args = (inputs.state, inputs.batch)
@@ -85,7 +88,7 @@ def measure_hand(step_fn: Any, inputs: Any, specs: dict, devices: Sequence[Any],
                                       mesh_shape, ("x", "y"))
     # called as autopar's plans are (measure.TrainingLoop): the state in the hand plan's layout
     # from the previous step, the batch from the host
-    state = jax.device_put(inputs.state, jitted.lower(*args).compile().input_shardings[0][0])
+    state = state_in_layout(jitted, args)
     first, times = time_calls(TrainingLoop(jitted, state, inputs.batch), warmup, repeats)
     times.sort()
     return {"step_time_s": times[len(times) // 2], "first_call_s": first,

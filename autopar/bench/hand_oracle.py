@@ -22,6 +22,7 @@ __all__ = [
     "feed_bytes",
     "jit_collectives",
     "plan_pinned",
+    "state_in_layout",
 ]
 
 
@@ -59,6 +60,14 @@ def jit_collectives(step: Callable, args: Sequence[Any], specs: Mapping[str, Sha
     jitted = jax.jit(step, in_shardings=in_shardings, out_shardings=(in_shardings[0], *rest))
     text = jitted.lower(*args).compile().as_text()
     return count_collectives(text, per_run=True), jitted
+
+
+def state_in_layout(jitted: Any, args: Sequence[Any]) -> Any:
+    """The state (``args[0]``) put in the layout ``jitted`` takes it in, as a training loop
+    holds it between steps (the previous step's new state, laid out as the old)."""
+    import jax
+
+    return jax.device_put(args[0], jitted.lower(*args).compile().input_shardings[0][0])
 
 
 def plan_pinned(traced: Any, mesh: Any, pins: Mapping[str, ShardingSpec], *,

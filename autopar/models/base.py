@@ -113,7 +113,7 @@ class ZooModel:
     def train_step(self, state: State, batch: Batch) -> tuple[State, jax.Array]:
         """One Adam step; returns ``(new_state, loss)`` where loss is that of the input params."""
         params = state["params"]
-        extra = {k: v for k, v in state.items() if k not in _CORE_KEYS}
+        extra = self.extra_state(state)
         if self.family.loss_with_extra is not None:
 
             def objective(p):
@@ -126,6 +126,11 @@ class ZooModel:
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
         return {"params": new_params, "opt_state": opt_state, **new_extra}, loss
+
+    def extra_state(self, state: State) -> dict[str, Any]:
+        """The state's entries beside ``params`` and ``opt_state`` (Wide-ResNet's
+        ``batch_stats``): what the loss reads and returns beside the parameters."""
+        return {k: v for k, v in state.items() if k not in _CORE_KEYS}
 
     def make_batch(self, rng: jax.Array) -> Batch:
         """A concrete random batch at ``config.batch_size`` with valid labels (jitted)."""

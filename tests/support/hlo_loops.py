@@ -1,42 +1,24 @@
 """Collectives of compiled HLO by where they run: inside a while loop's body (every iteration)
-or outside every loop (once per step). ``count_collectives`` counts statically; a scanned
-model's per-layer communication is what its while bodies hold."""
+or outside every loop (once per step), read from the module's call graph
+(``runtime.hlo_calls``); a scanned model's per-layer communication is what its while bodies
+hold."""
 
 import re
 
 from autopar.runtime.hlo import CollectiveSummary, parse_collectives
-
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([^\s(]+)\s*\(.*->.*\{\s*$")
-_CALLED = re.compile(
-    r"\b(?:body|condition|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_WHILE_BODY = re.compile(r"\bwhile\(.*\bbody=%?([\w.\-]+)")
-
-
-def _calls(hlo_text: str) -> tuple[dict[str, set[str]], set[str]]:
-    """computation -> computations it calls; and the while bodies."""
-    calls: dict[str, set[str]] = {}
-    bodies: set[str] = set()
-    current = ""
-    for line in hlo_text.splitlines():
-        head = _COMPUTATION.match(line)
-        if head and " = " not in line.split("(", 1)[0]:
-            current = head.group(1)
-            calls.setdefault(current, set())
-            continue
-        called = set(_CALLED.findall(line))
-        for group in _BRANCHES.findall(line):
-            called |= {name.strip().lstrip("%") for name in group.split(",") if name.strip()}
-        calls.setdefault(current, set()).update(called)
-        bodies.update(_WHILE_BODY.findall(line))
-    return calls, bodies
+from autopar.runtime.hlo_calls import call_sites
 
 
 def loop_computations(hlo_text: str) -> set[str]:
     """Every computation that runs inside some while loop's body (called from it, directly or
     not)."""
-    calls, bodies = _calls(hlo_text)
-    inside, todo = set(), list(bodies)
+    _, sites = call_sites(hlo_text)
+    calls: dict[str, set[str]] = {}
+    for callee, found in sites.items():
+        for site in found:
+            calls.setdefault(site.caller, set()).add(callee)
+    inside: set[str] = set()
+    todo = [callee for callee, found in sites.items() if any(s.role == "body" for s in found)]
     while todo:
         name = todo.pop()
         if name in inside:
@@ -56,4 +38,6 @@ def split_by_loop(hlo_text: str) -> tuple[CollectiveSummary, CollectiveSummary]:
 
 def while_loop_count(hlo_text: str) -> int:
     """How many while instructions the module has."""
-    return len(re.findall(r"=\s*\S+\s+while\(", hlo_text)) or len(_calls(hlo_text)[1])
+    bodies = {c for c, found in call_sites(hlo_text)[1].items()
+              if any(s.role == "body" for s in found)}
+    return len(re.findall(r"=\s*\S+\s+while\(", hlo_text)) or len(bodies)
