@@ -102,12 +102,14 @@ def _whole(indices: list[int], at: int, unit: ScanUnit) -> bool:
 
 def run_forward_eqns(forward: FlatProgram, eqn_indices: Sequence[int], env: dict[int, Any],
                      scans: Sequence[LayerScan],
-                     on_value: Callable[[int, Any], Any] | None = None) -> None:
+                     on_value: Callable[[int, Any], Any] | None = None,
+                     bind: Callable[[Any, Sequence[Any]], Sequence[Any]] = bind_eqn) -> None:
     """Apply the forward equations ``eqn_indices`` to ``env``, each run of whole consecutive
     units of one layer scan as one scan over their slices (the stage's shorter loop), every
     other equation as ``program.run_eqns`` would. ``on_value(id, value)``, when given, may
     replace each other equation's result as it is made (the runtime holds values to the stage
-    plan's shardings there)."""
+    plan's shardings there); ``bind(eqn, operands)`` applies each other equation (the runtime
+    runs some per batch group there, ``runtime.param_copies``)."""
     indices = list(eqn_indices)
     runs = {run.position: run for run in whole_unit_runs(indices, scans)}
     i = 0
@@ -120,7 +122,7 @@ def run_forward_eqns(forward: FlatProgram, eqn_indices: Sequence[int], env: dict
             continue
         eqn = forward.eqns[indices[i]]
         operands = [env[v] if v in env else forward.values[v] for v in eqn.inputs]
-        results = bind_eqn(eqn, operands)
+        results = bind(eqn, operands)
         if on_value is not None:
             results = [on_value(v, x) for v, x in zip(eqn.outputs, results, strict=True)]
         env.update(zip(eqn.outputs, results, strict=True))

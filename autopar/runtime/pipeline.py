@@ -58,6 +58,7 @@ class PipelineRunner:
         remat_layers: Sequence[Piece] = (),
         remat_stages: Sequence[bool] = (),
         fuse: bool = True,
+        param_copies: bool = True,
     ):
         self.pp, self.pieces, self.schedule = pp, list(pieces), schedule
         self.stage_of_piece = list(stage_of_piece)
@@ -81,6 +82,10 @@ class PipelineRunner:
         # layer boundary) under jax.checkpoint: the backward keeps only layer inputs
         self.remat_layers = list(remat_layers)
         self.remat_stages = list(remat_stages) or [False] * len(stages)
+        # one program (``fuse``, one stage) reduces the gradients of the parameters read as
+        # copies once, after the last microbatch (``runtime.param_copies``); task by task
+        # that would be one more call per gradient, so they are read as they are
+        self._read_copies = param_copies and fuse and len(self.meshes) == 1
         self.tasks = [self._piece_tasks(p) for p in self.pieces]
         self.segment_fns = [jax.jit(self._segment_fn(s)) for s in self.segments]
         self.draw_fns = [jax.jit(draw_function(d)) for d in pp.draws]
@@ -108,9 +113,11 @@ class PipelineRunner:
 
     @classmethod
     def from_plan(cls, pp: PipelineProgram, plan: Plan, devices: Sequence[Any],
-                  fuse: bool = True) -> PipelineRunner:
+                  fuse: bool = True, param_copies: bool = True) -> PipelineRunner:
         """The runner for a pipeshard ``Plan`` of ``pp`` on ``devices`` (indexed by the plan's
-        device ids); ``fuse``: a one-stage plan's step as one program (the default)."""
+        device ids); ``fuse``: a one-stage plan's step as one program (the default);
+        ``param_copies``: that program reduces data-parallel gradients once per step (the
+        default; ``runtime.param_copies``)."""
         layout = plan.pipeline
         pieces = cut_pieces(pp.forward, list(layout.piece_positions))
         owner = list(layout.stage_of_piece)
@@ -123,7 +130,8 @@ class PipelineRunner:
         remat = list(layout.remat_stages)
         layers = cut_pieces(pp.forward, list(layout.layer_positions)) if any(remat) else []
         return cls(pp, pieces, owner, stages, segments, home, schedule, devices, specs,
-                   remat_layers=layers, remat_stages=remat, fuse=fuse)
+                   remat_layers=layers, remat_stages=remat, fuse=fuse,
+                   param_copies=param_copies)
 
     # -- placement -----------------------------------------------------------------------------
 
@@ -161,7 +169,8 @@ class PipelineRunner:
     def _piece_tasks(self, piece: Piece) -> PieceTasks:
         stage = self.stage_of_piece[piece.index]
         layers = self.remat_layers if self.remat_stages[stage] else ()
-        return piece_tasks(self.pp, piece, stage, self.meshes[stage], self.specs[stage], layers)
+        return piece_tasks(self.pp, piece, stage, self.meshes[stage], self.specs[stage], layers,
+                           read_copies=self._read_copies)
 
     def _input_split_fns(self) -> list[tuple[int, list[int], Any]]:
         """Per stacked step input: (its id, its slices' ids, a jitted function making them).
@@ -414,6 +423,8 @@ class PipelineRunner:
             for p in self.consumers.get(fid, []):
                 t = self.tasks[p]
                 g = st.accum[p][t.params.index(fid)]
+                if fid in t.copies.params:  # the groups' partial sums: the step's reduction
+                    g = jnp.sum(g, axis=0)
                 g = self.place(g, stage, fid)
                 total = g if total is None else total + g
             if total is None:

@@ -12,7 +12,7 @@ built, while the driver only decides when each runs and where its values go.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -22,6 +22,7 @@ from autopar.ir.pipeline_pieces import Piece, piece_roles
 from autopar.ir.pipeline_program import PipelineProgram
 from autopar.ir.remat_loss import layer_function
 from autopar.ir.scan_units import run_forward_eqns
+from autopar.runtime.param_copies import ParamCopies, plan_param_copies
 from autopar.runtime.shard import partition_spec
 
 
@@ -44,14 +45,21 @@ class PieceTasks:
     # and added to)
     backward_first: Any = None
     backward_weight_first: Any = None
+    # the parameters the forward reads as one copy per batch group (``runtime.param_copies``):
+    # their gradients come out and accumulate as per-group partial sums, ``[G, ...]``
+    copies: ParamCopies = field(default_factory=ParamCopies)
 
 
 def piece_tasks(pp: PipelineProgram, piece: Piece, stage: int, mesh: Mesh,
-                specs: dict[int, Any], remat_layers: Sequence[Piece] = ()) -> PieceTasks:
+                specs: dict[int, Any], remat_layers: Sequence[Piece] = (),
+                read_copies: bool = False) -> PieceTasks:
     """``piece``'s jitted tasks on ``stage`` (its devices as ``mesh``, ``specs`` its plan's
     forward value id -> ShardingSpec). ``remat_layers``: the forward cut at every layer
     boundary when the stage is rematerialised (empty otherwise): each layer of the piece then
-    runs under jax.checkpoint, and the backward keeps only layer inputs."""
+    runs under jax.checkpoint, and the backward keeps only layer inputs. ``read_copies``:
+    the parameters whose gradients would be reduced over the batch's axes read as copies
+    (``runtime.param_copies``), their gradients left for the caller to reduce once per step
+    (a pipeline that is not rematerialised and has no layer scans)."""
     fwd = pp.forward
     roles = piece_roles(pp, piece)
     diff, params, nondiff = list(roles.diff), list(roles.params), list(roles.nondiff)
@@ -62,6 +70,10 @@ def piece_tasks(pp: PipelineProgram, piece: Piece, stage: int, mesh: Mesh,
     inside = set(piece.eqns)
     layers = [layer for layer in remat_layers if layer.eqns and layer.eqns[0] in inside]
     rematerialise = bool(layers)
+    if read_copies and not rematerialise and not pp.layer_scans:
+        t.copies = plan_param_copies(fwd, piece.eqns, params, float_out + other_out, specs,
+                                     dict(mesh.shape), _batch_axes(pp, specs))
+    copies = t.copies
     # the stage plan's layout of what the piece computes: held to it as it is made, so
     # XLA communicates where the plan does (the backward, derived by jax.vjp, follows:
     # a constraint's transpose constrains the cotangent alike)
@@ -69,7 +81,14 @@ def piece_tasks(pp: PipelineProgram, piece: Piece, stage: int, mesh: Mesh,
     held = {v: NamedSharding(mesh, partition_spec(specs[v])) for v in made if v in specs}
 
     def hold(v: int, x: Any) -> Any:
+        if v in copies.copies:
+            return jax.lax.with_sharding_constraint(
+                x, copies.sharding(mesh, v, specs.get(v), x.ndim - 1))
         return jax.lax.with_sharding_constraint(x, held[v]) if v in held else x
+
+    def param_grads(grads: Sequence[Any]) -> list[Any]:
+        return [hold(v, g) if v in copies.params else g
+                for v, g in zip(params, grads[:n_params], strict=True)]
 
     def run(diff_vals: list[Any], nondiff_vals: list[Any]) -> tuple[list[Any], list[Any]]:
         env = dict(zip(diff, diff_vals, strict=True))
@@ -80,16 +99,19 @@ def piece_tasks(pp: PipelineProgram, piece: Piece, stage: int, mesh: Mesh,
                 outs = jax.checkpoint(layer_function(fwd, layer, ins))([env[v] for v in ins])
                 env.update(zip(layer.outputs, outs, strict=True))
         else:  # a stage's whole units of a layer scan run as one shorter scan
-            run_forward_eqns(fwd, piece.eqns, env, pp.layer_scans, hold if held else None)
+            run_forward_eqns(fwd, piece.eqns, env, pp.layer_scans,
+                             hold if held or copies.copies else None, copies.bind)
         return [env[v] for v in float_out], [env[v] for v in other_out]
 
     def forward(diff_vals, nondiff_vals):
+        diff_vals = [copies.make(x, v, mesh, specs.get(v)) if v in copies.params else x
+                     for v, x in zip(diff, diff_vals, strict=True)]
         outs, vjp_fn, others = jax.vjp(lambda d: run(d, nondiff_vals), diff_vals, has_aux=True)
         return outs, others, vjp_fn
 
     def backward(vjp_fn, cots, acc):
         (grads,) = vjp_fn(cots)
-        return grads[n_params:], [a + g for a, g in zip(acc, grads[:n_params], strict=True)]
+        return grads[n_params:], [a + g for a, g in zip(acc, param_grads(grads), strict=True)]
 
     def backward_input(vjp_fn, cots):
         (grads,) = vjp_fn(cots)
@@ -97,15 +119,15 @@ def piece_tasks(pp: PipelineProgram, piece: Piece, stage: int, mesh: Mesh,
 
     def backward_weight(vjp_fn, cots, acc):
         (grads,) = vjp_fn(cots)
-        return [a + g for a, g in zip(acc, grads[:n_params], strict=True)]
+        return [a + g for a, g in zip(acc, param_grads(grads), strict=True)]
 
     def backward_first(vjp_fn, cots):
         (grads,) = vjp_fn(cots)
-        return grads[n_params:], list(grads[:n_params])
+        return grads[n_params:], param_grads(grads)
 
     def backward_weight_first(vjp_fn, cots):
         (grads,) = vjp_fn(cots)
-        return list(grads[:n_params])
+        return param_grads(grads)
 
     t.forward = jax.jit(forward)
     t.backward = jax.jit(backward, donate_argnums=(2,))
@@ -114,3 +136,13 @@ def piece_tasks(pp: PipelineProgram, piece: Piece, stage: int, mesh: Mesh,
     t.backward_first = jax.jit(backward_first)
     t.backward_weight_first = jax.jit(backward_weight_first)
     return t
+
+
+def _batch_axes(pp: PipelineProgram, specs: dict[int, Any]) -> tuple[str, ...]:
+    """The mesh axes the stage plan splits the batch's first dimension over (of the first
+    split input it splits so)."""
+    for v in sorted(pp.split_inputs):
+        spec = specs.get(v)
+        if spec is not None and spec.dims and spec.dims[0]:
+            return tuple(spec.dims[0])
+    return ()

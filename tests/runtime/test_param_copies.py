@@ -1,0 +1,123 @@
+"""Parameters read as one copy per batch group (``runtime.param_copies``): a one-stage
+pipeline whose plan splits the batch reduces each gradient once per step, as its plan prices
+it, not once per microbatch, and still gives the serial step's numbers."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from serial_reference import serial_run
+
+import autopar
+from autopar.api import local_cluster
+from autopar.compiler.planners.pipeshard import plan_pipeshard
+from autopar.ir.pipeline_program import build_pipeline_program
+from autopar.models import get_model
+from autopar.runtime.pipeline import PipelineRunner
+from autopar.runtime.pipeline_hlo import step_collectives
+
+M = 4
+STEPS = 2
+
+
+def reduced_bytes(runner: PipelineRunner, flat: list) -> float:
+    return step_collectives(runner, flat).by_kind()["all-reduce"]["bytes"]
+
+
+def test_a_one_stage_pipeline_reduces_data_parallel_gradients_once_per_step():
+    # a batch of 128 sequences on 2 devices: the stage plan splits the batch (data parallel)
+    model = get_model("gpt", "tiny", batch_size=128, num_layers=2).with_value_and_grad(
+        autopar.value_and_grad)
+    devices = jax.devices()[:2]
+    state, batch = model.init_state(jax.random.key(0)), model.make_batch(jax.random.key(10))
+    method = autopar.PipeshardParallel(num_microbatches=M, num_stages=1, stages="uniform",
+                                       layers=2)
+    pp = build_pipeline_program(model.train_step, (state, batch), (1,), M)
+    plan = plan_pipeshard(pp, method, local_cluster(devices))
+    (stage,) = plan.stages
+    runner = PipelineRunner.from_plan(pp, plan, devices)
+    (tasks,) = runner.tasks
+    # every parameter meets the split batch, so every one is read as copies
+    assert set(tasks.copies.params) == set(tasks.params)
+    assert all(axes == ("x",) for axes in tasks.copies.params.values())
+
+    flat = jax.tree_util.tree_leaves((state, batch))
+    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(
+        state["params"]))
+    once = reduced_bytes(runner, flat)
+    per_microbatch = reduced_bytes(PipelineRunner.from_plan(pp, plan, devices,
+                                                            param_copies=False), flat)
+    # the gradients once (and the loss's scalars), against once per microbatch before
+    assert param_bytes <= once <= param_bytes + 64
+    assert per_microbatch >= M * param_bytes
+    # the plan prices one reduction per step (its tied embedding's two gradient makers each
+    # once: a little above what XLA emits once they are added before the reduction)
+    predicted = sum(c.nbytes for c in stage.collectives if c.kind.value == "all-reduce")
+    assert param_bytes <= predicted <= 1.25 * once
+
+    ref_losses, ref_leaves = serial_run(model, STEPS)
+    for i in range(STEPS):
+        batch = model.make_batch(jax.random.key(10 + i))
+        out = runner(jax.tree_util.tree_leaves((state, batch)))
+        state, loss = jax.tree_util.tree_unflatten(pp.outer.out_tree, out)
+        assert float(loss) == pytest.approx(ref_losses[i], rel=1e-5, abs=1e-6)
+    atol = 2e-3 * model.config.learning_rate
+    for want, got in zip(ref_leaves, jax.tree_util.tree_leaves(state), strict=True):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=atol)
+
+
+def test_each_reader_of_copies_runs_per_group_with_the_plain_values_and_gradients():
+    """Each rule of ``plan_param_copies`` (a dot, a bias's add, a broadcast along the batch,
+    an elementwise scale, an embedding's gather, a convolution) gives the plain function's
+    value, and the copies' gradients summed over the groups give its gradients; a parameter
+    read by an equation no rule takes (a concatenation with the batch) stays as it is."""
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+
+    from autopar.ir.flatten import flatten_closed_jaxpr
+    from autopar.runtime.param_copies import plan_param_copies
+
+    def f(w, b, scale, table, kernel, pos, x, ids, images):
+        h = jnp.tanh(x @ w + b) * scale + jnp.broadcast_to(b, (x.shape[0], b.shape[0]))
+        embedded = table[ids]
+        conv = jax.lax.conv_general_dilated(images, kernel, (1, 1), "SAME",
+                                            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        tail = jnp.concatenate([h, pos], axis=1)
+        return jnp.sum(h) + jnp.sum(embedded ** 2) + jnp.sum(conv ** 2) + jnp.sum(tail ** 2)
+
+    keys = iter(jax.random.split(jax.random.key(0), 9))
+    batch, hidden = 8, 4
+    params = [jax.random.normal(next(keys), s) for s in
+              [(3, hidden), (hidden,), (hidden,), (16, hidden), (3, 3, 2, 5), (batch, 1)]]
+    data = [jax.random.normal(next(keys), (batch, 3)),
+            jax.random.randint(next(keys), (batch, 2), 0, 16),
+            jax.random.normal(next(keys), (batch, 6, 6, 2))]
+    program = flatten_closed_jaxpr(jax.make_jaxpr(f)(*params, *data))
+    ids = program.in_ids[:len(params)]
+    copies = plan_param_copies(program, range(len(program.eqns)), ids, program.out_ids, {},
+                               {"x": 2}, ("x",))
+    assert set(copies.params) == set(ids[:5])  # not ``pos``
+    assert {program.eqns[i].primitive.name for i in copies.grouped} >= {
+        "dot_general", "add", "broadcast_in_dim", "mul", "gather", "conv_general_dilated"}
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+
+    def run(values: list) -> jax.Array:
+        env = dict(zip(program.in_ids, [*values, *data], strict=True))
+        for eqn in program.eqns:
+            operands = [env[v] if v in env else program.values[v] for v in eqn.inputs]
+            env.update(zip(eqn.outputs, copies.bind(eqn, operands), strict=True))
+        return env[program.out_ids[0]]
+
+    def grouped(values: list) -> tuple:
+        made = [copies.make(x, v, mesh, None) if v in copies.params else x
+                for v, x in zip(ids, values, strict=True)]
+        value, grads = jax.value_and_grad(run)(made)
+        return value, [g.sum(axis=0) if v in copies.params else g
+                       for v, g in zip(ids, grads, strict=True)]
+
+    value, grads = jax.jit(grouped)(params)
+    want, want_grads = jax.value_and_grad(lambda p: f(*p, *data))(params)
+    np.testing.assert_allclose(float(value), float(want), rtol=1e-5)
+    for got, expected in zip(grads, want_grads, strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-4, atol=1e-5)
