@@ -82,10 +82,12 @@ class PipelineRunner:
         # layer boundary) under jax.checkpoint: the backward keeps only layer inputs
         self.remat_layers = list(remat_layers)
         self.remat_stages = list(remat_stages) or [False] * len(stages)
-        # one program (``fuse``, one stage) reduces the gradients of the parameters read as
-        # copies once, after the last microbatch (``runtime.param_copies``); task by task
-        # that would be one more call per gradient, so they are read as they are
-        self._read_copies = param_copies and fuse and len(self.meshes) == 1
+        # one program (``fuse``, one stage) reads the parameters its split batch meets as
+        # copies and reduces their gradients once, after the last microbatch
+        # (``runtime.param_copies``). Task by task, each forward program would return its
+        # copies among the backward's residuals: a copy of the parameters per microbatch in
+        # flight. One microbatch reduces once anyway.
+        self._read_copies = param_copies and fuse and len(self.meshes) == 1 and self.m > 1
         self.tasks = [self._piece_tasks(p) for p in self.pieces]
         self.segment_fns = [jax.jit(self._segment_fn(s)) for s in self.segments]
         self.draw_fns = [jax.jit(draw_function(d)) for d in pp.draws]

@@ -7,7 +7,7 @@ import re
 import jax
 import numpy as np
 import pytest
-from serial_reference import serial_run
+from serial_reference import assert_runner_matches_serial
 
 import autopar
 from autopar.api import local_cluster
@@ -34,15 +34,7 @@ def test_one_stage_pipeline_as_one_program_has_the_serial_numbers(name, schedule
     assert len(plan.stages) == 1
     runner = PipelineRunner.from_plan(pp, plan, jax.devices(), fuse=True)
     assert isinstance(runner.fused, FusedStep)
-    ref_losses, ref_leaves = serial_run(model, STEPS)
-    for i in range(STEPS):
-        batch = model.make_batch(jax.random.key(10 + i))
-        out = runner(jax.tree_util.tree_leaves((state, batch)))
-        state, loss = jax.tree_util.tree_unflatten(pp.outer.out_tree, out)
-        assert float(loss) == pytest.approx(ref_losses[i], rel=1e-5, abs=1e-6)
-    atol = 2e-3 * model.config.learning_rate
-    for want, got in zip(ref_leaves, jax.tree_util.tree_leaves(state), strict=True):
-        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=atol)
+    assert_runner_matches_serial(runner, pp.outer.out_tree, model, STEPS)
 
     flat = jax.tree_util.tree_leaves((state, batch))
     # the step is one program, called once

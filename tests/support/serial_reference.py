@@ -14,3 +14,21 @@ def serial_run(model, steps: int) -> tuple[list[float], list[np.ndarray]]:
         state, loss = step(state, model.make_batch(jax.random.key(10 + i)))
         losses.append(float(loss))
     return losses, [np.asarray(x) for x in jax.tree_util.tree_leaves(state)]
+
+
+def assert_runner_matches_serial(runner, out_tree, model, steps: int) -> None:
+    """``steps`` calls of a pipeline runner (flat inputs in, flat outputs out, unflattened by
+    ``out_tree`` into ``(state, loss)``) from seed 0 on the batches of ``serial_run`` give its
+    losses and final state (parameters within the update's scale)."""
+    import pytest
+
+    ref_losses, ref_leaves = serial_run(model, steps)
+    state = model.init_state(jax.random.key(0))
+    for i in range(steps):
+        batch = model.make_batch(jax.random.key(10 + i))
+        out = runner(jax.tree_util.tree_leaves((state, batch)))
+        state, loss = jax.tree_util.tree_unflatten(out_tree, out)
+        assert float(loss) == pytest.approx(ref_losses[i], rel=1e-5, abs=1e-6)
+    atol = 2e-3 * model.config.learning_rate
+    for want, got in zip(ref_leaves, jax.tree_util.tree_leaves(state), strict=True):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=atol)
