@@ -112,3 +112,25 @@ def test_each_reader_of_copies_runs_per_group_with_the_plain_values_and_gradient
     np.testing.assert_allclose(float(value), float(want), rtol=1e-5)
     for got, expected in zip(grads, want_grads, strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-4, atol=1e-5)
+
+
+def test_a_parameter_whose_readers_split_the_batch_differently_stays_as_it_is():
+    """Copies split over one set of axes: a parameter read where the plan splits the batch
+    over ``x`` and again where it splits it over ``y`` has no such set, and stays; one read
+    only where the batch is split over ``x`` becomes copies over ``x``."""
+    import jax.numpy as jnp
+
+    from autopar.ir.flatten import flatten_closed_jaxpr
+    from autopar.plan import ShardingSpec
+    from autopar.runtime.param_copies import plan_param_copies
+
+    def f(shared, alone, over_x, over_y):
+        return jnp.sum(over_x @ shared) + jnp.sum(over_y @ shared) + jnp.sum(over_x @ alone)
+
+    args = [jnp.ones((4, 4)), jnp.ones((4, 4)), jnp.ones((8, 4)), jnp.ones((8, 4))]
+    program = flatten_closed_jaxpr(jax.make_jaxpr(f)(*args))
+    shared, alone, over_x, over_y = program.in_ids
+    specs = {over_x: ShardingSpec((("x",), ())), over_y: ShardingSpec((("y",), ()))}
+    copies = plan_param_copies(program, range(len(program.eqns)), [shared, alone],
+                               program.out_ids, specs, {"x": 2, "y": 2}, ("x",))
+    assert copies.params == {alone: ("x",)}
