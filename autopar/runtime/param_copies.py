@@ -43,6 +43,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autopar.ir.program import FlatEqn, FlatProgram, bind_eqn
 from autopar.plan import ShardingSpec
+from autopar.runtime.shard import partition_spec
 
 __all__ = ["GroupedEqn", "ParamCopies", "plan_param_copies"]
 
@@ -87,11 +88,9 @@ class ParamCopies:
     def sharding(self, mesh: Mesh, vid: int, spec: ShardingSpec | None, ndim: int) -> Any:
         """Copies of value ``vid`` (``ndim`` dimensions each): the first dimension over its
         axes, the rest as the plan lays the value out (unconstrained where it does not)."""
-        axes = self.copies[vid]
-        head = axes[0] if len(axes) == 1 else axes
-        if spec is None:
-            return NamedSharding(mesh, PartitionSpec(head, *[PartitionSpec.UNCONSTRAINED] * ndim))
-        rest = [None if not a else a[0] if len(a) == 1 else a for a in spec.dims]
+        (head,) = partition_spec(ShardingSpec((self.copies[vid],)))
+        rest = ([PartitionSpec.UNCONSTRAINED] * ndim if spec is None
+                else list(partition_spec(spec)))
         return NamedSharding(mesh, PartitionSpec(head, *rest))
 
     def make(self, x: Any, vid: int, mesh: Mesh, spec: ShardingSpec | None) -> Any:
