@@ -42,20 +42,13 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autopar.ir.program import FlatEqn, FlatProgram, bind_eqn
+from autopar.ir.scan_split import ELEMENTWISE
 from autopar.plan import ShardingSpec
 from autopar.runtime.shard import partition_spec
 
 __all__ = ["GroupedEqn", "ParamCopies", "plan_param_copies"]
 
 Axes = tuple[str, ...]
-
-
-# elementwise primitives: per group, each block of the batch-split operands meets its
-# group's copy, which has size 1 along the split dimension (broadcast implicitly)
-_ELEMENTWISE = frozenset({
-    "add", "add_any", "sub", "mul", "div", "max", "min", "pow", "atan2", "rem", "select_n",
-    "and", "or", "xor", "eq", "ne", "lt", "le", "gt", "ge", "nextafter",
-})
 
 
 @dataclass(frozen=True)
@@ -221,7 +214,7 @@ def _grouping(forward: FlatProgram, eqn: FlatEqn, read: list[int], layouts: _Lay
         return None
     if len(eqn.outputs) != 1:
         return False
-    if name in _ELEMENTWISE:
+    if name in ELEMENTWISE:  # each block meets its group's copy, of size 1 along the cut
         return _elementwise_grouping(forward, eqn, others, layouts, sizes)
     if len(others) != 1:
         return False

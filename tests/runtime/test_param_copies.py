@@ -20,10 +20,6 @@ M = 4
 STEPS = 2
 
 
-def reduced_bytes(runner: PipelineRunner, flat: list) -> float:
-    return step_collectives(runner, flat).by_kind()["all-reduce"]["bytes"]
-
-
 def test_a_one_stage_pipeline_reduces_data_parallel_gradients_once_per_step():
     # a batch of 64 sequences on 2 devices: the stage plan splits the batch (data parallel)
     model = get_model("gpt", "tiny", batch_size=64, num_layers=2).with_value_and_grad(
@@ -44,7 +40,7 @@ def test_a_one_stage_pipeline_reduces_data_parallel_gradients_once_per_step():
     flat = jax.tree_util.tree_leaves((state, batch))
     param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(
         state["params"]))
-    once = reduced_bytes(runner, flat)
+    once = step_collectives(runner, flat).by_kind()["all-reduce"]["bytes"]
     # the gradients once (and the loss's scalars); reduced per microbatch (copies off:
     # ``PipelineRunner(..., param_copies=False)``) they were 4.6x the parameter bytes
     assert param_bytes <= once <= param_bytes + 64
