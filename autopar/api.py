@@ -121,6 +121,7 @@ class ParallelizedStep:
         self.devices = None if devices is None else list(devices)
         self.cache = cache
         self._compiled_steps: dict[tuple, CompiledStep] = {}
+        self._argument_names: dict[int, list[str]] = {}  # per argument count
         self.saved_plan = plan  # run this plan instead of planning (checked against each trace)
         self.method_defaulted = False  # parallelize() without method=: the full search
         functools.update_wrapper(self, fn)
@@ -129,7 +130,9 @@ class ParallelizedStep:
         """Static arguments by value; for the others the tree structure, each array leaf's
         shape and dtype and each non-array (static) leaf's type and value."""
         parts: list[Any] = []
-        names = argument_names(self.fn, len(args))
+        names = self._argument_names.get(len(args))
+        if names is None:  # inspecting the signature on every call costs more than the rest
+            names = self._argument_names[len(args)] = argument_names(self.fn, len(args))
         for i, arg in enumerate(args):
             if i in self.static_argnums:
                 try:

@@ -135,6 +135,9 @@ def test_a_new_shape_replans_and_the_same_shape_reuses():
     other = step.get_plan(state, small)
     assert other is not first
     assert [s.shape for s in other.signature if s.path == "batch/x"] == [(8, 8)]
+    half = {k: v.astype(jnp.float16) for k, v in batch.items()}
+    assert step.get_plan(state, half) is not first  # a new dtype replans too
+    assert step.get_plan(state, dict(batch)) is first
 
 
 @pytest.mark.parametrize("method", [autopar.ShardParallel(), autopar.PipeshardParallel(

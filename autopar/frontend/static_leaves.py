@@ -87,24 +87,28 @@ def array_leaves(tree: Any) -> list[Any]:
 def signature_part(name: str, arg: Any) -> tuple:
     """The part of the input signature one argument contributes: its tree structure, the shape
     and dtype of each array leaf, the type and value of each static leaf (the type keeps ``1``
-    and ``1.0`` and ``True`` apart, which compare equal)."""
+    and ``1.0`` and ``True`` apart, which compare equal). Every step call computes it, so it
+    reads leaves without their paths (a path is looked up only for the error)."""
     parts: list[Any] = []
-    for keypath, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
+    leaves, treedef = jax.tree_util.tree_flatten(arg)
+    for leaf in leaves:
         if is_array_leaf(leaf):
-            parts.append((tuple(leaf.shape), str(leaf.dtype)))
+            parts.append((tuple(leaf.shape), leaf.dtype))
             continue
         try:
             hash(leaf)
         except TypeError:
             from autopar.ir.flatten import leaf_path
 
+            keypath = next(path for path, found in jax.tree_util.tree_flatten_with_path(arg)[0]
+                           if found is leaf)
             raise InvalidOptionError(
                 f"argument leaf '{leaf_path(name, keypath)}' is a {type(leaf).__name__}, not an "
                 "array, so it is static and must be hashable (as with eqx.filter_jit); make it "
                 "an array or a hashable value"
             ) from None
         parts.append(("static", type(leaf), leaf))
-    return (jax.tree_util.tree_structure(arg), tuple(parts))
+    return (treedef, tuple(parts))
 
 
 @dataclass

@@ -305,6 +305,9 @@ def put(x: Any, sharding: Any) -> Any:
     different processes. Every process must call it with the same arguments in the same order
     (the multi-controller contract). A numpy array, Python scalar or uncommitted ``jax.Array``
     is a host value: every process holds the same one, and each places its own shards."""
+    if isinstance(x, jax.Array) and x.committed and x.sharding == sharding:
+        # where it already is (a step's state fed back): jax.device_put's own check is slower
+        return x
     if jax.process_count() == 1:
         return jax.device_put(x, sharding)
     if not isinstance(x, jax.Array) or not x.committed:
@@ -315,8 +318,6 @@ def put(x: Any, sharding: Any) -> Any:
         return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx],
                                             dtype=host.dtype)
     src = x.sharding
-    if src == sharding:
-        return x
     if src.device_set == sharding.device_set:
         return _reshard(sharding)(x)
     src_procs, dst_procs = _processes(src), _processes(sharding)
