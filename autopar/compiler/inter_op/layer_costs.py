@@ -191,7 +191,11 @@ class LayerCostCache:
             self.roles[span] = piece_roles(pp, piece)
         return self.roles[span]
 
-    def cost(self, pp: PipelineProgram, piece: Piece, mesh: LogicalMesh) -> PieceCost:
+    def cost(self, pp: PipelineProgram, piece: Piece, mesh: LogicalMesh,
+             time_limit_s: float | None = None) -> PieceCost:
+        """``piece``'s cost and plan on ``mesh``. ``time_limit_s``: its ILP's limit when
+        longer than the table's (``options.time_limit_s``): a piece that runs is solved
+        again under it if the table's solve stopped at its limit."""
         mesh_key = (tuple(mesh.shape), tuple(mesh.alpha), tuple(mesh.beta), mesh.peak_flops,
                     mesh.compute_efficiency)
         span = _span(piece)
@@ -199,6 +203,11 @@ class LayerCostCache:
             self.signatures[span] = piece_signature(pp, piece)
         signature = self.signatures[span]
         key = (signature, *mesh_key)
+        options = self.options
+        if time_limit_s is not None and time_limit_s > options.time_limit_s:
+            options = replace(options, time_limit_s=time_limit_s)
+            if key in self.solved and _stopped_early(self.solved[key][0]):
+                del self.solved[key]
         if key not in self.solved:
             if signature not in self.graphs:
                 self.graphs[signature] = (*piece_train_graph(pp, piece), piece)
@@ -210,7 +219,7 @@ class LayerCostCache:
                 self.state_per_parameter = optimizer_state_per_parameter(pp)
             if self.work is None:
                 self.work = step_work(pp)
-            cost = _solve_piece(pp, traced_from, graph, paths, mesh, self.options, shared,
+            cost = _solve_piece(pp, traced_from, graph, paths, mesh, options, shared,
                                 self.state_per_parameter, self.work, self.num_microbatches)
             self.solved[key] = (cost, traced_from)
             self.ilp_solves += 1
@@ -248,13 +257,18 @@ def _span(piece: Piece) -> tuple[int, int]:
     return (piece.eqns[0], piece.eqns[-1]) if piece.eqns else (piece.index, -1)
 
 
+def _stopped_early(cost: PieceCost) -> bool:
+    """Whether a piece's ILP ended at its time limit (or without a plan of its own)."""
+    return cost.ilp_status in ("time_limit", "no_solution", "solver_error")
+
+
 def solve_status(cost: PieceCost) -> str:
     """How a stage-cost ILP ended: ``proven`` (optimal up to solver tolerance, or decided
     without a MIP), ``within_gap`` (stopped within the relative gap it was given),
     ``time_limit`` (stopped at its time limit: the best plan so far), ``no_solution`` (the
     solver found none in time: the greedy plan), ``solver_error`` (the solver failed: the
     greedy plan)."""
-    if cost.ilp_status in ("time_limit", "no_solution", "solver_error"):
+    if _stopped_early(cost):
         return cost.ilp_status
     if cost.ilp_gap is not None and cost.ilp_gap > 1e-9:
         return "within_gap"

@@ -285,7 +285,8 @@ def plan_pipeshard(pp: PipelineProgram, method: PipeshardParallel, cluster: Clus
         specs, values, compute, costs = {}, {}, 0.0, []
         for k, piece in enumerate(pieces):
             if layout.stage_of_piece[k] == s:
-                cost = cache.cost(pp, piece, mesh)
+                # the layouts that run: the method's own ILP time limit, not the table's
+                cost = cache.cost(pp, piece, mesh, time_limit_s=method.time_limit_s)
                 specs.update(cost.input_specs)
                 values.update(cost.value_specs)
                 compute += cost.compute_s

@@ -1,11 +1,14 @@
 """The layer-cost cache: identical layers share one ILP per mesh, whichever of them is met first
-on each mesh (a regression: the second layer met first on a new mesh used to fail)."""
+on each mesh (a regression: the second layer met first on a new mesh used to fail), and a piece
+that runs is solved under the method's time limit."""
+
+from dataclasses import replace
 
 import autopar
 from autopar.api import local_cluster
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.trace import build_graph
-from autopar.compiler.inter_op.layer_costs import piece_signature
+from autopar.compiler.inter_op.layer_costs import piece_signature, solve_status
 from autopar.compiler.inter_op.layers import layer_positions
 from autopar.compiler.planners.stage_costs import layer_cost_cache, range_piece
 from autopar.ir.pipeline_program import build_pipeline_program
@@ -33,3 +36,26 @@ def test_identical_layers_met_on_different_meshes_share_their_solves():
     assert b2.input_specs and set(b2.input_specs) != set(b1.input_specs)
     assert [s.to_string() for s in b1.input_specs.values()] == \
         [s.to_string() for s in b2.input_specs.values()]
+
+
+def test_a_piece_that_runs_is_solved_again_under_its_own_limit_when_the_table_stopped_early():
+    """The stage-cost table solves pieces under a short limit; the pieces a plan runs are solved
+    under the method's, again where the table's solve stopped at its limit (a load-dependent
+    incumbent: the planner gave one-stage GPT pipelines other layouts run to run)."""
+    model = get_model("gpt", "tiny", num_layers=4).with_value_and_grad(autopar.value_and_grad)
+    pp = build_pipeline_program(model.train_step, model.abstract_inputs(), (1,), 4)
+    method = autopar.PipeshardParallel(num_microbatches=4, layers=4)
+    positions = layer_positions(pp, build_graph(pp.forward), method.layers, 8)
+    cache = layer_cost_cache(method)
+    # a table limit no solver meets for a whole stage of 4 blocks (building its model alone
+    # takes longer): the solve stops with the best plan it had
+    cache.options = replace(cache.options, time_limit_s=1e-3)
+    mesh = LogicalMesh.from_cluster(local_cluster().with_devices(1, 8), (2, 4))
+    stage = range_piece(pp, positions, 0, len(positions) + 1)
+    assert solve_status(cache.cost(pp, stage, mesh)) in ("time_limit", "no_solution")
+    assert cache.ilp_solves == 1
+    ran = cache.cost(pp, stage, mesh, time_limit_s=method.time_limit_s)
+    assert solve_status(ran) in ("proven", "within_gap") and cache.ilp_solves == 2
+    # a solve that ended within its gap is not repeated, whatever the limit asked
+    assert cache.cost(pp, stage, mesh, time_limit_s=method.time_limit_s) == ran
+    assert cache.cost(pp, stage, mesh) == ran and cache.ilp_solves == 2
