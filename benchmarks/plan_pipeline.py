@@ -21,7 +21,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from autopar.bench.outputs import machine_text  # noqa: E402
 from autopar.bench.planning import full_search, planning_times  # noqa: E402
 from autopar.bench.suites import NO_MEMORY_LIMIT  # noqa: E402
-from autopar.compiler.cost.mesh import load_cluster  # noqa: E402
+from autopar.cluster import load_cluster  # noqa: E402
 from autopar.models import get_model  # noqa: E402
 
 OUT_DIR = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
@@ -37,8 +37,10 @@ def measure(layers: int, microbatches: int, cluster_name: str, pipeline_layers: 
     searched = full_search(model, cluster, microbatches=microbatches,
                            pipeline_layers=pipeline_layers, memory_budget_bytes=NO_MEMORY_LIMIT)
     plan = searched.plan
+    # the search's pipelined candidate, whether or not it is the plan
+    pipe = searched.candidates["pipeshard"]
     times = planning_times(searched.trace_s, plan)
-    step_s = plan.est_step_time_s
+    step_s = pipe.est_step_time_s
     flops = 6.0 * model.num_params() * model.config.batch_size * model.config.seq_len
     return {
         "model": f"gpt 39B, {layers} layers",
@@ -51,11 +53,13 @@ def measure(layers: int, microbatches: int, cluster_name: str, pipeline_layers: 
         "total_s": times["total_s"],
         "ilp_s": times["ilp_s"],
         "dp_s": times["dp_s"],
-        "ilp_solves": plan.planning.stage_search["ilp_solves"],
+        "stage_plan_ilp_s": times.get("stage_plan_ilp_s"),
+        "ilp_solves": pipe.planning.stage_search["ilp_solves"],
+        "plan": plan.method.value,
         "stages": [
             {"layers": [s.layers[0], s.layers[-1]], "submesh": list(s.submesh_shape),
              "logical_mesh": list(s.logical_mesh_shape), "est_time_s": s.est_time_s}
-            for s in plan.stages
+            for s in pipe.stages
         ],
         "est_step_time_s": step_s,
         "est_tflops_per_device": flops / step_s / cluster.num_devices / 1e12,

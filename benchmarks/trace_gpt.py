@@ -20,7 +20,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 from autopar.bench.outputs import machine_text  # noqa: E402
-from autopar.compiler.cost.mesh import load_cluster  # noqa: E402
+from autopar.cluster import load_cluster  # noqa: E402
 from autopar.compiler.graph.trace import trace_step  # noqa: E402
 from autopar.compiler.planners.dispatch import plan_traced  # noqa: E402
 from autopar.methods import DataParallel  # noqa: E402
