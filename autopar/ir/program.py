@@ -272,3 +272,32 @@ def run_eqns(program: FlatProgram, eqn_indices: Sequence[int], env: dict[int, An
         eqn = program.eqns[i]
         operands = [env[v] if v in env else program.values[v] for v in eqn.inputs]
         env.update(zip(eqn.outputs, bind_eqn(eqn, operands), strict=True))
+
+
+def carried_inputs(inputs: Sequence[tuple[str, int, Any]],
+                   outputs: Sequence[tuple[str, Any]]) -> dict[int, int]:
+    """Which step results are new values of which inputs (the next step's inputs): result
+    position -> input position, from leaf paths and shapes.
+
+    ``inputs``: (path, argument index, shape) of the inputs that may be carried (a state's);
+    ``outputs``: (path, shape) of every result. A step ``(state, ..., batch) -> (new_state,
+    ..., loss)`` returns argument ``i``'s new value as result ``i``: ``state/params/w``
+    (argument 0) pairs with ``out/0/params/w``. A step that returns the state alone
+    (``out/params/w``) pairs by the path below the top level when that is unambiguous.
+    Shapes must agree."""
+    by_position: dict[tuple[int, str], int] = {}
+    by_rest: dict[str, list[int]] = {}
+    for k, (path, arg, _) in enumerate(inputs):
+        rest = path.partition("/")[2]
+        by_position[(arg, rest)] = k
+        by_rest.setdefault(rest, []).append(k)
+    pairs: dict[int, int] = {}
+    for j, (path, shape) in enumerate(outputs):
+        below = path.partition("/")[2]  # without "out"
+        head, _, rest = below.partition("/")
+        k = by_position.get((int(head), rest)) if head.isdigit() else None
+        if k is None and len(by_rest.get(below, ())) == 1:
+            k = by_rest[below][0]
+        if k is not None and tuple(inputs[k][2]) == tuple(shape):
+            pairs[j] = k
+    return pairs

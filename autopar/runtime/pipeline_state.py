@@ -10,6 +10,7 @@ from typing import Any
 import jax
 
 from autopar.ir.pipeline_program import PipelineProgram
+from autopar.ir.program import carried_inputs
 from autopar.runtime.program_calls import ProgramCall
 
 __all__ = ["StageDevices", "StepState", "microbatch_mean", "shared_outputs"]
@@ -45,29 +46,23 @@ def shared_outputs(pp: PipelineProgram) -> frozenset[int]:
     and aux (means over the microbatches: metrics, not per-example values) as the step returns
     them, and every scalar it returns (a metric computed after the loss, say). Not: its other
     results, the new state, which stays where the stages hold it; nor an aux result the step
-    returns as part of that state (one whose path below the step's result, shape and dtype
-    are those of an input below its argument: Wide-ResNet's batch statistics), which the
-    next step reads as it is. Replicating those cost Wide-ResNet an all-gather per statistic
-    split by channel, every step, which neither its plan nor ShardParallel pays."""
+    returns as the new value of a state input (``ir.program.carried_inputs``: Wide-ResNet's
+    batch statistics), which the next step reads as it is. Replicating those cost Wide-ResNet
+    an all-gather per statistic split by channel, every step, which neither its plan nor
+    ShardParallel pays."""
     outer = pp.outer
+    batch = {pp.operand_of[f] for f in pp.split_inputs}
+    state = [(path, arg, outer.avals[v].shape) for path, arg, v in
+             zip(outer.in_paths, outer.leaf_arg_indices(), outer.in_ids, strict=True)
+             if v not in batch]
+    carried = carried_inputs(state, [(path, getattr(outer.avals[v], "shape", ()))
+                                     for path, v in zip(outer.out_paths, outer.out_ids,
+                                                        strict=True)])
+    fed_back = {outer.out_ids[j] for j in carried}
     loss, *aux = pp.vg.outputs[: 1 + pp.loss.num_aux]
-    state = {_below(path, 1, outer.avals[v]) for path, v in zip(outer.in_paths, outer.in_ids,
-                                                                 strict=True)} - {None}
-    fed_back = {v for path, v in zip(outer.out_paths, outer.out_ids, strict=True)
-                if _below(path, 2, outer.avals[v]) in state}
     kept = {loss} | (set(aux) - fed_back)
     return frozenset(v for v in outer.out_ids
                      if v in kept or not getattr(outer.avals[v], "shape", ()))
-
-
-def _below(path: str, depth: int, aval: Any) -> tuple[str, Any, Any] | None:
-    """A leaf's path without its first ``depth`` parts (``state/`` for an input,
-    ``out/0/`` for a result), with its shape and dtype; None for a leaf that is the whole
-    argument or result (nothing below to match)."""
-    parts = path.split("/")
-    if len(parts) <= depth:
-        return None
-    return "/".join(parts[depth:]), tuple(getattr(aval, "shape", ())), getattr(aval, "dtype", None)
 
 
 @jax.jit

@@ -55,6 +55,7 @@ from autopar.compiler.graph.opgraph import OpGraph
 from autopar.compiler.graph.trace import TracedStep
 from autopar.compiler.planners.common import whole_mesh_plan
 from autopar.errors import InvalidOptionError
+from autopar.ir.program import carried_inputs
 from autopar.plan import CollectiveKind, MethodName, Plan, ShardingSpec
 
 ZERO_STAGES = (2, 3)
@@ -166,30 +167,13 @@ def propagate_state_layout(
 
 
 def carried_state(graph: OpGraph, state_ids: set[int]) -> dict[str, int]:
-    """Output path -> the state input tensor whose new value it is (the next step's input).
-
-    A step ``(state, ..., batch) -> (new_state, ..., loss)`` returns argument ``i``'s new value
-    as result ``i``: ``state/params/w`` (argument 0) pairs with ``out/0/params/w``. A step that
-    returns the state alone (``out/params/w``) pairs by the path below the top level when that
-    is unambiguous. Shapes must agree.
-    """
-    by_position: dict[tuple[int, str], int] = {}
-    by_rest: dict[str, list[int]] = {}
-    for io in graph.inputs:
-        if io.tensor in state_ids:
-            rest = io.path.partition("/")[2]
-            by_position[(io.arg_index, rest)] = io.tensor
-            by_rest.setdefault(rest, []).append(io.tensor)
-    pairs: dict[str, int] = {}
-    for io in graph.outputs:
-        below = io.path.partition("/")[2]  # without "out"
-        head, _, rest = below.partition("/")
-        t = by_position.get((int(head), rest)) if head.isdigit() else None
-        if t is None and len(by_rest.get(below, ())) == 1:
-            t = by_rest[below][0]
-        if t is not None and graph.tensors[t].shape == graph.tensors[io.tensor].shape:
-            pairs[io.path] = t
-    return pairs
+    """Output path -> the state input tensor whose new value it is (the next step's input),
+    paired as ``ir.program.carried_inputs`` pairs them."""
+    state = [io for io in graph.inputs if io.tensor in state_ids]
+    pairs = carried_inputs(
+        [(io.path, io.arg_index, graph.tensors[io.tensor].shape) for io in state],
+        [(io.path, graph.tensors[io.tensor].shape) for io in graph.outputs])
+    return {graph.outputs[j].path: state[k].tensor for j, k in pairs.items()}
 
 
 def plan_zero(
