@@ -14,7 +14,11 @@ compute are extra equations beside it), so each forward equation is found in the
 data flow: the first graph equation, not yet taken, of the same primitive whose operands are
 the tensors already matched to the forward equation's operands, and whose results have the
 same shapes and dtypes (constants and literals compared by position only; an equation of
-constants alone, such as a mask's ``iota``, also by its parameters). An equation not found
+constants alone, such as a mask's ``iota``, also by its parameters). What is computed from
+constants alone counts as a constant on both sides: ``jax.vjp`` may fold such an equation
+rather than bind it (a weak-typed literal's ``convert_element_type`` in
+``jnp.where(m, x, -jnp.inf)``), and waiting on its match left every value computed after it,
+through GPT's attention mask and MoE's routing, to XLA's choice. An equation not found
 (a scan, expanded into a region in the graph; a JVP rule that computes its primal otherwise)
 leaves its results, and whatever is computed from them, without a spec: the runtime then lets
 XLA choose there, as before.
@@ -58,8 +62,16 @@ def forward_value_specs(pp: PipelineProgram, piece: Piece, graph: OpGraph,
         operands = tuple(None if t in constant else t for t in node.inputs)
         outs = results(node.outputs, lambda t: graph.tensors[t])
         waiting.setdefault(key(node.primitive, operands, outs, node.params), []).append(node)
+        if all(o is None for o in operands):
+            constant.update(node.outputs)
     for i in piece.eqns:
         eqn = fwd.eqns[i]
+        if all(v in fwd_constant for v in eqn.inputs):
+            # computed from constants alone, it is one too: under ``jax.vjp`` such an
+            # equation may be folded into a constant rather than bound (a weak-typed
+            # literal's ``convert_element_type``, as in ``jnp.where(m, x, -jnp.inf)``), and
+            # a consumer must not wait on a match it may never get
+            fwd_constant.update(eqn.outputs)
         operands = []
         for v in eqn.inputs:
             if v in fwd_constant:
