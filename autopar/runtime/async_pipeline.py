@@ -44,6 +44,7 @@ from autopar.ir.schedules import Task, TaskKind
 from autopar.plan import Plan
 from autopar.runtime.pipeline import PipelineRunner, TaskRecord
 from autopar.runtime.pipeline_state import StepState, microbatch_mean
+from autopar.runtime.vjp_residuals import ResidualLayout
 
 
 @dataclass
@@ -77,6 +78,8 @@ class AsyncPipelineRunner(PipelineRunner):
 
     def __init__(self, *args: Any, **kwargs: Any):
         kwargs["fuse"] = False  # its driver streams calls and updates: never one program
+        # its gradients are applied per microbatch, from its own programs: no copies
+        kwargs["param_copies"] = False
         super().__init__(*args, **kwargs)
         p = self.schedule.num_stages
         if self.schedule.num_chunks != 1 or self.stage_of_piece != list(range(p)):
@@ -404,13 +407,13 @@ class _PiecePrograms:
     """A piece's jitted forward and backward for asynchronous schedules.
 
     ``forward(params, acts, nondiff) -> (outputs, other outputs, residuals)``: the residuals
-    of ``jax.vjp`` less the parameters themselves (which leaf of the vjp function each
-    parameter is, recorded when the forward is traced); ``backward(params, residuals, cots)``
-    puts the given parameters back and applies the vjp. ``replay(params, acts, nondiff,
-    cots)``: forward and vjp at once (the backward without stashing)."""
+    of ``jax.vjp`` less the parameters themselves (``runtime.vjp_residuals``);
+    ``backward(params, residuals, cots)`` puts the given parameters back and applies the
+    vjp. ``replay(params, acts, nondiff, cots)``: forward and vjp at once (the backward
+    without stashing)."""
 
     def __init__(self, pp: Any, t: Any):
-        self.layout: dict[str, Any] = {}  # filled by the forward's trace
+        layout = ResidualLayout()
 
         def run(diff_vals: list[Any], nondiff_vals: list[Any]) -> tuple[list[Any], list[Any]]:
             env = dict(zip(t.diff, diff_vals, strict=True))
@@ -421,17 +424,10 @@ class _PiecePrograms:
         def forward(params: list[Any], acts: list[Any], nondiff: list[Any]):
             outs, vjp_fn, others = jax.vjp(lambda d: run(d, nondiff), list(params) + list(acts),
                                            has_aux=True)
-            leaves, tree = jax.tree.flatten(vjp_fn)
-            where = {id(p): k for k, p in enumerate(params)}
-            slots = tuple(where.get(id(x), -1) for x in leaves)
-            self.layout["vjp"] = (tree, slots)
-            return outs, others, [x for x, k in zip(leaves, slots, strict=True) if k < 0]
+            return outs, others, layout.split(vjp_fn, params)
 
         def backward(params: list[Any], residuals: list[Any], cots: list[Any]) -> list[Any]:
-            tree, slots = self.layout["vjp"]
-            rest = iter(residuals)
-            leaves = [params[k] if k >= 0 else next(rest) for k in slots]
-            (grads,) = jax.tree.unflatten(tree, leaves)(cots)
+            (grads,) = layout.vjp(params, residuals)(cots)
             return grads
 
         def replay(params: list[Any], acts: list[Any], nondiff: list[Any], cots: list[Any]):

@@ -114,7 +114,7 @@ class FusedStep:
         def one_microbatch(carry: Any, xs: dict[int, Any]) -> tuple[Any, None]:
             accum, sums = carry
             # the step's own values (parameters, placements) are the enclosing program's
-            body = StepState(env=st.env, placed=dict(st.placed))
+            body = StepState(env=st.env, placed=dict(st.placed), copies=st.copies)
             body.acts = {(fid, 0): x for fid, x in xs.items()}
             body.accum = {p: list(a) for p, a in zip(pieces, accum, strict=True)}
             for task in tasks:

@@ -1,19 +1,16 @@
 """Run a pipelined train step: stage executables, the schedule's driver, transfers.
 
 Each piece (virtual stage) of the loss forward gets jitted tasks on its stage's devices
-(``runtime.pipeline_tasks``): F (forward; returns the activations and the ``jax.vjp`` function,
-whose leaves are the residuals the backward needs), B (backward to the piece's inputs, adding
-the parameters' gradients into an accumulator) and, for zero-bubble schedules, B and W split
-(input gradients first, weight gradients later). The driver walks the schedule's global order;
-values cross stages with ``jax.device_put`` to the receiving stage's sharding, straight from the
-producing stage to every consumer (a long skip connection is not relayed through the stages
-between). The step's other equations run as jitted segments on their home stages before and
-after the pipeline. A piece's first backward in a step makes its gradient accumulators (its
-gradients), later ones add into them, donated. One stage: the whole step traced into one program
-(``runtime.fused_step``; ``fuse=False`` runs it task by task), since nothing there waits on
-another stage.
+(``runtime.pipeline_tasks``: F, B, and for zero-bubble schedules B and W split). The driver
+walks the schedule's global order; values cross stages with ``jax.device_put`` to the
+receiving stage's sharding, straight from the producing stage to every consumer (a long skip
+connection is not relayed through the stages between). The step's other equations run as
+jitted segments on their home stages before and after the pipeline. A piece's first backward
+in a step makes its gradient accumulators, later ones add into them, donated; parameters read
+as copies (``runtime.param_copies``) have theirs reduced once, after the last. One stage: the
+whole step traced into one program (``runtime.fused_step``; ``fuse=False`` runs it task by
+task), since nothing there waits on another stage.
 """
-
 from __future__ import annotations
 
 import time
@@ -35,6 +32,7 @@ from autopar.ir.schedules import Schedule, TaskKind
 from autopar.plan import Plan
 from autopar.runtime.distributed import put
 from autopar.runtime.fused_step import FusedStep
+from autopar.runtime.param_copies import sum_copies
 from autopar.runtime.pipeline_state import StageDevices, StepState, microbatch_mean, shared_outputs
 from autopar.runtime.pipeline_tasks import PieceTasks, piece_tasks
 from autopar.runtime.program_calls import ProgramCall, TaskRecord, abstract_args
@@ -82,12 +80,11 @@ class PipelineRunner:
         # layer boundary) under jax.checkpoint: the backward keeps only layer inputs
         self.remat_layers = list(remat_layers)
         self.remat_stages = list(remat_stages) or [False] * len(stages)
-        # one program (``fuse``, one stage) reads the parameters its split batch meets as
-        # copies and reduces their gradients once, after the last microbatch
-        # (``runtime.param_copies``). Task by task, each forward program would return its
-        # copies among the backward's residuals: a copy of the parameters per microbatch in
-        # flight. One microbatch reduces once anyway.
-        self._read_copies = param_copies and fuse and len(self.meshes) == 1 and self.m > 1
+        # the pieces read the parameters their split batch meets as copies, made once per
+        # step, and the step reduces their gradients once, after the last microbatch
+        # (``runtime.param_copies``; the forwards' residuals leave the copies out,
+        # ``runtime.vjp_residuals``). One microbatch reduces once anyway.
+        self._read_copies = param_copies and self.m > 1
         self.tasks = [self._piece_tasks(p) for p in self.pieces]
         self.segment_fns = [jax.jit(self._segment_fn(s)) for s in self.segments]
         self.draw_fns = [jax.jit(draw_function(d)) for d in pp.draws]
@@ -118,8 +115,8 @@ class PipelineRunner:
                   fuse: bool = True, param_copies: bool = True) -> PipelineRunner:
         """The runner for a pipeshard ``Plan`` of ``pp`` on ``devices`` (indexed by the plan's
         device ids); ``fuse``: a one-stage plan's step as one program (the default);
-        ``param_copies``: that program reduces data-parallel gradients once per step (the
-        default; ``runtime.param_copies``)."""
+        ``param_copies``: data-parallel gradients reduced once per step (the default;
+        ``runtime.param_copies``), not in each microbatch's backward."""
         layout = plan.pipeline
         pieces = cut_pieces(pp.forward, list(layout.piece_positions))
         owner = list(layout.stage_of_piece)
@@ -333,41 +330,55 @@ class PipelineRunner:
         """Run one task of the schedule on the step's values ``st``; its outputs."""
         piece = task.piece(self.schedule.num_stages)
         t, i = self.tasks[piece], task.microbatch
+        params = self._params(st, t, i)
         if task.kind == TaskKind.F:
-            diff = [self._input(st, v, i, t.stage) for v in t.diff]
+            diff = params + [self._input(st, v, i, t.stage) for v in t.diff[len(t.params):]]
             nondiff = [self._input(st, v, i, t.stage) for v in t.nondiff]
-            outs, others, vjp_fn = self._call(st, f"F{piece}", t.stage, t.forward, diff, nondiff)
+            outs, others, res = self._call(st, f"F{piece}", t.stage, t.forward, diff, nondiff)
             for v, x in zip(t.float_outputs + t.other_outputs, outs + others, strict=True):
                 st.acts[(v, i)] = x
-            st.vjps[(piece, i)] = vjp_fn
+            st.residuals[(piece, i)] = res
             return outs
-        vjp_fn = st.vjps[(piece, i)]
+        res = st.residuals[(piece, i)]
         acc = st.accum.get(piece)
         if task.kind == TaskKind.W:  # the output cotangents its B task used
             cots = st.saved_cots.pop((piece, i))
             if acc is None:
                 st.accum[piece] = self._call(st, f"W{piece}", t.stage,
-                                             t.backward_weight_first, vjp_fn, cots)
+                                             t.backward_weight_first, params, res, cots)
             else:
                 st.accum[piece] = self._call(st, f"W{piece}", t.stage, t.backward_weight,
-                                             vjp_fn, cots, acc)
-            del st.vjps[(piece, i)]
+                                             params, res, cots, acc)
+            del st.residuals[(piece, i)]
             return st.accum[piece]
         cots = [self._cotangent(st, v, i, t.stage) for v in t.float_outputs]
         if self.schedule.splits_backward:
-            act_grads = self._call(st, f"Bi{piece}", t.stage, t.backward_input, vjp_fn, cots)
+            act_grads = self._call(st, f"Bi{piece}", t.stage, t.backward_input, params, res,
+                                   cots)
             st.saved_cots[(piece, i)] = cots
         elif acc is None:
             act_grads, st.accum[piece] = self._call(st, f"B{piece}", t.stage,
-                                                    t.backward_first, vjp_fn, cots)
-            del st.vjps[(piece, i)]
+                                                    t.backward_first, params, res, cots)
+            del st.residuals[(piece, i)]
         else:
             act_grads, st.accum[piece] = self._call(st, f"B{piece}", t.stage, t.backward,
-                                                    vjp_fn, cots, acc)
-            del st.vjps[(piece, i)]
+                                                    params, res, cots, acc)
+            del st.residuals[(piece, i)]
         for v, g in zip(t.diff[len(t.params) :], act_grads, strict=True):
             self._add_cotangent(st, v, i, g)
         return act_grads
+
+    def _params(self, st: StepState, t: PieceTasks, i: int) -> list[Any]:
+        """The parameters piece ``t`` reads, those it reads as copies replaced by them (made
+        once per step, by one program per piece)."""
+        values = [self._input(st, v, i, t.stage) for v in t.params]
+        copied, p = [k for k, v in enumerate(t.params) if v in t.copies.params], t.piece.index
+        if copied and p not in st.copies:
+            st.copies[p] = self._call(st, f"copies{p}", t.stage, t.make_copies,
+                                      [values[k] for k in copied])
+        for k, c in zip(copied, st.copies.get(p, ()), strict=True):
+            values[k] = c
+        return values
 
     def _producer_stage(self, vid: int) -> int:
         for p in self.pieces:
@@ -419,15 +430,19 @@ class PipelineRunner:
             # split by channel stay split): replicating each would gather it per microbatch
             parts = [self.place(st.acts[(fid, i)], stage, fid) for i in range(self.m)]
             st.env[out_id] = self._call(st, f"mean{k}", stage, microbatch_mean, parts)
+        grads = {(p, v): g for p, t in enumerate(self.tasks) if p in st.accum
+                 for v, g in zip(t.params, st.accum[p], strict=True)}
+        for p, t in enumerate(self.tasks):  # the groups' partial sums: the step's reduction
+            copied = [v for v in t.params if v in t.copies.params]
+            if copied and p in st.accum:
+                sums = self._call(st, f"reduce{p}", t.stage, sum_copies,
+                                  [grads[(p, v)] for v in copied])
+                grads.update(((p, v), g) for v, g in zip(copied, sums, strict=True))
         for fid, gid in self.pp.grad_outputs().items():
             stage = self.home[gid]
             total = None
             for p in self.consumers.get(fid, []):
-                t = self.tasks[p]
-                g = st.accum[p][t.params.index(fid)]
-                if fid in t.copies.params:  # the groups' partial sums: the step's reduction
-                    g = jnp.sum(g, axis=0)
-                g = self.place(g, stage, fid)
+                g = self.place(grads[(p, fid)], stage, fid)
                 total = g if total is None else total + g
             if total is None:
                 aval = self.pp.forward.avals[fid]

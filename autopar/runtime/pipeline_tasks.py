@@ -1,12 +1,15 @@
 """Each piece's jitted tasks for a pipelined step (``runtime.pipeline`` drives them).
 
 A piece (virtual stage) of the loss forward gets, on its stage's devices: F (forward; returns
-the activations and the ``jax.vjp`` function, whose leaves are the residuals the backward
-needs), B (backward to the piece's inputs, adding the parameters' gradients into an
-accumulator) and, for zero-bubble schedules, B and W split (input gradients first, weight
-gradients later); each backward also in a first-microbatch variant whose gradients become the
-accumulators. Kept apart from the driver: what a task computes is fixed when the runner is
-built, while the driver only decides when each runs and where its values go.
+the activations and the residuals the backward needs: the ``jax.vjp`` function's leaves less
+the parameters, ``runtime.vjp_residuals``), B (backward to the piece's inputs, from the
+parameters and the residuals, adding the parameters' gradients into an accumulator) and, for
+zero-bubble schedules, B and W split (input gradients first, weight gradients later); each
+backward also in a first-microbatch variant whose gradients become the accumulators. Where
+the piece reads parameters as copies (``runtime.param_copies``), ``make_copies`` makes them
+once per step, and the tasks take the copies in those parameters' places. Kept apart from the
+driver: what a task computes is fixed when the runner is built, while the driver only
+decides when each runs and where its values go.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from autopar.ir.remat_loss import layer_function
 from autopar.ir.scan_units import run_forward_eqns
 from autopar.runtime.param_copies import ParamCopies, plan_param_copies
 from autopar.runtime.shard import partition_spec
+from autopar.runtime.vjp_residuals import ResidualLayout
 
 
 @dataclass
@@ -45,6 +49,8 @@ class PieceTasks:
     # and added to)
     backward_first: Any = None
     backward_weight_first: Any = None
+    # the copies of the parameters read as copies, in ``params`` order: once per step
+    make_copies: Any = None
     # the parameters the forward reads as one copy per batch group (``runtime.param_copies``):
     # their gradients come out and accumulate as per-group partial sums, ``[G, ...]``
     copies: ParamCopies = field(default_factory=ParamCopies)
@@ -58,7 +64,8 @@ def piece_tasks(pp: PipelineProgram, piece: Piece, stage: int, mesh: Mesh,
     boundary when the stage is rematerialised (empty otherwise): each layer of the piece then
     runs under jax.checkpoint, and the backward keeps only layer inputs. ``read_copies``:
     the parameters whose gradients would be reduced over the batch's axes read as copies
-    (``runtime.param_copies``), their gradients left for the caller to reduce once per step
+    (``runtime.param_copies``; the caller makes them with ``make_copies`` and passes them in
+    those parameters' places), their gradients left for the caller to reduce once per step
     (a pipeline that is not rematerialised and has no layer scans)."""
     fwd = pp.forward
     roles = piece_roles(pp, piece)
@@ -103,36 +110,41 @@ def piece_tasks(pp: PipelineProgram, piece: Piece, stage: int, mesh: Mesh,
                              hold if held or copies.copies else None, copies.bind)
         return [env[v] for v in float_out], [env[v] for v in other_out]
 
-    def forward(diff_vals, nondiff_vals):
-        diff_vals = [copies.make(x, v, mesh, specs.get(v)) if v in copies.params else x
-                     for v, x in zip(diff, diff_vals, strict=True)]
-        outs, vjp_fn, others = jax.vjp(lambda d: run(d, nondiff_vals), diff_vals, has_aux=True)
-        return outs, others, vjp_fn
+    layout = ResidualLayout()
 
-    def backward(vjp_fn, cots, acc):
-        (grads,) = vjp_fn(cots)
+    def forward(diff_vals, nondiff_vals):
+        outs, vjp_fn, others = jax.vjp(lambda d: run(d, nondiff_vals), diff_vals, has_aux=True)
+        return outs, others, layout.split(vjp_fn, diff_vals[:n_params])
+
+    def grads_of(params, residuals, cots):
+        (grads,) = layout.vjp(params, residuals)(cots)
+        return grads
+
+    def backward(params, residuals, cots, acc):
+        grads = grads_of(params, residuals, cots)
         return grads[n_params:], [a + g for a, g in zip(acc, param_grads(grads), strict=True)]
 
-    def backward_input(vjp_fn, cots):
-        (grads,) = vjp_fn(cots)
-        return grads[n_params:]
+    def backward_input(params, residuals, cots):
+        return grads_of(params, residuals, cots)[n_params:]
 
-    def backward_weight(vjp_fn, cots, acc):
-        (grads,) = vjp_fn(cots)
+    def backward_weight(params, residuals, cots, acc):
+        grads = grads_of(params, residuals, cots)
         return [a + g for a, g in zip(acc, param_grads(grads), strict=True)]
 
-    def backward_first(vjp_fn, cots):
-        (grads,) = vjp_fn(cots)
+    def backward_first(params, residuals, cots):
+        grads = grads_of(params, residuals, cots)
         return grads[n_params:], param_grads(grads)
 
-    def backward_weight_first(vjp_fn, cots):
-        (grads,) = vjp_fn(cots)
-        return param_grads(grads)
+    def backward_weight_first(params, residuals, cots):
+        return param_grads(grads_of(params, residuals, cots))
 
+    copied = [v for v in params if v in copies.params]
+    t.make_copies = jax.jit(lambda values: [copies.make(x, v, mesh, specs.get(v))
+                                            for v, x in zip(copied, values, strict=True)])
     t.forward = jax.jit(forward)
-    t.backward = jax.jit(backward, donate_argnums=(2,))
+    t.backward = jax.jit(backward, donate_argnums=(3,))
     t.backward_input = jax.jit(backward_input)
-    t.backward_weight = jax.jit(backward_weight, donate_argnums=(2,))
+    t.backward_weight = jax.jit(backward_weight, donate_argnums=(3,))
     t.backward_first = jax.jit(backward_first)
     t.backward_weight_first = jax.jit(backward_weight_first)
     return t

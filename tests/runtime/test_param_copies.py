@@ -1,17 +1,22 @@
-"""Parameters read as one copy per batch group (``runtime.param_copies``): a one-stage
-pipeline whose plan splits the batch reduces each gradient once per step, as its plan prices
-it, not once per microbatch, and still gives the serial step's numbers."""
+"""Parameters read as one copy per batch group (``runtime.param_copies``): a pipeline whose
+stage plans split the batch (one stage as one program or task by task, or several stages)
+reduces each gradient once per step, as its plan prices it, not once per microbatch, and
+still gives the serial step's numbers; its forwards' residuals leave the parameters out."""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
+import pytest
 from serial_reference import assert_runner_matches_serial
 
 import autopar
 from autopar.api import local_cluster
 from autopar.compiler.planners.pipeshard import plan_pipeshard
 from autopar.ir.pipeline_program import build_pipeline_program
+from autopar.ir.schedules import TaskKind
 from autopar.models import get_model
 from autopar.runtime.pipeline import PipelineRunner
 from autopar.runtime.pipeline_hlo import step_collectives
@@ -20,36 +25,70 @@ M = 4
 STEPS = 2
 
 
-def test_a_one_stage_pipeline_reduces_data_parallel_gradients_once_per_step():
-    # a batch of 64 sequences on 2 devices: the stage plan splits the batch (data parallel)
-    model = get_model("gpt", "tiny", batch_size=64, num_layers=2).with_value_and_grad(
-        autopar.value_and_grad)
-    devices = jax.devices()[:2]
+@pytest.mark.parametrize("name, sizes, stages, fuse", [
+    ("gpt", {"batch_size": 64, "num_layers": 2}, 1, True),
+    ("gpt", {"batch_size": 64, "num_layers": 2}, 1, False),
+    ("mlp", {"batch_size": 2048, "num_layers": 4}, 2, False),
+], ids=["one-stage-one-program", "one-stage-task-by-task", "two-stages"])
+def test_a_pipeline_reduces_data_parallel_gradients_once_per_step(name, sizes, stages, fuse):
+    # batches large enough that each 2-device stage plan splits them (data parallel)
+    model = get_model(name, "tiny", **sizes).with_value_and_grad(autopar.value_and_grad)
+    devices = jax.devices()[:2 * stages]
     state, batch = model.init_state(jax.random.key(0)), model.make_batch(jax.random.key(10))
-    method = autopar.PipeshardParallel(num_microbatches=M, num_stages=1, stages="uniform",
-                                       layers=2)
+    method = autopar.PipeshardParallel(num_microbatches=M, num_stages=stages,
+                                       stages="uniform", layers=sizes["num_layers"])
     pp = build_pipeline_program(model.train_step, (state, batch), (1,), M)
     plan = plan_pipeshard(pp, method, local_cluster(devices))
-    (stage,) = plan.stages
-    runner = PipelineRunner.from_plan(pp, plan, devices)
-    (tasks,) = runner.tasks
+    assert [s.logical_mesh_shape for s in plan.stages] == [(2,)] * stages
+    runner = PipelineRunner.from_plan(pp, plan, devices, fuse=fuse)
     # every parameter meets the split batch, so every one is read as copies
-    assert set(tasks.copies.params) == set(tasks.params)
-    assert all(axes == ("x",) for axes in tasks.copies.params.values())
+    for tasks in runner.tasks:
+        assert set(tasks.copies.params) == set(tasks.params)
+        assert all(axes == ("x",) for axes in tasks.copies.params.values())
 
     flat = jax.tree_util.tree_leaves((state, batch))
     param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(
         state["params"]))
     once = step_collectives(runner, flat).by_kind()["all-reduce"]["bytes"]
     # the gradients once (and the loss's scalars); reduced per microbatch (copies off:
-    # ``PipelineRunner(..., param_copies=False)``) they were 4.6x the parameter bytes
+    # ``PipelineRunner(..., param_copies=False)``) they were 4x-4.6x the parameter bytes
     assert param_bytes <= once <= param_bytes + 64
-    # the plan prices one reduction per step (its tied embedding's two gradient makers each
-    # once: a little above what XLA emits once they are added before the reduction)
-    predicted = sum(c.nbytes for c in stage.collectives if c.kind.value == "all-reduce")
+    # the plan prices one reduction per step (GPT's tied embedding's two gradient makers
+    # each once: a little above what XLA emits once they are added before the reduction)
+    predicted = sum(c.nbytes for s in plan.stages for c in s.collectives
+                    if c.kind.value == "all-reduce")
     assert param_bytes <= predicted <= 1.25 * once
 
     assert_runner_matches_serial(runner, pp.outer.out_tree, model, STEPS)
+
+
+def test_a_forwards_residuals_leave_its_parameters_out():
+    """A microbatch in flight holds its activations, not another copy of its piece's
+    parameters (``runtime.vjp_residuals``): jax.jit copies an input it returns."""
+    from tanh_mlp import tanh_mlp_step
+
+    opt = optax.sgd(0.1)
+    width = 256
+    params = [jax.random.normal(jax.random.key(k), (width, width)) / 16 for k in range(2)]
+    state = {"params": params, "opt": opt.init(params)}
+    batch = {"x": jnp.ones((8, width)), "y": jnp.zeros((8, width))}
+    step = tanh_mlp_step(opt)
+    devices = jax.devices()[:2]
+    method = autopar.PipeshardParallel(num_microbatches=2, num_stages=2, stages="uniform",
+                                       layers=2)
+    pp = build_pipeline_program(step, (state, batch), (1,), 2)
+    runner = PipelineRunner.from_plan(pp, plan_pipeshard(pp, method, local_cluster(devices)),
+                                      devices)
+    st = runner.new_state(jax.tree_util.tree_leaves((state, batch)))
+    runner.begin_step(st)
+    forwards = [t for t in runner.schedule.global_order() if t.kind == TaskKind.F]
+    for task in forwards:
+        runner.run_task(st, task)
+    assert len(st.residuals) == len(forwards) == 4
+    weight_bytes = width * width * 4
+    for key, residuals in st.residuals.items():
+        held = sum(x.size * x.dtype.itemsize for x in residuals)
+        assert held < weight_bytes / 4, (key, [x.shape for x in residuals])
 
 
 def test_each_reader_of_copies_runs_per_group_with_the_plain_values_and_gradients():

@@ -78,7 +78,7 @@ class MeasuredRunner(PipelineRunner):
         self.compiled: dict[tuple[int, str], Any] = {}
         self.peak = [0.0] * len(self.meshes)  # bytes per device, per stage
         self.peak_task: list[dict] = [{} for _ in self.meshes]
-        self.residual_sets = [0] * len(self.meshes)  # most (microbatch, piece) vjps alive
+        self.residual_sets = [0] * len(self.meshes)  # most (microbatch, piece) residual sets alive
         self.open: dict[int, set[tuple[int, int]]] = collections.defaultdict(set)
         self.frees = TaskKind.W if self.schedule.splits_backward else TaskKind.B
         self.devices = [{d.id for d in mesh.devices.flat} for mesh in self.meshes]
@@ -117,7 +117,8 @@ class MeasuredRunner(PipelineRunner):
         trees = [
             list(st.placed.values()),
             [acc for piece, acc in st.accum.items() if piece in mine],
-            [vjp for (piece, _), vjp in st.vjps.items() if piece in mine],
+            [res for (piece, _), res in st.residuals.items() if piece in mine],
+            [copies for piece, copies in st.copies.items() if piece in mine],
             [cots for (piece, _), cots in st.saved_cots.items() if piece in mine],
             list(st.cots.values()),
             # forward outputs of in-flight microbatches (not the user's batch slices, which
@@ -139,7 +140,7 @@ class MeasuredRunner(PipelineRunner):
             self.open[task.stage].add((task.microbatch, task.chunk))
         elif task.kind is self.frees:
             self.open[task.stage].discard((task.microbatch, task.chunk))
-        sets = sum(1 for piece, _ in st.vjps if self.tasks[piece].stage == task.stage)
+        sets = sum(1 for piece, _ in st.residuals if self.tasks[piece].stage == task.stage)
         self.residual_sets[task.stage] = max(self.residual_sets[task.stage], sets)
         return out
 
