@@ -11,6 +11,7 @@ as copies (``runtime.param_copies``) have theirs reduced once, after the last. O
 whole step traced into one program (``runtime.fused_step``; ``fuse=False`` runs it task by
 task), since nothing there waits on another stage.
 """
+
 from __future__ import annotations
 
 import time
@@ -80,10 +81,9 @@ class PipelineRunner:
         # layer boundary) under jax.checkpoint: the backward keeps only layer inputs
         self.remat_layers = list(remat_layers)
         self.remat_stages = list(remat_stages) or [False] * len(stages)
-        # the pieces read the parameters their split batch meets as copies, made once per
-        # step, and the step reduces their gradients once, after the last microbatch
-        # (``runtime.param_copies``; the forwards' residuals leave the copies out,
-        # ``runtime.vjp_residuals``). One microbatch reduces once anyway.
+        # the parameters the split batch meets read as copies made once per step, their
+        # gradients reduced once, after the last microbatch (``runtime.param_copies``);
+        # one microbatch reduces once anyway
         self._read_copies = param_copies and self.m > 1
         self.tasks = [self._piece_tasks(p) for p in self.pieces]
         self.segment_fns = [jax.jit(self._segment_fn(s)) for s in self.segments]
