@@ -39,7 +39,6 @@ class StepState:
     copies: dict[int, list[Any]] = field(default_factory=dict)
     saved_cots: dict[tuple[int, int], list[Any]] = field(default_factory=dict)
     accum: dict[int, list[Any] | None] = field(default_factory=dict)
-    loss_parts: dict[int, list[Any]] = field(default_factory=dict)
     # when given, every program the step runs is logged here (``runtime.pipeline_hlo``)
     calls: list[ProgramCall] | None = None
 

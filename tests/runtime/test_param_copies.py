@@ -10,14 +10,19 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import Mesh
 from serial_reference import assert_runner_matches_serial
+from tanh_mlp import tanh_mlp_step
 
 import autopar
 from autopar.api import local_cluster
 from autopar.compiler.planners.pipeshard import plan_pipeshard
+from autopar.ir.flatten import flatten_closed_jaxpr
 from autopar.ir.pipeline_program import build_pipeline_program
 from autopar.ir.schedules import TaskKind
 from autopar.models import get_model
+from autopar.plan import ShardingSpec
+from autopar.runtime.param_copies import plan_param_copies
 from autopar.runtime.pipeline import PipelineRunner
 from autopar.runtime.pipeline_hlo import step_collectives
 
@@ -65,8 +70,6 @@ def test_a_pipeline_reduces_data_parallel_gradients_once_per_step(name, sizes, s
 def test_a_forwards_residuals_leave_its_parameters_out():
     """A microbatch in flight holds its activations, not another copy of its piece's
     parameters (``runtime.vjp_residuals``): jax.jit copies an input it returns."""
-    from tanh_mlp import tanh_mlp_step
-
     opt = optax.sgd(0.1)
     width = 256
     params = [jax.random.normal(jax.random.key(k), (width, width)) / 16 for k in range(2)]
@@ -96,11 +99,6 @@ def test_each_reader_of_copies_runs_per_group_with_the_plain_values_and_gradient
     an elementwise scale, an embedding's gather, a convolution) gives the plain function's
     value, and the copies' gradients summed over the groups give its gradients; a parameter
     read by an equation no rule takes (a concatenation with the batch) stays as it is."""
-    import jax.numpy as jnp
-    from jax.sharding import Mesh
-
-    from autopar.ir.flatten import flatten_closed_jaxpr
-    from autopar.runtime.param_copies import plan_param_copies
 
     def f(w, b, scale, table, kernel, pos, x, ids, images):
         h = jnp.tanh(x @ w + b) * scale + jnp.broadcast_to(b, (x.shape[0], b.shape[0]))
@@ -151,11 +149,6 @@ def test_a_parameter_whose_readers_split_the_batch_differently_stays_as_it_is():
     """Copies split over one set of axes: a parameter read where the plan splits the batch
     over ``x`` and again where it splits it over ``y`` has no such set, and stays; one read
     only where the batch is split over ``x`` becomes copies over ``x``."""
-    import jax.numpy as jnp
-
-    from autopar.ir.flatten import flatten_closed_jaxpr
-    from autopar.plan import ShardingSpec
-    from autopar.runtime.param_copies import plan_param_copies
 
     def f(shared, alone, over_x, over_y):
         return jnp.sum(over_x @ shared) + jnp.sum(over_y @ shared) + jnp.sum(over_x @ alone)
