@@ -2,7 +2,9 @@
 
 ``get_model(name, size)`` returns a :class:`~autopar.models.base.ZooModel` whose ``train_step``
 is a plain ``(state, batch) -> (new_state, loss)`` function. Families: ``mlp``, ``gpt``, ``moe``
-(GShard top-2), ``wresnet``; sizes are ``tiny`` (for tests) and the Alpa benchmark sizes.
+(GShard top-2), ``wresnet``, ``llama`` (Llama 3: RMSNorm, grouped-query attention with RoPE,
+SwiGLU); sizes are ``tiny`` (for tests) and the Alpa benchmark sizes (for ``llama`` the Llama 3
+8B, 70B and 405B shapes).
 """
 
 from __future__ import annotations
@@ -11,16 +13,17 @@ import dataclasses
 from typing import Any
 
 from autopar.errors import InvalidOptionError, choices_text
-from autopar.models import gpt, mlp, moe, wide_resnet
+from autopar.models import gpt, llama, mlp, moe, wide_resnet
 from autopar.models.base import ModelFamily, ZooModel
 
-MODEL_NAMES: tuple[str, ...] = ("mlp", "gpt", "moe", "wresnet")
+MODEL_NAMES: tuple[str, ...] = ("mlp", "gpt", "moe", "wresnet", "llama")
 
 _REGISTRY: dict[str, tuple[ModelFamily, dict[str, Any]]] = {
     "mlp": (mlp.FAMILY, mlp.SIZES),
     "gpt": (gpt.FAMILY, gpt.SIZES),
     "moe": (moe.FAMILY, moe.SIZES),
     "wresnet": (wide_resnet.FAMILY, wide_resnet.SIZES),
+    "llama": (llama.FAMILY, llama.SIZES),
 }
 
 

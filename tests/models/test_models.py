@@ -218,7 +218,7 @@ def test_big_models_trace_abstractly():
 
 # -- options and errors ---------------------------------------------------------------------------
 def test_sizes_and_overrides():
-    assert MODEL_NAMES == ("mlp", "gpt", "moe", "wresnet")
+    assert MODEL_NAMES == ("mlp", "gpt", "moe", "wresnet", "llama")
     for name in MODEL_NAMES:
         assert model_sizes(name)[0] == "tiny"
     assert set(model_sizes("gpt")) >= {"350M", "1.3B", "2.6B", "6.7B", "15B", "39B"}

@@ -9,12 +9,14 @@ in ``mip.py``). The ``--dump-ilp`` JSON format is described in docs/ilp-format.m
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Sequence
 
 import numpy as np
 
+from autopar.compiler.intra_op.dual_bound import DualBound, reduced_objective, tighten
 from autopar.compiler.intra_op.mip import (
     MIP_REL_GAP,
     build_mip,
@@ -23,12 +25,14 @@ from autopar.compiler.intra_op.mip import (
     run_mip,
     solver_name,
 )
-from autopar.compiler.intra_op.presolve import complete_choices, local_search
+from autopar.compiler.intra_op.presolve import ReducedProblem, complete_choices, local_search
 from autopar.compiler.intra_op.presolve import presolve as reduce_problem
 from autopar.compiler.intra_op.problem import (
     InfeasibleMemoryError,
     IntraOpProblem,
     IntraOpSolution,
+    ProblemEdge,
+    ProblemNode,
 )
 from autopar.errors import AutoparError, InvalidOptionError
 from autopar.methods import Solver
@@ -44,6 +48,11 @@ LP_ROUNDING_MIN_GAP = 1e-4
 SOLUTION_STATUS = {"optimal": "optimal", "feasible": "time_limit", "none": "no_solution",
                    "error": "solver_error"}
 WARM_START = True  # hand the greedy plan to the solver (a switch for measurements)
+# Problems whose edges would pair more strategies than this are first bounded by dual ascent
+# (``dual_bound``): past it the MIP's LP alone takes HiGHS seconds to minutes.
+DUAL_BOUND_MIN_PAIRS = 20_000
+# The share of the time limit dual ascent may spend before the MIP gets what it left.
+DUAL_BOUND_TIME_SHARE = 0.5
 
 
 # ---------------------------------------------------------------- evaluation ----------------
@@ -129,7 +138,8 @@ def brute_force(problem: IntraOpProblem) -> tuple[list[int], float]:
 
 
 def solve(problem: IntraOpProblem, *, solver: str = "auto", time_limit_s: float = 30.0,
-          presolve: bool = True, relative_gap: float = MIP_REL_GAP) -> IntraOpSolution:
+          presolve: bool = True, relative_gap: float = MIP_REL_GAP,
+          start: Sequence[int] | None = None, dual_bound: bool = True) -> IntraOpSolution:
     """Cheapest choices within the memory budget.
 
     The solver gets what is left of ``time_limit_s`` after presolve and model building (at least
@@ -139,6 +149,12 @@ def solve(problem: IntraOpProblem, *, solver: str = "auto", time_limit_s: float 
     when it failed, the greedy plan with "solver_error" (``SOLUTION_STATUS``). Raises
     ``InfeasibleMemoryError`` when no plan fits the budget.
     ``presolve=False`` keeps every node in the MIP (for tests and measurements).
+    ``start``: a plan (a strategy per node) the answer must not be worse than, handed to the
+    solver as its warm start when it is the best known.
+    ``dual_bound``: a problem whose edges pair more than ``DUAL_BOUND_MIN_PAIRS`` strategies is
+    first bounded by dual ascent (``dual_bound.tighten``): solved when its plan is within
+    ``relative_gap`` of its bound, else the strategies no optimal plan takes are dropped and the
+    MIP solves what is left (exact). False skips that (for tests and measurements).
     ``relative_gap``: the solver stops once its incumbent is within this fraction of its bound
     (default 1e-9: optimal up to solver tolerances; a looser gap "optimal" means within it).
     """
@@ -158,14 +174,18 @@ def solve(problem: IntraOpProblem, *, solver: str = "auto", time_limit_s: float 
         choices = complete_choices(r, n, {})
         return IntraOpSolution(choices, evaluate(problem, choices), "optimal", True, 0.0,
                                "presolve", 0, 0, time.perf_counter() - t0, 0.0)
+    if dual_bound and presolve and _pair_count(r) > DUAL_BOUND_MIN_PAIRS:
+        return _solve_bounded(problem, r, solver=name, time_limit_s=time_limit_s,
+                              relative_gap=relative_gap, started=t0, start=start)
     if name == Solver.AUTO:
         name = resolve_auto()
     # Greedy plans from the cheapest and from the least-memory choices (the latter always fits:
     # the budget was checked): the solver's warm start, and the answer if it finds no better.
     cheap = {u: int(np.argmin(c)) for u, c in r.cost.items()}
     lean = {**cheap, **{u: int(np.argmin(d)) for terms, _ in r.rows for u, d in terms}}
-    greedy = [g for g in (local_search(r, cheap), local_search(r, lean) if r.rows else None)
-              if g is not None]
+    given = None if start is None else local_search(r, {u: int(start[u]) for u in r.cost})
+    greedy = [g for g in (local_search(r, cheap), local_search(r, lean) if r.rows else None,
+                          given) if g is not None]
     plans = [complete_choices(r, n, g) for g in greedy]
     best = min(range(len(plans)), key=lambda i: evaluate(problem, plans[i]))
     model = build_mip(r, greedy[best] if WARM_START else None)
@@ -202,3 +222,75 @@ def solve(problem: IntraOpProblem, *, solver: str = "auto", time_limit_s: float 
         choices, objective, SOLUTION_STATUS[result.status], optimal, gap, name,
         model.num_columns, model.num_rows, t1 - t0, t2 - t1, len(r.cost),
         sum(len(a) for a in r.adj.values()) // 2)
+
+
+# ---------------------------------------------------------------- large problems -----------
+
+def _pair_count(r: ReducedProblem) -> int:
+    """Pair variables the MIP's edges would have before grouping equal rows and columns."""
+    return sum(len(r.cost[u]) * len(r.cost[w]) for u, nbrs in r.adj.items() for w in nbrs
+               if w > u)
+
+
+def restrict(problem: IntraOpProblem,
+             keep: dict[int, np.ndarray]) -> tuple[IntraOpProblem, list[np.ndarray]]:
+    """``problem`` with node u's strategies cut to ``keep[u]`` (ascending indices; every
+    strategy of a node not in ``keep``), and per node the original index of each strategy
+    left."""
+    kept = [np.asarray(keep[u]) if u in keep else np.arange(len(nd.costs))
+            for u, nd in enumerate(problem.nodes)]
+    nodes = [ProblemNode(nd.name, [nd.costs[i] for i in s], [nd.strategy_names[i] for i in s],
+                         None if nd.memory is None else [nd.memory[i] for i in s], nd.follow_note)
+             for nd, s in zip(problem.nodes, kept, strict=True)]
+    edges = [ProblemEdge(e.src, e.dst,
+                         np.asarray(e.costs, float)[np.ix_(kept[e.src], kept[e.dst])].tolist(),
+                         e.note) for e in problem.edges]
+    return IntraOpProblem(nodes, edges, problem.memory_budget, problem.live_sets), kept
+
+
+def _bound_seed(r: ReducedProblem, start: Sequence[int] | None) -> dict[int, int] | None:
+    """The best greedy plan to start dual ascent from: from the cheapest choices, from the
+    least-memory ones where memory rows exist, and from ``start``."""
+    cheap = {u: int(np.argmin(c)) for u, c in r.cost.items()}
+    seeds = [cheap]
+    if r.rows:
+        seeds.append({**cheap, **{u: int(np.argmin(d)) for terms, _ in r.rows for u, d in terms}})
+    if start is not None:
+        seeds.append({u: int(start[u]) for u in r.cost})
+    plans = [p for p in (local_search(r, s) for s in seeds) if p is not None]
+    return min(plans, key=lambda p: reduced_objective(r, p)) if plans else None
+
+
+def _solve_bounded(problem: IntraOpProblem, r: ReducedProblem, *, solver: str,
+                   time_limit_s: float, relative_gap: float, started: float,
+                   start: Sequence[int] | None) -> IntraOpSolution:
+    """``solve`` for large problems: dual ascent first (``DUAL_BOUND_TIME_SHARE`` of the time
+    limit at most); its plan when within ``relative_gap`` of its bound, else the MIP on the
+    strategies the bound leaves (the optimum is among them), warm-started with that plan."""
+    n = len(problem.nodes)
+    edges = sum(len(a) for a in r.adj.values()) // 2
+    bound: DualBound = tighten(r, relative_gap=relative_gap,
+                               deadline=started + DUAL_BOUND_TIME_SHARE * time_limit_s,
+                               start=_bound_seed(r, start))
+    if bound.plan is not None and bound.gap() <= relative_gap:
+        choices = complete_choices(r, n, bound.plan)
+        return IntraOpSolution(choices, evaluate(problem, choices), "optimal", True, bound.gap(),
+                               "dual-ascent", 0, 0, time.perf_counter() - started, 0.0,
+                               len(r.cost), edges)
+    restricted, kept = restrict(problem, bound.keep)
+    sub_start = None
+    if bound.plan is not None:
+        full = complete_choices(r, n, bound.plan)
+        sub_start = [int(np.searchsorted(kept[u], full[u])) for u in range(n)]
+    remaining = max(time_limit_s - (time.perf_counter() - started), 0.05)
+    sub = solve(restricted, solver=solver, time_limit_s=remaining, relative_gap=relative_gap,
+                start=sub_start, dual_bound=False)
+    choices = [int(kept[u][c]) for u, c in enumerate(sub.choices)]
+    value = evaluate(problem, choices)
+    gap = sub.gap
+    if not sub.proven_optimal and value:  # the dual bound holds for the whole problem
+        dual_gap = max(0.0, value - bound.lower) / abs(value)
+        gap = dual_gap if gap is None else min(gap, dual_gap)
+    return dataclasses.replace(
+        sub, choices=choices, objective=value, gap=gap, solver=f"dual-ascent+{sub.solver}",
+        build_time_s=time.perf_counter() - started - sub.solve_time_s)

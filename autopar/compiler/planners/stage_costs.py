@@ -51,14 +51,19 @@ def range_piece(pp: PipelineProgram, positions: Sequence[int], start: int, end: 
 
 
 def logical_shapes(submesh: SubmeshShape) -> list[tuple[int, ...]]:
-    """Logical meshes tried on a submesh: one axis over all its devices, and a 2-D one: hosts x
-    devices per host across hosts (the slow links on one axis), 2 x n/2 inside a host."""
+    """Logical meshes tried on a submesh: one axis over all its devices, then the 2-D ones
+    ``(n / t, t)`` whose second axis (the one the ILP can give the model, as a data x tensor
+    expert plan does) stays inside a host: ``t`` from 2 up to the devices per host, largest
+    first, each a divisor of the submesh. A tensor degree beyond one host cannot win: its
+    collectives would cross the slow links that the first axis's data parallelism crosses
+    once per step."""
     n = submesh.num_devices
     shapes: list[tuple[int, ...]] = [(n,)]
-    if submesh.num_hosts > 1:
-        shapes.append((submesh.num_hosts, submesh.devices_per_host))
-    elif n >= 4:
-        shapes.append((2, n // 2))
+    t = min(submesh.devices_per_host, n // 2)
+    while t >= 2:
+        if n % t == 0 and submesh.devices_per_host % t == 0:
+            shapes.append((n // t, t))
+        t //= 2
     return shapes
 
 

@@ -114,5 +114,5 @@ def test_console_script_sets_devices_before_jax_starts(tmp_path):
     )
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines() == [
-        "autopar: error: unknown model 'nope'; valid models: mlp, gpt, moe, wresnet"
+        "autopar: error: unknown model 'nope'; valid models: mlp, gpt, moe, wresnet, llama"
     ]

@@ -1,0 +1,103 @@
+"""Dual ascent on the sharding ILP (``dual_bound``): a valid lower bound, exact pruning, and the
+same optimum as the MIP alone, on problems where brute force or the plain MIP knows it."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import pytest
+from ilp_problems import random_problem, spec_problem
+
+from autopar.compiler.intra_op import ilp
+from autopar.compiler.intra_op.dual_bound import reduced_objective, tighten
+from autopar.compiler.intra_op.ilp import brute_force, evaluate, peak_memory, restrict, solve
+from autopar.compiler.intra_op.presolve import complete_choices
+from autopar.compiler.intra_op.presolve import presolve as reduce_problem
+
+
+def assert_same(a: float, b: float) -> None:
+    assert abs(a - b) <= 1e-9 * max(1.0, abs(b)), (a, b)
+
+
+def tight_budget(problem) -> None:
+    best, _ = brute_force(problem)
+    problem.memory_budget = peak_memory(problem, best) * 0.9 + 0.1 * min(
+        peak_memory(problem, [int(np.argmin(nd.memory)) for nd in problem.nodes]), 1e18)
+
+
+def test_bound_is_below_the_optimum_and_keeps_every_optimal_strategy() -> None:
+    pruned = 0
+    for seed in range(24):
+        problem = random_problem(seed, n=8, kmin=2, kmax=5, p_edge=0.6)
+        want_choices, want = brute_force(problem)
+        r = reduce_problem(problem, False)  # every node free: the bound alone must hold
+        bound = tighten(r, relative_gap=0.0, deadline=time.perf_counter() + 10, max_sweeps=40)
+        assert bound.lower <= want + 1e-9 * max(1.0, abs(want))
+        assert bound.upper >= want - 1e-9 * max(1.0, abs(want))
+        assert_same(reduced_objective(r, bound.plan),
+                    evaluate(problem, complete_choices(r, len(problem.nodes), bound.plan)))
+        for u, kept in bound.keep.items():
+            assert want_choices[u] in kept  # the optimum survives the pruning
+            pruned += len(problem.nodes[u].costs) - len(kept)
+    assert pruned > 0  # the bound rules strategies out, not only certifies
+
+
+@pytest.mark.parametrize("solver", ["highs", "cbc"])
+def test_solve_through_the_bound_matches_brute_force(monkeypatch, solver: str) -> None:
+    monkeypatch.setattr(ilp, "DUAL_BOUND_MIN_PAIRS", 0)  # every problem takes the bounded path
+    for seed in range(16):
+        problem = random_problem(seed, n=7, kmin=2, kmax=4, p_edge=0.6, memory=seed % 2 == 1)
+        if problem.live_sets:
+            tight_budget(problem)
+        _, want = brute_force(problem)
+        got = solve(problem, solver=solver)
+        assert got.solver.startswith("dual-ascent") or got.solver in ("presolve", "trivial")
+        assert_same(got.objective, want)
+        assert got.proven_optimal and got.gap is not None and got.gap <= 1e-9
+        if problem.memory_budget is not None:
+            assert peak_memory(problem, got.choices) <= problem.memory_budget * (1 + 1e-9)
+
+
+def test_large_problems_take_the_bound_and_agree_with_the_mip() -> None:
+    # spec-shaped problems (resharding metric between specs) too big for brute force: the
+    # bounded path and the MIP alone reach the same optimum
+    for seed in (1, 2):
+        problem = spec_problem(seed, 160, 8)
+        r = reduce_problem(problem, True)
+        assert ilp._pair_count(r) > 0
+        plain = solve(problem, solver="highs", dual_bound=False)
+        old = ilp.DUAL_BOUND_MIN_PAIRS
+        try:
+            ilp.DUAL_BOUND_MIN_PAIRS = 0
+            bounded = solve(problem, solver="highs")
+        finally:
+            ilp.DUAL_BOUND_MIN_PAIRS = old
+        assert bounded.solver.startswith("dual-ascent")
+        assert plain.proven_optimal and bounded.proven_optimal
+        assert_same(bounded.objective, plain.objective)
+
+
+def test_restrict_keeps_costs_edges_and_maps_back() -> None:
+    problem = random_problem(3, n=6, kmin=3, kmax=4, p_edge=0.7, memory=True)
+    keep = {0: np.array([0, 2]), 3: np.array([1])}
+    small, kept = restrict(problem, keep)
+    assert [len(nd.costs) for nd in small.nodes] == [len(k) for k in kept]
+    assert list(kept[0]) == [0, 2] and list(kept[3]) == [1]
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        choices = [int(rng.integers(len(k))) for k in kept]
+        original = [int(kept[u][c]) for u, c in enumerate(choices)]
+        assert_same(evaluate(small, choices), evaluate(problem, original))
+        assert peak_memory(small, choices) == peak_memory(problem, original)
+
+
+def test_no_plan_within_the_rows_keeps_everything() -> None:
+    # with no plan that fits (an impossible start, no decoded plan kept), nothing is pruned
+    problem = random_problem(5, n=6, kmin=2, kmax=3, p_edge=0.6)
+    r = reduce_problem(problem, False)
+    r.rows = [([(u, np.ones(len(c)))], -1.0) for u, c in list(r.cost.items())[:1]]
+    bound = tighten(r, relative_gap=0.0, deadline=time.perf_counter() + 5, max_sweeps=10)
+    assert bound.plan is None and math.isinf(bound.upper) and math.isinf(bound.gap())
+    assert all(len(k) == len(r.cost[u]) for u, k in bound.keep.items())
