@@ -20,6 +20,7 @@ from autopar.methods import (
     ShardParallel,
     Zero2Parallel,
     Zero3Parallel,
+    pinned,
 )
 from autopar.plan import Plan, ShardingSpec, StagePlan
 from autopar.runtime import distributed
@@ -50,5 +51,6 @@ __all__ = [
     "grad",
     "mark_pipeline_boundary",
     "parallelize",
+    "pinned",
     "value_and_grad",
 ]

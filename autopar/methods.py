@@ -184,6 +184,9 @@ class PipeshardParallel:
     data-parallel over equal groups of hosts; such a plan is planned for a described cluster,
     the runtime does not run it yet) or ``"none"`` (one pipeline over every device).
     ``autopar.parallelize`` plans for the local devices with ``"none"``.
+    ``stage_mesh_shape``: every stage's logical mesh (``(data, tensor)``, or one axis); None
+    (default): the search tries one axis and every 2-D mesh whose second axis stays inside a
+    host, per stage.
     """
 
     num_microbatches: int = 4
@@ -198,6 +201,7 @@ class PipeshardParallel:
     remat: str = "none"
     replicas: str = "auto"
     allow_async: bool = False
+    stage_mesh_shape: tuple[int, ...] | None = None
 
     name = MethodName.PIPESHARD
 
@@ -239,6 +243,13 @@ class PipeshardParallel:
             raise InvalidOptionError(
                 f"memory_budget_bytes must be positive, got {self.memory_budget_bytes}"
             )
+        if self.stage_mesh_shape is not None:
+            shape = tuple(self.stage_mesh_shape)
+            if not 1 <= len(shape) <= 2 or any(
+                    not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in shape):
+                raise InvalidOptionError(f"stage_mesh_shape must be one or two positive "
+                                         f"integers, got {self.stage_mesh_shape!r}")
+            object.__setattr__(self, "stage_mesh_shape", shape)
 
 
 AUTO_CANDIDATES: tuple[str, ...] = ("data", "shard", "zero2", "zero3", "pipeshard")
@@ -263,6 +274,10 @@ class AutoParallel:
     ``remat``: ``"auto"`` (default: each candidate is rematerialised only where it would not
     fit otherwise), ``"none"`` or ``"layers"``. ``replicas``: the pipelined candidates'
     (see ``PipeshardParallel``).
+    ``time_budget_s``: planning seconds the search may spend (None: no limit). The candidates
+    are planned in order (the one-stage methods, then the pipelines); each ILP's limit is cut
+    to what is left, and once the budget is spent the rest are skipped: the best plan found
+    is kept and its notes and planning record name what was skipped.
     """
 
     candidates: tuple[str, ...] = AUTO_CANDIDATES
@@ -275,6 +290,7 @@ class AutoParallel:
     time_limit_s: float = 30.0
     remat: str = "auto"
     replicas: str = "auto"
+    time_budget_s: float | None = None
 
     name = "auto"
 
@@ -288,6 +304,8 @@ class AutoParallel:
         check_remat(self.remat)
         check_solver(self.solver)
         check_replicas(self.replicas)
+        if self.time_budget_s is not None and not self.time_budget_s > 0:
+            raise InvalidOptionError(f"time_budget_s must be positive, got {self.time_budget_s}")
         if self.time_limit_s <= 0:
             raise InvalidOptionError(f"time_limit_s must be positive, got {self.time_limit_s}")
         if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
@@ -324,6 +342,40 @@ class AutoParallel:
 
 Method = (DataParallel | ShardParallel | PipeshardParallel | Zero2Parallel | Zero3Parallel
           | AutoParallel)
+
+
+def pinned(data: int, tensor: int = 1, pipeline: int = 1, *, num_microbatches: int = 1,
+           schedule: str = "1f1b", num_chunks: int = 2, remat: str = "layers",
+           memory_budget_bytes: float | None = None, solver: str = "auto",
+           time_limit_s: float = 30.0) -> Method:
+    """A hand configuration at given degrees, planned as given: what a Megatron-LM-style run
+    (tensor x pipeline x data) costs before the search improves on it.
+
+    ``pipeline`` stages of equal layers (the loss forward clustered into ``pipeline`` layers,
+    ``pipeline x num_chunks`` for ``schedule="interleaved-1f1b"``) on equal submeshes, each a
+    ``data x tensor`` logical mesh; ``num_microbatches`` per step under ``schedule``; ``remat``
+    ("layers" by default: Megatron's full recomputation). The degrees, the microbatches, the
+    schedule and the recomputation are the caller's; the layouts inside a stage's mesh are the
+    ILP's (on a ``data x tensor`` mesh the best of them is at least Megatron's own split).
+    With one stage and one microbatch this is ``DataParallel`` (``tensor=1``) or
+    ``ShardParallel`` on ``(data, tensor)``; otherwise ``PipeshardParallel`` with uniform
+    stages (one stage with several microbatches: gradient accumulation)."""
+    for name, value in (("data", data), ("tensor", tensor), ("pipeline", pipeline)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise InvalidOptionError(f"pinned degrees: {name} must be a positive integer, "
+                                     f"got {value!r}")
+    mesh = (data, tensor) if data > 1 and tensor > 1 else (data * tensor,)
+    if pipeline == 1 and num_microbatches == 1:
+        if tensor == 1:
+            return DataParallel(mesh_shape=mesh, remat=remat)
+        return ShardParallel(mesh_shape=mesh, memory_budget_bytes=memory_budget_bytes,
+                             solver=solver, time_limit_s=time_limit_s, remat=remat)
+    chunks = num_chunks if schedule == ScheduleName.INTERLEAVED_1F1B else 1
+    return PipeshardParallel(num_microbatches=num_microbatches, layers=pipeline * chunks,
+                             stages="uniform", num_stages=pipeline, schedule=schedule,
+                             num_chunks=num_chunks, memory_budget_bytes=memory_budget_bytes,
+                             solver=solver, time_limit_s=time_limit_s, remat=remat,
+                             replicas="none", stage_mesh_shape=mesh)
 
 METHOD_TYPES: tuple[type, ...] = (
     DataParallel, ShardParallel, PipeshardParallel, Zero2Parallel, Zero3Parallel, AutoParallel

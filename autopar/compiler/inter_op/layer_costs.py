@@ -38,6 +38,7 @@ from autopar.compiler.inter_op.step_parts import StepWork, amortise, gradient_no
 from autopar.compiler.intra_op.ilp import solve
 from autopar.compiler.intra_op.sharding_ilp import (
     IntraOpOptions,
+    MeshCaches,
     build_problem,
     read_solution,
 )
@@ -170,8 +171,8 @@ class LayerCostCache:
     num_microbatches: int = 1
     solved: dict[tuple, tuple[PieceCost, Piece]] = field(default_factory=dict)
     ilp_solves: int = 0
-    # resharding costs per mesh, shared by every piece solved on it
-    reshard_costs: dict[tuple, dict] = field(default_factory=dict)
+    # strategy lists, resharding costs and matrices per mesh, shared by every piece on it
+    mesh_caches: dict[tuple, MeshCaches] = field(default_factory=dict)
     # each piece's structure hash, by its first and last equation
     signatures: dict[tuple[int, int], str] = field(default_factory=dict)
     # each piece's input and output roles, by its first and last equation
@@ -184,6 +185,9 @@ class LayerCostCache:
     # the step's work outside the loss function, read off the step once
     work: StepWork | None = None
     statuses: Counter = field(default_factory=Counter)
+    # a cache hit renamed for the piece that asked (by solve key and the piece's span): the
+    # stage search asks for every layer of every range on every mesh
+    renamed: dict[tuple, PieceCost] = field(default_factory=dict)
 
     def _roles(self, pp: PipelineProgram, piece: Piece) -> PieceRoles:
         span = _span(piece)
@@ -208,13 +212,14 @@ class LayerCostCache:
             options = replace(options, time_limit_s=time_limit_s)
             if key in self.solved and _stopped_early(self.solved[key][0]):
                 del self.solved[key]
+                self.renamed = {k: v for k, v in self.renamed.items() if k[0] != key}
         if key not in self.solved:
             if signature not in self.graphs:
                 self.graphs[signature] = (*piece_train_graph(pp, piece), piece)
             # an identical piece met first on another mesh traced the graph: solve as that
             # piece (its ids match the graph's) and rename below like any cache hit
             graph, paths, traced_from = self.graphs[signature]
-            shared = self.reshard_costs.setdefault(mesh_key, {})
+            shared = self.mesh_caches.setdefault(mesh_key, MeshCaches())
             if self.state_per_parameter is None:
                 self.state_per_parameter = optimizer_state_per_parameter(pp)
             if self.work is None:
@@ -227,6 +232,9 @@ class LayerCostCache:
         cost, first = self.solved[key]
         if first is piece:
             return cost
+        named = self.renamed.get((key, span))
+        if named is not None:
+            return named
         # the cached specs name the first piece's values: rename them for this one
         a, b = self._roles(pp, first), self._roles(pp, piece)
         mapping = dict(zip(a.params + a.acts + a.fixed + a.micro,
@@ -237,7 +245,9 @@ class LayerCostCache:
         made = {a: b for i, j in zip(first.eqns, piece.eqns, strict=True)
                 for a, b in zip(fwd.eqns[i].outputs, fwd.eqns[j].outputs, strict=True)}
         values = {made[v]: s for v, s in cost.value_specs.items() if v in made}
-        return replace(cost, input_specs=specs, value_specs=values)
+        named = replace(cost, input_specs=specs, value_specs=values)
+        self.renamed[(key, span)] = named
+        return named
 
 
 def optimizer_state_per_parameter(pp: PipelineProgram) -> float:
@@ -276,9 +286,9 @@ def solve_status(cost: PieceCost) -> str:
 
 
 def _solve_piece(pp: PipelineProgram, piece: Piece, graph: OpGraph, paths: dict[str, int],
-                 mesh: LogicalMesh, options: IntraOpOptions, reshard_cache: dict,
+                 mesh: LogicalMesh, options: IntraOpOptions, caches: MeshCaches,
                  state_per_parameter: float, work: StepWork, m: int) -> PieceCost:
-    problem, parts = build_problem(graph, mesh, options, reshard_cache)
+    problem, parts = build_problem(graph, mesh, options, caches)
     per_step = amortise(problem, parts, graph, mesh, work, m)
     solution = solve(problem, solver=options.solver, time_limit_s=options.time_limit_s,
                      relative_gap=options.relative_gap)

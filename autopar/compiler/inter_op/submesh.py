@@ -91,11 +91,23 @@ def always_packs(shape: SubmeshShape, num_hosts: int, devices_per_host: int) -> 
     return width == devices_per_host or (is_power_of_two and devices_per_host % width == 0)
 
 
+# Whole-host stage shapes of every host count up to this many are considered (see
+# ``submesh_shapes``); the published testbeds (Alpa's 8 hosts) keep all of theirs.
+SMALL_HOST_COUNT = 8
+
+
 def submesh_shapes(num_hosts: int, devices_per_host: int) -> tuple[SubmeshShape, ...]:
     """The shapes the stage DP considers on a ``num_hosts`` x ``devices_per_host`` cluster.
 
     ``(1, 1), (1, 2), (1, 4), ..., (1, D)`` (powers of two dividing ``D``, then ``D`` itself),
-    followed by ``(2, D), ..., (H, D)``; ordered by device count.
+    followed by ``(h, D)`` for every host count ``h`` up to ``SMALL_HOST_COUNT``, and beyond it
+    the host counts that divide ``H`` or are powers of two; ordered by device count.
+
+    Past a few hosts, a stage on a host count that neither divides the cluster nor is a power
+    of two can only sit beside stages of other sizes, and identical layers want equal stages:
+    a Megatron-style t x p x d layout always has stages of ``H / p`` hosts. Leaving those
+    counts out keeps the search linear in the divisors of ``H`` rather than in ``H``
+    (384 hosts: 16 whole-host shapes, not 383).
     """
     hosts = _check_positive(num_hosts, "num_hosts")
     per_host = _check_positive(devices_per_host, "devices_per_host")
@@ -106,7 +118,8 @@ def submesh_shapes(num_hosts: int, devices_per_host: int) -> tuple[SubmeshShape,
         width *= 2
     widths.append(per_host)
     shapes = [SubmeshShape(1, w) for w in widths]
-    shapes += [SubmeshShape(h, per_host) for h in range(2, hosts + 1)]
+    shapes += [SubmeshShape(h, per_host) for h in range(2, hosts + 1)
+               if h <= SMALL_HOST_COUNT or hosts % h == 0 or h & (h - 1) == 0]
     return tuple(shapes)
 
 

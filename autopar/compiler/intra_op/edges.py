@@ -67,13 +67,12 @@ class ReshardingEdges:
 
     ``cost`` is also how the read-back of a solution prices the reshards it keeps."""
 
-    def __init__(
-        self, table: DecisionVariables, cost_cache: dict[tuple, ReshardCost] | None = None
-    ):
+    def __init__(self, table: DecisionVariables):
         self.table = table
-        # may be shared by builds on the same mesh (costs depend on specs, type and mesh only)
-        self._cost_cache: dict[tuple, ReshardCost] = {} if cost_cache is None else cost_cache
-        self._matrix_cache: dict[tuple, np.ndarray] = {}
+        # shared by builds on the same mesh (``MeshCaches``): costs depend on specs, type and
+        # mesh only, matrices on the strategy lists at both ends, which the builds share
+        self._cost_cache: dict[tuple, ReshardCost] = table.caches.reshard_costs
+        self._matrix_cache: dict[tuple, np.ndarray] = table.caches.matrices
 
     def cost(self, src: ShardingSpec, dst: ShardingSpec, info: TensorInfo) -> ReshardCost:
         """Resharding ``info``-typed data from ``src`` to ``dst`` on the table's mesh."""

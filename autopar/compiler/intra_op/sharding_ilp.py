@@ -18,7 +18,6 @@ import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from autopar.compiler.cost.memory_model import (
     MemoryEstimate,
@@ -46,6 +45,7 @@ from autopar.compiler.intra_op.variables import (
     FOLLOWERS,
     MEMORY_TIE_BREAK_S_PER_BYTE,
     DecisionVariables,
+    MeshCaches,
     Variable,
 )
 from autopar.plan import CollectiveEstimate, ShardingSpec
@@ -60,6 +60,7 @@ __all__ = [
     "MEMORY_TIE_BREAK_S_PER_BYTE",
     "IntraOpOptions",
     "IntraOpResult",
+    "MeshCaches",
     "ProblemParts",
     "Variable",
     "build_problem",
@@ -123,12 +124,13 @@ def build_problem(
     graph: OpGraph,
     mesh: LogicalMesh,
     options: IntraOpOptions,
-    reshard_cache: dict[tuple, Any] | None = None,
+    caches: MeshCaches | None = None,
 ) -> tuple[IntraOpProblem, ProblemParts]:
     """Variables, costs and edges of the sharding ILP for ``graph`` on ``mesh``.
 
-    ``reshard_cache``: resharding costs to reuse, shared by builds on this same mesh."""
-    table = DecisionVariables(graph, mesh)
+    ``caches``: strategy lists, resharding costs and matrices to reuse, shared by builds on
+    this same mesh (``MeshCaches``)."""
+    table = DecisionVariables(graph, mesh, caches)
     table.add_inputs(options.batch_argnums, options.pinned_inputs)
     table.add_nodes()
     tie_scan_carries(table)  # a scan's carry keeps one layout around its loop
@@ -138,7 +140,7 @@ def build_problem(
         if options.tie_period > 1:
             tie_in_alternation(table, untied, untied_of, options.tie_period)
     parts = ProblemParts(
-        table, ReshardingEdges(table, reshard_cache), state_ties(graph, table.tensor_home)
+        table, ReshardingEdges(table), state_ties(graph, table.tensor_home)
     )
     edges = parts.edges.edges(parts.ties)  # before the nodes: adds in-variable uses to costs
     budget = options.memory_budget_bytes
@@ -254,12 +256,12 @@ def solve_intra_op(
     graph: OpGraph,
     mesh: LogicalMesh,
     options: IntraOpOptions,
-    reshard_cache: dict[tuple, Any] | None = None,
+    caches: MeshCaches | None = None,
 ) -> IntraOpResult:
-    """Build and solve the sharding ILP of ``graph`` on ``mesh`` (``reshard_cache``: see
+    """Build and solve the sharding ILP of ``graph`` on ``mesh`` (``caches``: see
     ``build_problem``)."""
     start = time.perf_counter()
-    problem, parts = build_problem(graph, mesh, options, reshard_cache)
+    problem, parts = build_problem(graph, mesh, options, caches)
     build_time = time.perf_counter() - start
     try:
         solution = solve(problem, solver=options.solver, time_limit_s=options.time_limit_s,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.op_costs import ELEMENTWISE
@@ -118,6 +119,22 @@ def input_strategies(
     return out
 
 
+@dataclass
+class MeshCaches:
+    """What builds of the ILP on one mesh share: strategy lists by node signature, followers'
+    lists, resharding costs and edge matrices. Each entry depends only on the mesh and on what
+    it is keyed by (types, specs, the identity of shared strategy lists), never on one graph,
+    so the same layer met again in another piece or candidate is priced from the cache."""
+
+    strategies: dict[tuple, list[Strategy]] = field(default_factory=dict)
+    interned: dict[tuple, list[Strategy]] = field(default_factory=dict)
+    by_spec: dict[tuple, dict] = field(default_factory=dict)
+    ambiguous: dict[tuple, frozenset] = field(default_factory=dict)
+    follow: dict[tuple, list[Strategy] | None] = field(default_factory=dict)
+    reshard_costs: dict[tuple, Any] = field(default_factory=dict)
+    matrices: dict[tuple, Any] = field(default_factory=dict)
+
+
 class DecisionVariables:
     """The variables of one graph on one mesh, which variable each member rides on, and
     where each tensor is produced.
@@ -126,7 +143,7 @@ class DecisionVariables:
     shares one list object; later stages (tying, edge matrices) key their caches on that.
     """
 
-    def __init__(self, graph: OpGraph, mesh: LogicalMesh):
+    def __init__(self, graph: OpGraph, mesh: LogicalMesh, caches: MeshCaches | None = None):
         self.graph = graph
         self.mesh = mesh
         self.variables: list[Variable] = []
@@ -137,11 +154,12 @@ class DecisionVariables:
         self.signatures: dict[int, tuple] = {}
         # graph-input tensor -> (its role: the leaf path with list indices as "*", its pin)
         self.input_tags: dict[int, tuple[str, ShardingSpec | None]] = {}
-        self._strategy_cache: dict[tuple, list[Strategy]] = {}
-        self._interned: dict[tuple, list[Strategy]] = {}
-        self._by_spec_cache: dict[tuple, dict] = {}
-        self._ambiguous_cache: dict[tuple, frozenset] = {}
-        self._follow_cache: dict[tuple, list[Strategy] | None] = {}
+        self.caches = caches if caches is not None else MeshCaches()
+        self._strategy_cache = self.caches.strategies
+        self._interned = self.caches.interned
+        self._by_spec_cache = self.caches.by_spec
+        self._ambiguous_cache = self.caches.ambiguous
+        self._follow_cache = self.caches.follow
 
     # -- lookups -----------------------------------------------------------------------------
 

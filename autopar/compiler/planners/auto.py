@@ -61,7 +61,23 @@ def plan_auto(step: StepProgram, cluster: ClusterSpec, ilp_observer: IlpObserver
     found: dict[str, PlannedProgram] = {}
     rows: list[dict[str, Any]] = []
     phases: dict[str, float] = {}
+    deadline = None if method.time_budget_s is None else start + method.time_budget_s
+    skipped: list[str] = []
+
+    def within_budget(name: str) -> bool:
+        # until one candidate has a plan the search goes on: a plan is what it is for
+        if deadline is None or time.perf_counter() < deadline or not found:
+            return True
+        skipped.append(name)
+        rows.append({"name": name, "method": name.split(" ")[0], "est_step_time_s": None,
+                     "fits": False, "note": f"skipped: the time budget "
+                     f"({method.time_budget_s:g} s) was spent"})
+        return False
+
     for name, candidate in _one_stage_candidates(method, cluster):
+        if not within_budget(name):
+            continue
+        candidate = _within(candidate, deadline)
         single = StepProgram(step.traced, candidate, step.batch_argnums, fn=step.fn,
                              args=step.args)
         began = time.perf_counter()
@@ -74,8 +90,8 @@ def plan_auto(step: StepProgram, cluster: ClusterSpec, ilp_observer: IlpObserver
             phases[f"{name}_s"] = time.perf_counter() - began
         found[name] = planned
         rows.append(_candidate_row(name, planned.plan, budget))
-    if step.pipeline is not None:
-        pipelined = method.pipeline_method()
+    if step.pipeline is not None and within_budget("pipeshard"):
+        pipelined = _within(method.pipeline_method(), deadline)
         began = time.perf_counter()
         try:
             found["pipeshard"] = plan_pipelined(step, pipelined, step.pipeline_traced, cluster)
@@ -137,13 +153,17 @@ def plan_auto(step: StepProgram, cluster: ClusterSpec, ilp_observer: IlpObserver
         summary += (f"; next: {runner_up['name']} (est. {runner_up['est_step_time_s']:.4g} s, "
                     f"{runner_up['est_step_time_s'] / plan.est_step_time_s:.2f}x)")
     plan.notes.insert(0, summary)
+    if skipped:
+        plan.notes.insert(1, f"the time budget ({method.time_budget_s:g} s) was spent before "
+                             f"{', '.join(skipped)}: not planned")
     if step.pipeline is not None and "pipeshard" in found and plan is not \
             found["pipeshard"].plan:
         plan.notes.extend(f"pipelined candidates: {n}" for n in ilp_notes)
     options = {"method": "auto", "chosen": plan.method.value,
                "candidates": list(method.candidates),
                "num_microbatches": method.num_microbatches, "schedule": method.schedule,
-               "remat": method.remat}
+               "remat": method.remat, "time_budget_s": method.time_budget_s,
+               "skipped": skipped}
     plan.planning.method_options = options | {"chosen_options": plan.planning.method_options}
     plan.planning.candidates = rows
     plan.planning.planning_time_s = time.perf_counter() - start
@@ -168,6 +188,14 @@ def _one_stage_candidates(method: AutoParallel, cluster: ClusterSpec
     return found
 
 
+def _within(method: Method, deadline: float | None) -> Method:
+    """``method`` with its ILP time limit cut to the seconds left before ``deadline``."""
+    if deadline is None or not hasattr(method, "time_limit_s"):
+        return method
+    left = max(deadline - time.perf_counter(), 0.05)
+    return dataclasses.replace(method, time_limit_s=min(method.time_limit_s, left))
+
+
 def _fits_budget(plan: Plan, budget: float) -> bool:
     return plan.peak_memory_bytes <= budget
 
@@ -181,6 +209,8 @@ def _candidate_row(name: str, plan: Plan, budget: float) -> dict[str, Any]:
         "note": "rematerialised" if plan.remat_positions is not None else "",
         "chosen_plan": plan,
     }
+    if plan.solver is not None:  # a one-stage ILP's end: optimal, time_limit, ...
+        row["ilp_status"] = plan.solver.get("status")
     if not row["fits"]:
         row["note"] = (row["note"] + "; " if row["note"] else "") + (
             f"needs {plan.peak_memory_bytes / 2**30:.2f} GiB per device, over the budget")

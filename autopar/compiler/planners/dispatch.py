@@ -130,12 +130,24 @@ def _plan_one_stage_with_remat(step: StepProgram, cluster: ClusterSpec,
                                budget: float | None = None) -> PlannedProgram:
     """``budget``: the memory that decides ``remat="auto"`` (default: the method's budget,
     else the device's memory)."""
+    from autopar.compiler.intra_op.problem import InfeasibleMemoryError
+
     method = step.method
     remat = getattr(method, "remat", "none")
     planned = None
     if remat != "layers":
-        planned = PlannedProgram(step.traced, _plan_one_stage(step.traced, method, cluster,
-                                                              step.batch_argnums, ilp_observer))
+        try:
+            planned = PlannedProgram(step.traced, _plan_one_stage(
+                step.traced, method, cluster, step.batch_argnums, ilp_observer))
+        except InfeasibleMemoryError:
+            if remat == "none" or step.fn is None:
+                raise
+            # "auto": no plan without recomputation fits, which is what it is for
+            try:
+                return _plan_rematerialised(step, cluster, None, ilp_observer)
+            except InvalidOptionError:  # no layers to recompute: the memory is the answer
+                pass
+            raise
     if remat != "none" and (planned is None
                             or not _fits(planned.plan, method, cluster, budget)):
         planned = _plan_rematerialised(step, cluster, planned, ilp_observer)

@@ -67,6 +67,16 @@ def logical_shapes(submesh: SubmeshShape) -> list[tuple[int, ...]]:
     return shapes
 
 
+def stage_meshes(method: PipeshardParallel, submesh: SubmeshShape) -> list[tuple[int, ...]]:
+    """The logical meshes a stage on ``submesh`` is costed on: the method's
+    ``stage_mesh_shape`` where it covers the submesh (none elsewhere: no stage of that size),
+    else ``logical_shapes``."""
+    pinned = method.stage_mesh_shape
+    if pinned is None:
+        return logical_shapes(submesh)
+    return [pinned] if math.prod(pinned) == submesh.num_devices else []
+
+
 def submesh_mesh(cluster: ClusterSpec, submesh: SubmeshShape, shape: tuple[int, ...],
                  device_ids: Sequence[int] | None = None) -> LogicalMesh:
     """The logical mesh ``shape`` over a submesh of ``cluster`` (its first devices, or
@@ -150,7 +160,7 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
         if submesh.num_devices == cluster.num_devices and runs_as_one_program(method.schedule, 1):
             # the only stage: the runtime runs the step as one program (runtime.fused_step)
             host = runtime.call_s
-        for shape in logical_shapes(submesh):
+        for shape in stage_meshes(method, submesh):
             mesh = submesh_mesh(cluster, submesh, shape)
             costs = [cache.cost(pp, layers[k], mesh) for k in range(start, end)]
             param_bytes = sum(c.param_bytes for c in costs)

@@ -16,6 +16,7 @@ from typing import Any
 from autopar.bench.suites import SUITE_NAMES
 
 DEFAULT_OUT = "docs/benchmarks"
+PUBLISHED = "published"  # planned on described clusters only: its own runner
 
 
 def add_bench_parser(sub: Any, parser_class: type[argparse.ArgumentParser]) -> None:
@@ -29,10 +30,14 @@ def add_bench_parser(sub: Any, parser_class: type[argparse.ArgumentParser]) -> N
                     "clusters (planned) and local devices (planned, run and timed); write "
                     "bench-SUITE.jsonl, bench-SUITE.md and bench-SUITE-*.png.",
     )
-    b.add_argument("--suite", required=True, choices=SUITE_NAMES,
+    b.add_argument("--suite", required=True, choices=(*SUITE_NAMES, PUBLISHED),
                    help="smoke (a minute: every code path), local (small models run here), "
                         "paper (Alpa sizes, described), scaling (planning time vs layers and "
-                        "devices), full (local + paper + scaling)")
+                        "devices), full (local + paper + scaling), published (Megatron-LM's "
+                        "Table 1 and Alpa's Figure 7 GPT runs at their sizes: the published "
+                        "configuration pinned and the full search, beside the measurement)")
+    b.add_argument("--runs", default=None, metavar="TEXT",
+                   help="published suite: only the runs whose label contains TEXT")
     b.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
                    help=f"directory for the results (default {DEFAULT_OUT})")
     b.add_argument("--calibrated", default=None, metavar="FILE",
@@ -54,6 +59,8 @@ def run_bench(args: argparse.Namespace, log_handler: Any = None) -> int:
     from autopar.frontend.cli.compile import set_local_devices
     from autopar.frontend.progress import Progress
 
+    if args.suite == PUBLISHED:
+        return _run_published(args, log_handler)
     suite = get_suite(args.suite)
     calibrated = load_cluster(args.calibrated) if args.calibrated else None
     devices = args.devices if args.devices is not None else 8
@@ -84,6 +91,38 @@ def run_bench(args: argparse.Namespace, log_handler: Any = None) -> int:
     if failed:
         print(f"autopar: {len(failed)} case(s) failed: {', '.join(failed)}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _run_published(args: argparse.Namespace, log_handler: Any = None) -> int:
+    """``autopar bench --suite published``: planned only, on described clusters."""
+    from autopar.bench.published import PUBLISHED_RUNS
+    from autopar.bench.published_suite import run_suite
+    from autopar.errors import InvalidOptionError
+    from autopar.frontend.progress import Progress
+
+    runs = [r for r in PUBLISHED_RUNS if args.runs is None or args.runs in r.label]
+    if not runs:
+        raise InvalidOptionError(f"--runs {args.runs!r} matches no published run; labels: "
+                                 + ", ".join(r.label for r in PUBLISHED_RUNS))
+    command = f"autopar bench --suite {PUBLISHED}"
+    if args.runs is not None:
+        command += f" --runs {shlex.quote(args.runs)}"
+    with Progress() as progress:
+        if log_handler is not None:
+            log_handler.progress = progress
+
+        def echo(line: str) -> None:
+            progress.clear_line()
+            print(line, flush=True)
+
+        try:
+            files = run_suite(args.out, command=command, echo=echo, runs=runs)
+        finally:
+            if log_handler is not None:
+                log_handler.progress = None
+    for path in files:
+        print(f"wrote {path}")
     return 0
 
 

@@ -29,6 +29,7 @@ from autopar.methods import (
     Method,
     PipeshardParallel,
     method_from_name,
+    pinned,
 )
 from autopar.plan import MethodName, Plan
 
@@ -46,7 +47,12 @@ METHOD_OPTIONS: tuple[tuple[str, str, str], ...] = (
     ("stages", "--stages", "stages"),
     ("num_stages", "--num-stages", "num_stages"),
     ("pipeline_layers", "--pipeline-layers", "layers"),
+    ("remat", "--remat", "remat"),
+    ("time_budget", "--time-budget", "time_budget_s"),
 )
+# What --degrees takes besides the degrees (``methods.pinned``'s keywords).
+PINNED_OPTIONS: frozenset[str] = frozenset(
+    {"num_microbatches", "schedule", "remat", "memory_budget_bytes", "solver", "time_limit_s"})
 _ZOO_OPTIONS = (("--model", "model"), ("--size", "size"), ("--layers", "layers"),
                 ("--batch-size", "batch_size"))
 
@@ -68,7 +74,9 @@ def run_compile(args: argparse.Namespace, log_handler: Any = None) -> int:
     """``autopar compile``; ``log_handler`` (the CLI's) clears the progress line it writes."""
     _check_mode_options(args)
     given = given_method_options(args)  # option errors before the user's file is run
-    if args.method is not None:
+    if args.degrees is not None:
+        _pinned_method(args, given)
+    elif args.method is not None:
         method_from_name(args.method)
     cluster, local = _cluster(args)  # local devices are set before the user's file starts JAX
     with Progress() as progress:
@@ -193,6 +201,8 @@ def resolve_method(args: argparse.Namespace, source: StepSource,
     shard stage. ``--method`` picks a method; otherwise the source's (a ``parallelize(method=
     ...)``, the zoo's full search), else the full search with that fallback. The method's
     options (``given``: ``--mesh``, ``--microbatches``, ...) then replace its fields."""
+    if args.degrees is not None:
+        return _pinned_method(args, given), False
     if args.method is not None:
         base, fall_back = method_from_name(args.method), False
     elif source.saved_plan is not None:
@@ -225,6 +235,30 @@ def resolve_method(args: argparse.Namespace, source: StepSource,
                                      f"{base.name}")
         changes[field] = value
     return dataclasses.replace(base, **changes), fall_back
+
+
+def parse_degrees(text: str) -> tuple[int, int, int]:
+    """``DxTxP`` (data x tensor x pipeline; ``DxT`` and ``D`` leave the rest 1) as three
+    positive integers; InvalidOptionError (one line) otherwise."""
+    parts = text.lower().split("x")
+    if not 1 <= len(parts) <= 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise InvalidOptionError(f"--degrees {text!r}: expected data x tensor x pipeline as "
+                                 "positive integers, e.g. 32x2x1")
+    d, t, p = ([int(x) for x in parts] + [1, 1])[:3]
+    return d, t, p
+
+
+def _pinned_method(args: argparse.Namespace, given: dict[str, tuple[str, Any]]) -> Method:
+    """``methods.pinned`` at ``--degrees`` with the options it takes."""
+    if args.method is not None:
+        raise InvalidOptionError("--degrees pins the configuration: leave --method out")
+    bad = [flag for field, (flag, _) in given.items() if field not in PINNED_OPTIONS]
+    if bad:
+        raise InvalidOptionError(f"{', '.join(bad)}: not an option of --degrees; valid: "
+                                 "--microbatches, --schedule, --remat, --memory-budget, "
+                                 "--solver, --time-limit")
+    d, t, p = parse_degrees(args.degrees)
+    return pinned(d, t, p, **{field: value for field, (_, value) in given.items()})
 
 
 def given_method_options(args: argparse.Namespace) -> dict[str, tuple[str, Any]]:

@@ -75,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument("--mesh", default=None,
                    help="logical mesh shape for shard/data/zero2/zero3, e.g. 2x4 or 8")
+    m.add_argument("--degrees", default=None, metavar="DxTxP",
+                   help="plan a hand configuration as given: data x tensor x pipeline degrees "
+                        "(e.g. 32x2x1), with --microbatches, --schedule and --remat (default "
+                        "layers); instead of --method")
+    m.add_argument("--remat", default=None,
+                   help="rematerialisation: none, layers (each layer under jax.checkpoint) or "
+                        "auto (only where memory is short)")
     m.add_argument(
         "--devices", type=int, default=None,
         help="simulate N CPU devices when no accelerator is present (default 8)",
@@ -90,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ILP time limit in seconds (default 30)")
     m.add_argument("--memory-budget", type=float, default=None,
                    help="per-device memory budget in GiB")
+    m.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="planning seconds the full search may spend: the best plan found "
+                        "within them, the report naming what was skipped")
     p = c.add_argument_group("pipeline (--method pipeshard, and auto's pipelined candidates)")
     p.add_argument("--microbatches", type=int, default=None,
                    help="microbatches per step (default 4)")

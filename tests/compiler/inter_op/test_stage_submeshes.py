@@ -147,3 +147,15 @@ def test_uniform_and_manual_validation():
         manual_stages(table, [(0, 3), (3, 5)], [four, four], 1, 8, options)
     with pytest.raises(PlanError, match="use 12 devices but the cluster has 8"):
         manual_stages(table, [(0, 3), (3, 6)], [four, SubmeshShape(1, 8)], 1, 8, options)
+
+
+def test_submesh_shapes_on_many_hosts_keep_the_divisors_and_powers_of_two():
+    # past 8 hosts only host counts that divide the cluster or are powers of two: the shapes
+    # grow with the divisors of the host count, not with it (a Megatron t x p x d layout has
+    # stages of H / p hosts, always a divisor)
+    hosts = [s.num_hosts for s in submesh_shapes(384, 8) if s.devices_per_host == 8]
+    assert hosts == [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384]
+    assert all(h <= 8 or 384 % h == 0 or h & (h - 1) == 0 for h in hosts)
+    for p in (2, 4, 8, 16, 32, 64):  # every uniform pipeline of p stages has its shape
+        assert 384 // p in hosts
+    assert [s.num_hosts for s in submesh_shapes(8, 8)][4:] == [2, 3, 4, 5, 6, 7, 8]

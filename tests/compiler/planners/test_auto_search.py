@@ -250,3 +250,22 @@ def test_a_one_stage_pipeline_is_kept_only_when_no_one_stage_plan_fits():
     assert not plan.is_pipelined
     # its host cost is one call of one program (runtime.fused_step), not a driver's tasks
     assert dp["estimate"]["driver"] == {"tasks": 0, "small_ops": 0, "transfers": 0, "calls": 1}
+
+
+def test_a_spent_time_budget_keeps_the_best_plan_found_and_names_what_it_skipped():
+    step, args = mlp_step(optax.sgd(0.1))
+    whole = planned(step, args, autopar.AutoParallel(candidates=("data", "shard", "zero2")),
+                    local_cluster())
+    assert {r["name"] for r in whole.planning.candidates} >= {"data", "shard", "zero2"}
+    # a budget spent by the first candidate: it is planned (a plan is what the search is
+    # for), the others are skipped and named
+    cut = planned(step, args, autopar.AutoParallel(candidates=("data", "shard", "zero2"),
+                                                   time_budget_s=1e-6), local_cluster())
+    rows = {r["name"]: r for r in cut.planning.candidates}
+    assert rows["data"]["est_step_time_s"] is not None and cut.method == "data"
+    skipped = [n for n, r in rows.items() if r["note"].startswith("skipped: the time budget")]
+    assert set(skipped) == set(rows) - {"data"} and "zero2" in skipped
+    assert any("time budget" in n and "zero2" in n for n in cut.notes)
+    assert cut.planning.method_options["skipped"] == skipped
+    with pytest.raises(autopar.InvalidOptionError, match="time_budget_s must be positive"):
+        autopar.AutoParallel(time_budget_s=0)

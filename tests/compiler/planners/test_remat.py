@@ -16,6 +16,7 @@ from memory_checks import assert_serial_numbers, xla_bytes
 import autopar
 from autopar.cluster import ClusterSpec, load_cluster
 from autopar.compiler.graph.trace import trace_step
+from autopar.compiler.intra_op.problem import InfeasibleMemoryError
 from autopar.frontend.planning import plan_train_step
 from autopar.models import get_model
 
@@ -102,3 +103,23 @@ def test_remat_needs_autopar_value_and_grad():
                                cache=False)
     with pytest.raises(autopar.InvalidOptionError, match="autopar.value_and_grad"):
         step.get_plan(model.init_state(jax.random.key(0)), model.make_batch(jax.random.key(1)))
+
+
+def test_auto_remat_when_no_plan_without_it_fits_at_all():
+    # ShardParallel under a memory budget that no plan without recomputation fits (the ILP
+    # raises InfeasibleMemoryError): that is what remat="auto" is for, so it must plan with
+    # the layers recomputed, not give up (the full search lost its one-stage candidates at the
+    # published runs' sizes this way)
+    model = marked_zoo("gpt", batch_size=64)
+    state, batch = model.init_state(jax.random.key(0)), model.make_batch(jax.random.key(1))
+    base = load_cluster("cpu-sim")
+    args = (model.train_step, (state, batch))
+    with pytest.raises(InfeasibleMemoryError, match="no sharding plan fits") as refused:
+        plan_train_step(*args, autopar.ShardParallel(memory_budget_bytes=1.0), base,
+                        batch_argnums=(1,))
+    budget = 0.95 * refused.value.min_peak_bytes  # below every plan without recomputation
+    chosen = plan_train_step(*args, autopar.ShardParallel(memory_budget_bytes=budget,
+                                                          remat="auto"), base,
+                             batch_argnums=(1,)).plan
+    assert chosen.remat_positions is not None
+    assert chosen.peak_memory_bytes <= budget

@@ -1,0 +1,198 @@
+"""Running the published-runs suite (``autopar bench --suite published``) and writing its page.
+
+One row per :class:`~autopar.bench.published.PublishedRun`: the pinned configuration's and
+the full search's estimates (seconds per step and TFLOPS per GPU on the source's formula),
+beside the published measurement; the full search's planning time (trace included), its
+chosen plan, and whether any ILP in either stopped on its time limit. Output:
+``bench-published.jsonl``, ``bench-published.md`` and ``bench-published.png`` (estimated
+against published TFLOPS per GPU).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from autopar.bench.outputs import JsonlWriter, load_average, machine_info, machine_text
+from autopar.bench.published import (
+    PUBLISHED_RUNS,
+    PlannedRun,
+    PublishedRun,
+    plan_full_search,
+    plan_pinned,
+    tflops,
+)
+from autopar.plan import Plan
+
+PREFIX = "bench-published"
+STOPPED = ("time_limit", "no_solution", "solver_error")
+
+
+def stopped_ilps(plan: Plan) -> int:
+    """ILPs of a plan (its own and the stage search's, over every candidate the full search
+    planned) that stopped before proving their answer."""
+    count = 0
+    if plan.solver and plan.solver.get("status") in STOPPED:
+        count += 1
+    search = plan.planning.stage_search or {}
+    statuses = search.get("ilp_statuses") or {}
+    count += sum(int(n) for status, n in statuses.items() if status in STOPPED)
+    for row in plan.planning.candidates:
+        count += row.get("ilp_status") in STOPPED and not row.get("chosen")
+        for status, n in (row.get("ilp_statuses") or {}).items():
+            if status in STOPPED:
+                count += int(n)
+    return count
+
+
+def _plan_row(run: PublishedRun, planned: PlannedRun) -> dict[str, Any]:
+    plan = planned.plan
+    return {
+        "method": plan.method.value,
+        "num_microbatches": planned.num_microbatches,
+        "est_step_time_s": plan.est_step_time_s,
+        "est_tflops_per_gpu": tflops(run, plan.est_step_time_s),
+        "peak_memory_gib": plan.peak_memory_bytes / 2**30,
+        "fits": plan.peak_memory_bytes <= run.described_cluster().device.memory_bytes,
+        "stages": [{"layers": [s.layers[0], s.layers[-1]] if s.layers else [],
+                    "submesh": list(s.submesh_shape),
+                    "logical_mesh": list(s.logical_mesh_shape)} for s in plan.stages],
+        "schedule": None if plan.pipeline is None else str(plan.pipeline.schedule),
+        "replicas": 1 if plan.pipeline is None else plan.pipeline.replicas,
+        "stopped_ilps": stopped_ilps(plan),
+        "planning_s": planned.seconds,
+    }
+
+
+def run_published(run: PublishedRun) -> dict[str, Any]:
+    """Plan ``run`` pinned and by the full search; the row."""
+    pinned = plan_pinned(run)
+    searched = plan_full_search(run, pinned.num_microbatches)
+    row = {
+        "label": run.label, "source": run.source, "system": run.system,
+        "gpus": run.gpus, "cluster": run.cluster, "hosts": run.hosts,
+        "degrees": {"data": run.data, "tensor": run.tensor, "pipeline": run.pipeline},
+        "schedule": run.schedule, "published_tflops_per_gpu": run.tflops,
+        "formula": run.formula, "note": run.note,
+        "pinned": _plan_row(run, pinned), "full_search": _plan_row(run, searched),
+    }
+    row["search_over_pinned"] = (pinned.plan.est_step_time_s
+                                 / searched.plan.est_step_time_s)
+    row["pinned_over_published"] = row["pinned"]["est_tflops_per_gpu"] / run.tflops
+    return row
+
+
+def _f(x: float | None, digits: int = 1) -> str:
+    return "—" if x is None else f"{x:.{digits}f}"
+
+
+def _plan_text(p: dict[str, Any]) -> str:
+    stages = p["stages"]
+    meshes = sorted({"x".join(map(str, s["logical_mesh"])) for s in stages})
+    text = f"{p['method']}, {len(stages)} stage(s) on {'/'.join(meshes)}"
+    if p["replicas"] > 1:
+        text += f" x {p['replicas']} replicas"
+    if p["schedule"]:
+        text += f", {p['schedule']}"
+    return text + f", m={p['num_microbatches']}"
+
+
+def markdown(rows: Sequence[dict[str, Any]], info: dict[str, Any], command: str,
+             load_before: str, load_after: str, seconds: float) -> str:
+    lines = [
+        "# Published runs: pinned configuration and full search, at their real sizes", "",
+        f"Command: `{command}` ({seconds:.0f} s). Machine: {machine_text(info)}. "
+        f"Load average before: {load_before}; after: {load_after}.", "",
+        "Each row is a published measurement (sources: `shared/published/README.md`). "
+        "*Pinned*: the published degrees, microbatches, schedule and full recomputation, "
+        "planned by autopar (layouts inside each stage's data x tensor mesh are the ILP's). "
+        "*Search*: `AutoParallel` with the same microbatch count, schedules compared. "
+        "TFLOPS per GPU on the source's own formula. *Stopped*: ILPs that ended on a time "
+        "limit (pinned / search). Planning seconds include the trace.", "",
+        "| run | published | pinned plan | pinned est. | pinned / published | search plan "
+        "| search est. | search / pinned | search planning s | stopped | memory GiB "
+        "(pinned / search) |",
+        "|---|---:|---|---:|---:|---|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['label']} | {r.get('published_tflops_per_gpu', '')} | "
+                         f"error: {r['error']} | | | | | | | | |")
+            continue
+        p, s = r["pinned"], r["full_search"]
+        lines.append(
+            f"| {r['label']} | {r['published_tflops_per_gpu']:.1f} | {_plan_text(p)} | "
+            f"{_f(p['est_tflops_per_gpu'])} | {_f(r['pinned_over_published'], 2)} | "
+            f"{_plan_text(s)} | {_f(s['est_tflops_per_gpu'])} | "
+            f"{_f(r['search_over_pinned'], 2)} | {_f(s['planning_s'])} | "
+            f"{p['stopped_ilps']} / {s['stopped_ilps']} | "
+            f"{_f(p['peak_memory_gib'])} / {_f(s['peak_memory_gib'])} |")
+    notes = sorted({r["note"] for r in rows if r.get("note")})
+    if notes:
+        lines += ["", "Notes: " + "; ".join(notes) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def write_plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
+    """Estimated (pinned, search) against published TFLOPS per GPU, one point per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if "error" not in r]
+    fig, ax = plt.subplots(figsize=(6, 5))
+    pub = [r["published_tflops_per_gpu"] for r in ok]
+    ax.scatter(pub, [r["pinned"]["est_tflops_per_gpu"] for r in ok], label="pinned (estimate)")
+    ax.scatter(pub, [r["full_search"]["est_tflops_per_gpu"] for r in ok], marker="x",
+               label="full search (estimate)")
+    top = max([*pub, *(r["full_search"]["est_tflops_per_gpu"] for r in ok), 1.0]) * 1.1
+    ax.plot([0, top], [0, top], color="grey", linewidth=0.8, label="estimate = published")
+    ax.set_xlabel("published TFLOPS per GPU")
+    ax.set_ylabel("autopar's estimate, TFLOPS per GPU")
+    ax.set_title("Published runs: estimate against measurement")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_suite(out_dir: str | Path, *, command: str, echo: Callable[[str], None],
+              runs: Sequence[PublishedRun] = PUBLISHED_RUNS) -> list[Path]:
+    """Every run in order, rows written as they come; then the page and the plot."""
+    from autopar.errors import AutoparError
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    info, load_before, start = machine_info(), load_average(), time.perf_counter()
+    writer = JsonlWriter(out / f"{PREFIX}.jsonl")
+    rows = []
+    try:
+        for i, run in enumerate(runs, 1):
+            try:
+                row = run_published(run)
+            except AutoparError as err:
+                row = {"label": run.label, "published_tflops_per_gpu": run.tflops,
+                       "error": " ".join(str(err).split())}
+            rows.append(row)
+            writer.write(row)
+            echo(_line(i, len(runs), row))
+    finally:
+        writer.close()
+    page = out / f"{PREFIX}.md"
+    page.write_text(markdown(rows, info, command, load_before, load_average(),
+                             time.perf_counter() - start))
+    plot = out / f"{PREFIX}.png"
+    write_plot(rows, plot)
+    return [out / f"{PREFIX}.jsonl", page, plot]
+
+
+def _line(i: int, total: int, row: dict[str, Any]) -> str:
+    if "error" in row:
+        return f"[{i}/{total}] {row['label']}: error: {row['error']}"
+    return (f"[{i}/{total}] {row['label']}: published {row['published_tflops_per_gpu']:.1f}, "
+            f"pinned {row['pinned']['est_tflops_per_gpu']:.1f}, search "
+            f"{row['full_search']['est_tflops_per_gpu']:.1f} TFLOPS/GPU "
+            f"(planned in {row['full_search']['planning_s']:.1f} s)")

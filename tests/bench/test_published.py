@@ -1,0 +1,77 @@
+"""The published-runs suite: its transcribed runs agree with their sources' own totals, and a
+run (a small one here) is planned pinned and by the full search into a row, a page and a
+plot. The real rows are planned by ``autopar bench --suite published`` (docs/benchmarks)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autopar.bench.published import (
+    ALPA_FIGURE_7,
+    MEGATRON_TABLE_1,
+    ONE_F_ONE_B,
+    PublishedRun,
+    tflops,
+)
+from autopar.bench.published_suite import run_suite
+
+# Megatron-LM Table 1: (params in billions, aggregate PFLOP/s), as printed beside each row
+MEGATRON_TOTALS = [(1.7, 4.4), (3.6, 8.8), (7.5, 18.2), (18.4, 34.6), (39.1, 70.8),
+                   (76.1, 143.8), (145.6, 227.1), (310.1, 297.4), (529.6, 410.2),
+                   (1008.0, 502.0)]
+
+
+def test_megatron_rows_match_the_tables_own_totals_and_parameter_counts():
+    assert len(MEGATRON_TABLE_1) == 10
+    for run, (params_b, aggregate) in zip(MEGATRON_TABLE_1, MEGATRON_TOTALS, strict=True):
+        # per-GPU TFLOPS x GPUs is the table's aggregate throughput
+        assert run.tflops * run.gpus / 1000 == pytest.approx(aggregate, rel=0.01), run.label
+        # the shape transcribed gives the model size the table names (abstract shapes)
+        assert run.model().num_params() / 1e9 == pytest.approx(params_b, rel=0.03), run.label
+        assert run.gpus % 8 == 0 and run.hosts * 8 == run.gpus
+        assert run.described_cluster().num_devices == run.gpus
+
+
+def test_alpa_rows_cover_figure_7_gpt():
+    assert [r.gpus for r in ALPA_FIGURE_7] == [1, 2, 4, 8, 16, 32, 64]
+    for run in ALPA_FIGURE_7:
+        assert run.described_cluster().num_devices == run.gpus
+        assert dict(run.shape)["batch_size"] == 1024 and run.formula == "alpa"
+    # Alpa's formula counts the recomputed forward: 96 B s h^2 L (1 + s / 6h) + 6 B s h V
+    run = ALPA_FIGURE_7[3]  # GPT-2.6B on 8 GPUs
+    b, s, h, n, v = 1024, 1024, 2560, 32, 51200
+    assert run.step_flops() == pytest.approx(96 * b * s * h * h * n * (1 + s / (6 * h))
+                                             + 6 * b * s * h * v)
+    assert tflops(run, 1.0) == pytest.approx(run.step_flops() / 8 / 1e12)
+
+
+def small_run() -> PublishedRun:
+    return PublishedRun(
+        label="small GPT @ 8 A100", source="test", cluster="a100-80gb-x8", hosts=1,
+        shape=(("batch_size", 8), ("seq_len", 16), ("hidden_size", 64), ("num_layers", 2),
+               ("num_heads", 8), ("vocab_size", 256), ("dtype", "bfloat16")),
+        data=2, tensor=2, pipeline=2, microbatch_sizes=(2,), schedule=ONE_F_ONE_B,
+        tflops=100.0, formula="megatron", system="test")
+
+
+def test_a_run_is_planned_pinned_and_searched_into_a_row_a_page_and_a_plot(tmp_path):
+    lines = []
+    files = run_suite(tmp_path, command="autopar bench --suite published", echo=lines.append,
+                      runs=[small_run()])
+    assert [f.name for f in files] == ["bench-published.jsonl", "bench-published.md",
+                                       "bench-published.png"]
+    row = json.loads((tmp_path / "bench-published.jsonl").read_text())
+    pinned, searched = row["pinned"], row["full_search"]
+    assert pinned["method"] == "pipeshard" and pinned["num_microbatches"] == 2
+    assert [s["logical_mesh"] for s in pinned["stages"]] == [[2, 2], [2, 2]]
+    assert searched["num_microbatches"] == 2 and searched["planning_s"] > 0
+    assert pinned["stopped_ilps"] == 0 and searched["stopped_ilps"] == 0
+    assert row["search_over_pinned"] == pytest.approx(
+        pinned["est_step_time_s"] / searched["est_step_time_s"])
+    assert row["pinned_over_published"] == pytest.approx(pinned["est_tflops_per_gpu"] / 100.0)
+    page = (tmp_path / "bench-published.md").read_text()
+    assert "small GPT @ 8 A100" in page and "Load average before" in page
+    assert (tmp_path / "bench-published.png").stat().st_size > 1000
+    assert len(lines) == 1 and lines[0].startswith("[1/1] small GPT @ 8 A100: published 100.0")

@@ -1,0 +1,57 @@
+"""The stage search solves each structurally identical (layer, logical mesh) pair once:
+counted, not timed. Every entry of the stage DP's cost table is read; no ILP is built twice
+for one layer structure on one mesh, and the repeated blocks of a GPT share one structure."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import autopar
+from autopar.cluster import load_cluster
+from autopar.compiler.graph.trace import build_graph
+from autopar.compiler.inter_op import layer_costs
+from autopar.compiler.inter_op.layers import layer_positions
+from autopar.compiler.planners.stage_costs import layer_cost_cache, stage_cost_table
+from autopar.ir.pipeline_program import build_pipeline_program
+from autopar.models import get_model
+
+BUILD_PROBLEM = layer_costs.build_problem
+
+
+def cost_table_builds(num_layers: int, monkeypatch) -> tuple[int, list[tuple]]:
+    """Every entry of the stage DP's cost table for a GPT of ``num_layers`` blocks (one
+    pipeline layer each) on 2 described hosts of 8: the ILPs the cache solved, and the
+    (layer structure, mesh) of each ILP built."""
+    builds: list[tuple] = []
+
+    def counting(graph, mesh, options, caches=None):
+        builds.append((id(graph), tuple(mesh.shape), tuple(mesh.alpha), tuple(mesh.beta)))
+        return BUILD_PROBLEM(graph, mesh, options, caches)
+
+    monkeypatch.setattr(layer_costs, "build_problem", counting)
+    model = get_model("gpt", "tiny", num_layers=num_layers).with_value_and_grad(
+        autopar.value_and_grad)
+    cluster = dataclasses.replace(load_cluster("aws-p3.16xlarge"), num_hosts=2)
+    method = autopar.PipeshardParallel(num_microbatches=4, layers=num_layers)
+    pp = build_pipeline_program(model.train_step, model.abstract_inputs(), (1,), 4)
+    positions = layer_positions(pp, build_graph(pp.forward), num_layers, cluster.num_devices)
+    cache = layer_cost_cache(method)
+    table = stage_cost_table(pp, positions, method, cluster, cache)
+    for start in range(table.num_layers):
+        for end in range(start + 1, table.num_layers + 1):
+            for index in range(len(table.submeshes)):
+                table.candidates(start, end, index)
+    return cache.ilp_solves, builds
+
+
+def test_identical_layers_and_meshes_are_solved_once(monkeypatch):
+    num_layers = 8
+    solves, builds = cost_table_builds(num_layers, monkeypatch)
+    # no (layer structure, mesh) pair is built twice, and the cache counts every build
+    assert len(builds) == len(set(builds)) == solves > 0
+    structures = {b[0] for b in builds}
+    meshes = {b[1:] for b in builds}
+    # one ILP per structure and mesh: the six middle blocks share theirs (the first and the
+    # last blocks, which carry the embedding and the head, differ)
+    assert solves == len(structures) * len(meshes)
+    assert len(structures) <= 4 and solves <= num_layers * len(meshes) / 2
