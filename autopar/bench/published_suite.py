@@ -63,6 +63,7 @@ def _plan_row(run: PublishedRun, planned: PlannedRun) -> dict[str, Any]:
         "replicas": 1 if plan.pipeline is None else plan.pipeline.replicas,
         "stopped_ilps": stopped_ilps(plan),
         "planning_s": planned.seconds,
+        "phases_s": {k: round(v, 3) for k, v in plan.planning.phases.items()},
     }
 
 

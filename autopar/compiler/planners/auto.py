@@ -79,7 +79,7 @@ def plan_auto(step: StepProgram, cluster: ClusterSpec, ilp_observer: IlpObserver
             continue
         candidate = _within(candidate, deadline)
         single = StepProgram(step.traced, candidate, step.batch_argnums, fn=step.fn,
-                             args=step.args)
+                             args=step.args, memo=step.memo)
         began = time.perf_counter()
         try:
             planned = plan_one_stage(single, cluster, ilp_observer, budget)

@@ -167,16 +167,22 @@ def _plan_rematerialised(step: StepProgram, cluster: ClusterSpec,
     if step.fn is None:
         raise InvalidOptionError("remat needs the step itself to trace it again; this step "
                                  "was given as a traced program only")
-    try:
-        pp = build_pipeline_program(step.fn, step.args, step.batch_argnums, 1)
-    except NoLossFunctionError as err:
+    if step.memo.remat is None:
+        try:
+            pp = build_pipeline_program(step.fn, step.args, step.batch_argnums, 1)
+            positions = remat_layer_positions(pp, build_graph(pp.forward))
+            step.memo.remat = (trace_step(step.fn, step.args, remat_positions=positions),
+                               tuple(positions))
+        except NoLossFunctionError as err:
+            step.memo.remat = err
+    if isinstance(step.memo.remat, Exception):
         if planned is None:
             raise InvalidOptionError(f"remat='layers' needs the step's gradient from "
-                                     f"autopar.value_and_grad or autopar.grad: {err}") from None
+                                     f"autopar.value_and_grad or autopar.grad: "
+                                     f"{step.memo.remat}") from None
         planned.plan.notes.append("remat='auto' left off: the step has no autopar.value_and_grad")
         return planned
-    positions = remat_layer_positions(pp, build_graph(pp.forward))
-    traced = trace_step(step.fn, step.args, remat_positions=positions)
+    traced, positions = step.memo.remat
     plan = _plan_one_stage(traced, step.method, cluster, step.batch_argnums, ilp_observer)
     if planned is not None and plan.peak_memory_bytes >= planned.plan.peak_memory_bytes:
         planned.plan.notes.append(

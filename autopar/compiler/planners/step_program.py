@@ -19,6 +19,16 @@ IlpObserver = Callable[[Any, Any], None]
 
 
 @dataclass
+class TraceMemo:
+    """Traces of one step that every candidate planned from it shares: the step again with its
+    loss function's layers under ``jax.checkpoint`` (``remat``: the traced step and the layer
+    positions, or the error that tracing raised), which the full search's one-stage candidates
+    would otherwise each trace anew."""
+
+    remat: tuple[TracedStep, tuple[int, ...]] | Exception | None = None
+
+
+@dataclass
 class StepProgram:
     """A traced step as the compiler plans it.
 
@@ -40,6 +50,7 @@ class StepProgram:
     # the full search (AutoParallel): ``traced`` is the plain step (its one-stage candidates'
     # program), this the pipeline's outer program (its pipelined candidates')
     pipeline_traced: TracedStep | None = None
+    memo: TraceMemo = field(default_factory=TraceMemo)
 
     @property
     def programs(self) -> tuple[Any, ...]:

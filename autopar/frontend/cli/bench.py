@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from autopar.bench.suites import SUITE_NAMES
@@ -57,7 +58,6 @@ def run_bench(args: argparse.Namespace, log_handler: Any = None) -> int:
     from autopar.bench.suites import get_suite
     from autopar.cluster import load_cluster
     from autopar.frontend.cli.compile import set_local_devices
-    from autopar.frontend.progress import Progress
 
     if args.suite == PUBLISHED:
         return _run_published(args, log_handler)
@@ -71,20 +71,9 @@ def run_bench(args: argparse.Namespace, log_handler: Any = None) -> int:
         command += f" --devices {devices}"
     if args.calibrated:
         command += f" --calibrated {shlex.quote(args.calibrated)}"
-    with Progress() as progress:
-        if log_handler is not None:
-            log_handler.progress = progress
-
-        def echo(line: str) -> None:
-            progress.clear_line()
-            print(line, flush=True)
-
-        try:
-            result = run_suite(suite, options, args.out, phase=progress.phase, echo=echo,
-                               command=command, calibrated_name=args.calibrated)
-        finally:
-            if log_handler is not None:
-                log_handler.progress = None
+    result = _with_progress(log_handler, lambda progress, echo: run_suite(
+        suite, options, args.out, phase=progress.phase, echo=echo, command=command,
+        calibrated_name=args.calibrated))
     for path in result.files:
         print(f"wrote {path}")
     failed = [r["case"] for r in result.rows if r.get("error")]
@@ -99,7 +88,6 @@ def _run_published(args: argparse.Namespace, log_handler: Any = None) -> int:
     from autopar.bench.published import PUBLISHED_RUNS
     from autopar.bench.published_suite import run_suite
     from autopar.errors import InvalidOptionError
-    from autopar.frontend.progress import Progress
 
     runs = [r for r in PUBLISHED_RUNS if args.runs is None or args.runs in r.label]
     if not runs:
@@ -108,6 +96,18 @@ def _run_published(args: argparse.Namespace, log_handler: Any = None) -> int:
     command = f"autopar bench --suite {PUBLISHED}"
     if args.runs is not None:
         command += f" --runs {shlex.quote(args.runs)}"
+    files = _with_progress(log_handler, lambda progress, echo: run_suite(
+        args.out, command=command, echo=echo, runs=runs))
+    for path in files:
+        print(f"wrote {path}")
+    return 0
+
+
+def _with_progress(log_handler: Any, run: Callable[[Any, Callable[[str], None]], Any]) -> Any:
+    """``run(progress, echo)`` under a progress line that ``echo`` clears before each row it
+    prints (and the CLI's ``log_handler`` before each log line)."""
+    from autopar.frontend.progress import Progress
+
     with Progress() as progress:
         if log_handler is not None:
             log_handler.progress = progress
@@ -117,13 +117,10 @@ def _run_published(args: argparse.Namespace, log_handler: Any = None) -> int:
             print(line, flush=True)
 
         try:
-            files = run_suite(args.out, command=command, echo=echo, runs=runs)
+            return run(progress, echo)
         finally:
             if log_handler is not None:
                 log_handler.progress = None
-    for path in files:
-        print(f"wrote {path}")
-    return 0
 
 
 def _check_devices(count: int) -> int:

@@ -54,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_log_level(c, argparse.SUPPRESS)
     z = c.add_argument_group("zoo model (without a target)")
     z.add_argument("--model", default=None,
-                   help="zoo model: mlp, gpt (default), moe, wresnet; gpt-scan: GPT with its "
-                   "layers under jax.lax.scan")
+                   help="zoo model: mlp, gpt (default), moe, wresnet, llama; gpt-scan, "
+                   "llama-scan: with their layers under jax.lax.scan")
     z.add_argument("--size", default=None, help="model size: tiny (default) or the Alpa sizes")
     z.add_argument("--batch-size", type=int, default=None, help="override the global batch")
     z.add_argument("--layers", type=int, default=None, help="override the number of layers")
