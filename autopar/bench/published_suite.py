@@ -68,20 +68,29 @@ def _plan_row(run: PublishedRun, planned: PlannedRun) -> dict[str, Any]:
 
 
 def run_published(run: PublishedRun) -> dict[str, Any]:
-    """Plan ``run`` pinned and by the full search; the row."""
+    """Plan ``run`` pinned and by the full search; the row (a search that finds no plan
+    within the device memory is the row's ``search_error``)."""
+    from autopar.errors import AutoparError
+
     pinned = plan_pinned(run)
-    searched = plan_full_search(run, pinned.num_microbatches)
     row = {
         "label": run.label, "source": run.source, "system": run.system,
         "gpus": run.gpus, "cluster": run.cluster, "hosts": run.hosts,
         "degrees": {"data": run.data, "tensor": run.tensor, "pipeline": run.pipeline},
         "schedule": run.schedule, "published_tflops_per_gpu": run.tflops,
-        "formula": run.formula, "note": run.note,
-        "pinned": _plan_row(run, pinned), "full_search": _plan_row(run, searched),
+        "formula": run.formula, "note": run.note, "pinned": _plan_row(run, pinned),
     }
+    row["pinned_over_published"] = row["pinned"]["est_tflops_per_gpu"] / run.tflops
+    started = time.perf_counter()
+    try:
+        searched = plan_full_search(run, pinned.num_microbatches)
+    except AutoparError as err:
+        row["search_error"] = " ".join(str(err).split())
+        row["search_planning_s"] = time.perf_counter() - started
+        return row
+    row["full_search"] = _plan_row(run, searched)
     row["search_over_pinned"] = (pinned.plan.est_step_time_s
                                  / searched.plan.est_step_time_s)
-    row["pinned_over_published"] = row["pinned"]["est_tflops_per_gpu"] / run.tflops
     return row
 
 
@@ -122,14 +131,20 @@ def markdown(rows: Sequence[dict[str, Any]], info: dict[str, Any], command: str,
             lines.append(f"| {r['label']} | {r.get('published_tflops_per_gpu', '')} | "
                          f"error: {r['error']} | | | | | | | | |")
             continue
-        p, s = r["pinned"], r["full_search"]
+        p = r["pinned"]
+        s = r.get("full_search")
+        fits = "" if p["fits"] else " (over the device)"
+        search = (f"{_plan_text(s)} | {_f(s['est_tflops_per_gpu'])} | "
+                  f"{_f(r['search_over_pinned'], 2)} | {_f(s['planning_s'])} | "
+                  f"{p['stopped_ilps']} / {s['stopped_ilps']} | "
+                  f"{_f(p['peak_memory_gib'])}{fits} / {_f(s['peak_memory_gib'])} |"
+                  if s is not None else
+                  f"no plan: {r['search_error']} | — | — | {_f(r['search_planning_s'])} | "
+                  f"{p['stopped_ilps']} / — | {_f(p['peak_memory_gib'])}{fits} / — |")
         lines.append(
             f"| {r['label']} | {r['published_tflops_per_gpu']:.1f} | {_plan_text(p)} | "
             f"{_f(p['est_tflops_per_gpu'])} | {_f(r['pinned_over_published'], 2)} | "
-            f"{_plan_text(s)} | {_f(s['est_tflops_per_gpu'])} | "
-            f"{_f(r['search_over_pinned'], 2)} | {_f(s['planning_s'])} | "
-            f"{p['stopped_ilps']} / {s['stopped_ilps']} | "
-            f"{_f(p['peak_memory_gib'])} / {_f(s['peak_memory_gib'])} |")
+            + search)
     notes = sorted({r["note"] for r in rows if r.get("note")})
     if notes:
         lines += ["", "Notes: " + "; ".join(notes) + "."]
@@ -143,7 +158,7 @@ def write_plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = [r for r in rows if "error" not in r]
+    ok = [r for r in rows if "error" not in r and "full_search" in r]
     fig, ax = plt.subplots(figsize=(6, 5))
     pub = [r["published_tflops_per_gpu"] for r in ok]
     ax.scatter(pub, [r["pinned"]["est_tflops_per_gpu"] for r in ok], label="pinned (estimate)")
@@ -161,17 +176,23 @@ def write_plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
 
 
 def run_suite(out_dir: str | Path, *, command: str, echo: Callable[[str], None],
-              runs: Sequence[PublishedRun] = PUBLISHED_RUNS) -> list[Path]:
-    """Every run in order, rows written as they come; then the page and the plot."""
+              runs: Sequence[PublishedRun] = PUBLISHED_RUNS,
+              stop_after_s: float | None = None) -> list[Path]:
+    """Every run in order, rows written as they come; then the page and the plot. With
+    ``stop_after_s``, no run starts after that many seconds: the page lists those left."""
     from autopar.errors import AutoparError
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     info, load_before, start = machine_info(), load_average(), time.perf_counter()
     writer = JsonlWriter(out / f"{PREFIX}.jsonl")
-    rows = []
+    rows: list[dict[str, Any]] = []
+    left: list[str] = []
     try:
         for i, run in enumerate(runs, 1):
+            if stop_after_s is not None and time.perf_counter() - start > stop_after_s:
+                left = [r.label for r in runs[i - 1:]]
+                break
             try:
                 row = run_published(run)
             except AutoparError as err:
@@ -183,8 +204,12 @@ def run_suite(out_dir: str | Path, *, command: str, echo: Callable[[str], None],
     finally:
         writer.close()
     page = out / f"{PREFIX}.md"
-    page.write_text(markdown(rows, info, command, load_before, load_average(),
-                             time.perf_counter() - start))
+    text = markdown(rows, info, command, load_before, load_average(),
+                    time.perf_counter() - start)
+    if left:
+        text += (f"\nNot run (the run stopped starting rows after {stop_after_s:.0f} s): "
+                 + "; ".join(left) + ".\n")
+    page.write_text(text)
     plot = out / f"{PREFIX}.png"
     write_plot(rows, plot)
     return [out / f"{PREFIX}.jsonl", page, plot]
@@ -193,6 +218,10 @@ def run_suite(out_dir: str | Path, *, command: str, echo: Callable[[str], None],
 def _line(i: int, total: int, row: dict[str, Any]) -> str:
     if "error" in row:
         return f"[{i}/{total}] {row['label']}: error: {row['error']}"
+    if "full_search" not in row:
+        return (f"[{i}/{total}] {row['label']}: published {row['published_tflops_per_gpu']:.1f}"
+                f", pinned {row['pinned']['est_tflops_per_gpu']:.1f} TFLOPS/GPU, search: "
+                f"{row['search_error']}")
     return (f"[{i}/{total}] {row['label']}: published {row['published_tflops_per_gpu']:.1f}, "
             f"pinned {row['pinned']['est_tflops_per_gpu']:.1f}, search "
             f"{row['full_search']['est_tflops_per_gpu']:.1f} TFLOPS/GPU "

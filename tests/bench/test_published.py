@@ -75,3 +75,31 @@ def test_a_run_is_planned_pinned_and_searched_into_a_row_a_page_and_a_plot(tmp_p
     assert "small GPT @ 8 A100" in page and "Load average before" in page
     assert (tmp_path / "bench-published.png").stat().st_size > 1000
     assert len(lines) == 1 and lines[0].startswith("[1/1] small GPT @ 8 A100: published 100.0")
+
+
+def test_a_stopped_suite_lists_the_runs_it_did_not_start(tmp_path):
+    files = run_suite(tmp_path, command="autopar bench --suite published --stop-after 0",
+                      echo=lambda line: None, runs=[small_run(), MEGATRON_TABLE_1[0]],
+                      stop_after_s=-1.0)
+    page = files[1].read_text()
+    assert "Not run (the run stopped starting rows after -1 s): small GPT @ 8 A100; " \
+           "Megatron GPT 1.7B @ 32 A100." in page
+    assert (tmp_path / "bench-published.jsonl").read_text() == ""
+
+
+def test_a_search_without_a_plan_keeps_the_pinned_row(tmp_path, monkeypatch):
+    from autopar.bench import published_suite
+    from autopar.errors import PlanError
+
+    def no_plan(run, m):
+        raise PlanError("no candidate of the full search fits in 80.00 GiB per device")
+
+    monkeypatch.setattr(published_suite, "plan_full_search", no_plan)
+    lines = []
+    files = run_suite(tmp_path, command="c", echo=lines.append, runs=[small_run()])
+    row = json.loads(files[0].read_text())
+    assert "full_search" not in row and row["search_error"].startswith("no candidate")
+    assert row["pinned"]["method"] == "pipeshard"
+    assert "| no plan: no candidate of the full search fits" in files[1].read_text()
+    assert lines[0].endswith("search: no candidate of the full search fits in 80.00 GiB "
+                             "per device")

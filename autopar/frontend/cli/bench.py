@@ -39,6 +39,9 @@ def add_bench_parser(sub: Any, parser_class: type[argparse.ArgumentParser]) -> N
                         "configuration pinned and the full search, beside the measurement)")
     b.add_argument("--runs", default=None, metavar="TEXT",
                    help="published suite: only the runs whose label contains TEXT")
+    b.add_argument("--stop-after", type=float, default=None, metavar="SECONDS",
+                   help="published suite: start no run after this many seconds (the page "
+                        "lists the runs left)")
     b.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
                    help=f"directory for the results (default {DEFAULT_OUT})")
     b.add_argument("--calibrated", default=None, metavar="FILE",
@@ -96,8 +99,10 @@ def _run_published(args: argparse.Namespace, log_handler: Any = None) -> int:
     command = f"autopar bench --suite {PUBLISHED}"
     if args.runs is not None:
         command += f" --runs {shlex.quote(args.runs)}"
+    if args.stop_after is not None:
+        command += f" --stop-after {args.stop_after:g}"
     files = _with_progress(log_handler, lambda progress, echo: run_suite(
-        args.out, command=command, echo=echo, runs=runs))
+        args.out, command=command, echo=echo, runs=runs, stop_after_s=args.stop_after))
     for path in files:
         print(f"wrote {path}")
     return 0
