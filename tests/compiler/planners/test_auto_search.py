@@ -16,7 +16,12 @@ from autopar.cluster import RuntimeCosts, load_cluster
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.planners import dispatch
 from autopar.compiler.planners.pipeshard import search_pipelines, stage_ilp_notes
-from autopar.compiler.planners.stage_costs import CostClock, layer_cost_cache, range_piece
+from autopar.compiler.planners.stage_costs import (
+    STAGE_COST_TIME_LIMIT_S,
+    CostClock,
+    layer_cost_cache,
+    range_piece,
+)
 from autopar.errors import PlanError
 from autopar.ir.pipeline_program import build_pipeline_program
 from autopar.models import get_model
@@ -167,7 +172,8 @@ def test_stage_ilp_notes_count_every_unproven_solve():
     assert stage_ilp_notes(cache) == []
     cache.statuses.update({"proven": 3, "within_gap": 2, "time_limit": 1, "no_solution": 1})
     notes = " | ".join(stage_ilp_notes(cache))
-    assert "1 of 7 stage-cost ILPs stopped at their time limit (1 s)" in notes
+    assert (f"1 of 7 stage-cost ILPs stopped at their time limit "
+            f"({STAGE_COST_TIME_LIMIT_S:g} s)") in notes
     assert "2 of 7 stage-cost ILPs stopped within their relative gap" in notes
     assert "1 of 7 stage-cost ILPs: the solver found no plan in time" in notes
 
