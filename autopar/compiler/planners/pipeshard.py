@@ -15,7 +15,6 @@ what the runtime places.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from autopar.compiler.inter_op.stages import (
 from autopar.compiler.inter_op.step_parts import step_work
 from autopar.compiler.planners.stage_costs import (
     CostClock,
+    check_stage_mesh,
     layer_cost_cache,
     range_piece,
     stage_collectives,
@@ -51,7 +51,7 @@ from autopar.compiler.planners.stage_costs import (
     stage_dp_options,
     submesh_mesh,
 )
-from autopar.errors import MeshError, PlanError
+from autopar.errors import PlanError
 from autopar.ir.pipeline_program import PipelineProgram
 from autopar.ir.schedules import ScheduleName
 from autopar.methods import SCHEDULE_AUTO, ManualStages, PipeshardParallel
@@ -262,7 +262,7 @@ def plan_pipeshard(pp: PipelineProgram, method: PipeshardParallel, cluster: Clus
         raise PlanError("schedule='auto' compares schedules: plan it with "
                         "schedule_choice.plan_pipeline, which plans each with this function")
     start = time.perf_counter()
-    _check_stage_mesh(method, cluster)
+    check_stage_mesh(method, cluster)
     graph = build_graph(pp.forward)
     positions = layer_positions(pp, graph, method.layers, cluster.num_devices)
     cache = cache if cache is not None else layer_cost_cache(method)
@@ -407,21 +407,6 @@ def _input_paths(pp: PipelineProgram, specs: dict) -> dict:
         if path is not None:
             found[path] = spec
     return found
-
-
-def _check_stage_mesh(method: PipeshardParallel, cluster: ClusterSpec) -> None:
-    """A pinned stage mesh must fill the cluster with the uniform stages' count (MeshError,
-    one line, otherwise)."""
-    shape = method.stage_mesh_shape
-    if shape is None or method.stages != "uniform":
-        return
-    stages = method.num_stages or 2
-    need = math.prod(shape) * stages
-    if need != cluster.num_devices:
-        mesh = "x".join(map(str, shape))
-        raise MeshError(f"{stages} stage(s) of a {mesh} mesh need {need} devices but the "
-                        f"cluster has {cluster.num_devices}; choose degrees whose product is "
-                        f"{cluster.num_devices}")
 
 
 def _partition(method: PipeshardParallel, table: StageCostTable, num_layers: int, hosts: int,

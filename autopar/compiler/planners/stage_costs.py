@@ -29,7 +29,7 @@ from autopar.compiler.inter_op.stages import (
     submesh_shapes,
 )
 from autopar.compiler.intra_op.sharding_ilp import IntraOpOptions
-from autopar.errors import InvalidOptionError
+from autopar.errors import InvalidOptionError, MeshError
 from autopar.ir.pipeline_pieces import Piece, cut_pieces, piece_roles
 from autopar.ir.pipeline_program import PipelineProgram
 from autopar.ir.schedules import ScheduleName
@@ -75,6 +75,21 @@ def stage_meshes(method: PipeshardParallel, submesh: SubmeshShape) -> list[tuple
     if pinned is None:
         return logical_shapes(submesh)
     return [pinned] if math.prod(pinned) == submesh.num_devices else []
+
+
+def check_stage_mesh(method: PipeshardParallel, cluster: ClusterSpec) -> None:
+    """A pinned stage mesh must fill the cluster with the uniform stages' count (MeshError,
+    one line, otherwise)."""
+    shape = method.stage_mesh_shape
+    if shape is None or method.stages != "uniform":
+        return
+    stages = method.num_stages or 2
+    need = math.prod(shape) * stages
+    if need != cluster.num_devices:
+        mesh = "x".join(map(str, shape))
+        raise MeshError(f"{stages} stage(s) of a {mesh} mesh need {need} devices but the "
+                        f"cluster has {cluster.num_devices}; choose degrees whose product is "
+                        f"{cluster.num_devices}")
 
 
 def submesh_mesh(cluster: ClusterSpec, submesh: SubmeshShape, shape: tuple[int, ...],
