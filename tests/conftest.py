@@ -22,16 +22,19 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # JAX trusts what its cache directory holds) and removes it when the session ends; the xdist
 # workers, and the subprocesses tests start, inherit it through the environment, so the two
 # workers share what either compiled. Nothing is left in the checkout or kept between sessions,
-# so a session times the same on a fresh machine as on a used one. Every compilation is cached:
-# the same small programs (a stage's slices, a pipeline's tasks) recur across tests.
+# so a session times the same on a fresh machine as on a used one (to keep a cache between
+# local sessions, set AUTOPAR_TEST_JAX_CACHE_DIR to a directory only you can write: it is used
+# and left in place). Every compilation is cached, however quick: the same small programs (a
+# stage's slices, a pipeline's tasks) recur across tests, and reading one back takes about a
+# twentieth of compiling it.
 _SESSION_CACHE_VAR = "AUTOPAR_TEST_JAX_CACHE_DIR"
 _OWN_JAX_CACHE_DIR = None
 if not os.environ.get(_SESSION_CACHE_VAR):
     _OWN_JAX_CACHE_DIR = tempfile.mkdtemp(prefix="autopar-tests-jax-cache-")
     os.environ[_SESSION_CACHE_VAR] = _OWN_JAX_CACHE_DIR
 os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[_SESSION_CACHE_VAR]
-os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"  # no size floor either
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")  # no size floor
 
 
 import pytest  # noqa: E402

@@ -3,6 +3,7 @@
 import jax
 import numpy as np
 import pytest
+from serial_reference import serial_run
 
 import autopar
 from autopar.errors import BatchSizeError, InvalidOptionError, MeshError, TraceError
@@ -11,19 +12,19 @@ from autopar.runtime.hlo import count_collectives
 
 
 def run_serial_and_parallel(model, step, num_steps=3):
-    state = model.init_state(jax.random.key(0))
-    batches = [model.make_batch(jax.random.key(10 + i)) for i in range(num_steps)]
-    serial = jax.jit(model.train_step)
-    s_ref, s_par = state, state
+    """The serial step's final state leaves (``serial_reference.serial_run``: the same initial
+    state and batches, computed once per model and process), ``step``'s final state, and the
+    (serial, parallel) loss of every step."""
+    ref_losses, ref_leaves = serial_run(model, num_steps)
+    s_par = model.init_state(jax.random.key(0))
     losses = []
-    for batch in batches:
-        s_ref, loss_ref = serial(s_ref, batch)
-        s_par, loss_par = step(s_par, batch)
-        losses.append((float(loss_ref), float(loss_par)))
-    return s_ref, s_par, losses
+    for i in range(num_steps):
+        s_par, loss_par = step(s_par, model.make_batch(jax.random.key(10 + i)))
+        losses.append((ref_losses[i], float(loss_par)))
+    return ref_leaves, s_par, losses
 
 
-def assert_same_numbers(s_ref, s_par, losses, learning_rate):
+def assert_same_numbers(ref_leaves, s_par, losses, learning_rate):
     """fp32, tight: losses to 1e-5 relative; parameters to 0.2% of one Adam step.
 
     The parallel program sums gradients in another order, and Adam divides each gradient by its
@@ -32,10 +33,9 @@ def assert_same_numbers(s_ref, s_par, losses, learning_rate):
     """
     for ref, par in losses:
         assert par == pytest.approx(ref, rel=1e-5, abs=1e-6)
-    ref_leaves = jax.tree_util.tree_leaves_with_path(s_ref)
-    par_leaves = jax.tree_util.tree_leaves(s_par)
+    par_leaves = jax.tree_util.tree_leaves_with_path(s_par)
     assert len(ref_leaves) == len(par_leaves)
-    for (path, ref), par in zip(ref_leaves, par_leaves, strict=True):
+    for ref, (path, par) in zip(ref_leaves, par_leaves, strict=True):
         np.testing.assert_allclose(
             np.asarray(par), np.asarray(ref), rtol=1e-5, atol=2e-3 * learning_rate,
             err_msg=jax.tree_util.keystr(path),
@@ -49,8 +49,8 @@ def assert_same_numbers(s_ref, s_par, losses, learning_rate):
 def test_data_parallel_equals_serial(name, mesh):
     model = get_model(name, "tiny")
     step = autopar.parallelize(model.train_step, method=autopar.DataParallel(mesh_shape=mesh))
-    s_ref, s_par, losses = run_serial_and_parallel(model, step)
-    assert_same_numbers(s_ref, s_par, losses, model.config.learning_rate)
+    ref_leaves, s_par, losses = run_serial_and_parallel(model, step)
+    assert_same_numbers(ref_leaves, s_par, losses, model.config.learning_rate)
     # the state really lives on all 8 devices, the batch really was split
     leaf = jax.tree_util.tree_leaves(s_par)[0]
     assert len(leaf.sharding.device_set) == 8
