@@ -172,25 +172,34 @@ def _plan(run: PublishedRun, method: Any) -> tuple[Plan, float]:
     return plan, time.perf_counter() - start
 
 
-# The pinned configuration ran on its hardware: it is planned whatever memory autopar's model
-# gives it (reported beside, with whether it fits the device), so that a model that
-# overstates memory shows as such rather than as a missing row.
+# The pinned configuration ran on its hardware: where no plan of it fits the device's memory
+# in autopar's model it is planned whatever memory it needs (reported beside, with whether it
+# fits the device), so that a model that overstates memory shows as such rather than as a
+# missing row.
 UNBOUNDED_MEMORY = 1e18
 
 
 def plan_pinned(run: PublishedRun) -> PlannedRun:
     """The published configuration, pinned (``autopar.pinned``), at each microbatch size the
-    run names; the fastest estimate that fits the device memory (else the fastest)."""
+    run names, planned within the device's memory (else with it unbounded); the fastest
+    estimate that fits the device memory (else the fastest)."""
+    from autopar.errors import PlanError
     from autopar.methods import pinned
 
     found = []
     for size in run.microbatch_sizes:
         m = run.num_microbatches(size)
-        method = pinned(run.data, run.tensor, run.pipeline, num_microbatches=m,
-                        schedule=run.schedule, remat="layers",
-                        memory_budget_bytes=UNBOUNDED_MEMORY)
-        plan, seconds = _plan(run, method)
-        found.append(PlannedRun(plan, m, seconds))
+        for budget in (None, UNBOUNDED_MEMORY):
+            method = pinned(run.data, run.tensor, run.pipeline, num_microbatches=m,
+                            schedule=run.schedule, remat="layers", memory_budget_bytes=budget)
+            try:
+                plan, seconds = _plan(run, method)
+            except PlanError:
+                if budget is not None:  # not even with memory unbounded
+                    raise
+                continue
+            found.append(PlannedRun(plan, m, seconds))
+            break
     budget = run.described_cluster().device.memory_bytes
     fitting = [p for p in found if p.plan.peak_memory_bytes <= budget] or found
     return min(fitting, key=lambda p: p.plan.est_step_time_s)

@@ -264,6 +264,16 @@ def estimate_memory(
     )
 
 
+def memory_floor(graph: OpGraph, *, batch_argnums: Iterable[int],
+                 num_devices: int) -> MemoryEstimate:
+    """The memory of ``graph`` with every tensor split ``num_devices`` ways: no plan on that
+    many devices holds less of any tensor, so (up to the memory-greedy order, which the
+    shares set) none peaks below this. What a planner checks before building an ILP that
+    cannot fit; the plan's own figure is ``estimate_memory`` of its layouts."""
+    shards = dict.fromkeys(graph.tensors, max(1, int(num_devices)))
+    return estimate_memory(graph, batch_argnums=batch_argnums, shards=shards)
+
+
 def resharded_operand_bytes(
     graph: OpGraph,
     operand_shards: Mapping[tuple[int, int], int],

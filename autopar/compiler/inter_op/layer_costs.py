@@ -29,17 +29,19 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import jax
+import numpy as np
 
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.opgraph import OpGraph
 from autopar.compiler.graph.trace import build_graph
 from autopar.compiler.inter_op.piece_plan import forward_value_specs, piece_collectives
 from autopar.compiler.inter_op.step_parts import StepWork, amortise, gradient_nodes, step_work
-from autopar.compiler.intra_op.ilp import solve
+from autopar.compiler.intra_op.ilp import restrict, solve
 from autopar.compiler.intra_op.sharding_ilp import (
     IntraOpOptions,
     MeshCaches,
     build_problem,
+    most_split_state,
     read_solution,
 )
 from autopar.ir.flatten import flatten_step
@@ -188,6 +190,9 @@ class LayerCostCache:
     # a cache hit renamed for the piece that asked (by solve key and the piece's span): the
     # stage search asks for every layer of every range on every mesh
     renamed: dict[tuple, PieceCost] = field(default_factory=dict)
+    # the latest built ILPs by (structure, mesh): a piece's memory-lean variant is its
+    # fastest's problem restricted, asked for soon after it (``BUILT_PROBLEMS_KEPT``)
+    built: dict[tuple, BuiltPiece] = field(default_factory=dict)
 
     def _roles(self, pp: PipelineProgram, piece: Piece) -> PieceRoles:
         span = _span(piece)
@@ -196,17 +201,18 @@ class LayerCostCache:
         return self.roles[span]
 
     def cost(self, pp: PipelineProgram, piece: Piece, mesh: LogicalMesh,
-             time_limit_s: float | None = None) -> PieceCost:
+             time_limit_s: float | None = None, *, lean: bool = False) -> PieceCost:
         """``piece``'s cost and plan on ``mesh``. ``time_limit_s``: its ILP's limit when
         longer than the table's (``options.time_limit_s``): a piece that runs is solved
-        again under it if the table's solve stopped at its limit."""
+        again under it if the table's solve stopped at its limit. ``lean``: the fastest plan
+        among those that split the piece's parameters the most ways (``split_state``)."""
         mesh_key = (tuple(mesh.shape), tuple(mesh.alpha), tuple(mesh.beta), mesh.peak_flops,
                     mesh.compute_efficiency)
         span = _span(piece)
         if span not in self.signatures:
             self.signatures[span] = piece_signature(pp, piece)
         signature = self.signatures[span]
-        key = (signature, *mesh_key)
+        key = (signature, *mesh_key, lean)
         options = self.options
         if time_limit_s is not None and time_limit_s > options.time_limit_s:
             options = replace(options, time_limit_s=time_limit_s)
@@ -224,8 +230,15 @@ class LayerCostCache:
                 self.state_per_parameter = optimizer_state_per_parameter(pp)
             if self.work is None:
                 self.work = step_work(pp)
-            cost = _solve_piece(pp, traced_from, graph, paths, mesh, options, shared,
-                                self.state_per_parameter, self.work, self.num_microbatches)
+            built = self.built.pop((signature, mesh_key), None)
+            if built is None:
+                built = _build_piece(graph, mesh, options, shared, self.work,
+                                     self.num_microbatches)
+            self.built[(signature, mesh_key)] = built  # the most recently used last
+            while len(self.built) > BUILT_PROBLEMS_KEPT:
+                del self.built[next(iter(self.built))]
+            cost = _solve_piece(pp, traced_from, graph, paths, mesh, options, built,
+                                self.state_per_parameter, self.num_microbatches, lean)
             self.solved[key] = (cost, traced_from)
             self.ilp_solves += 1
             self.statuses[solve_status(cost)] += 1
@@ -285,13 +298,42 @@ def solve_status(cost: PieceCost) -> str:
     return "proven"
 
 
-def _solve_piece(pp: PipelineProgram, piece: Piece, graph: OpGraph, paths: dict[str, int],
-                 mesh: LogicalMesh, options: IntraOpOptions, caches: MeshCaches,
-                 state_per_parameter: float, work: StepWork, m: int) -> PieceCost:
+# Built ILPs kept for a memory-lean variant to restrict rather than build again: the stage
+# search asks for it right after the fastest plans of the same stage's layers.
+BUILT_PROBLEMS_KEPT = 8
+
+
+@dataclass
+class BuiltPiece:
+    """A piece's sharding ILP on one mesh with its per-step parts amortised (``amortise``),
+    what reads a solution back, and the function pricing a solution's per-step parts."""
+
+    problem: Any
+    parts: Any
+    per_step: Any
+
+
+def _build_piece(graph: OpGraph, mesh: LogicalMesh, options: IntraOpOptions,
+                 caches: MeshCaches, work: StepWork, m: int) -> BuiltPiece:
     problem, parts = build_problem(graph, mesh, options, caches)
-    per_step = amortise(problem, parts, graph, mesh, work, m)
-    solution = solve(problem, solver=options.solver, time_limit_s=options.time_limit_s,
-                     relative_gap=options.relative_gap)
+    return BuiltPiece(problem, parts, amortise(problem, parts, graph, mesh, work, m))
+
+
+def _solve_piece(pp: PipelineProgram, piece: Piece, graph: OpGraph, paths: dict[str, int],
+                 mesh: LogicalMesh, options: IntraOpOptions, built: BuiltPiece,
+                 state_per_parameter: float, m: int, lean: bool) -> PieceCost:
+    """``lean``: the fastest plan among those splitting every parameter the most ways."""
+    problem, parts, per_step = built.problem, built.parts, built.per_step
+    limits = dict(solver=options.solver, time_limit_s=options.time_limit_s,
+                  relative_gap=options.relative_gap)
+    if lean:
+        restricted, originals = restrict(problem, {
+            u: np.asarray(c) for u, c in most_split_state(parts, options.batch_argnums).items()})
+        sub = solve(restricted, **limits)
+        solution = replace(sub, choices=[int(originals[u][c])
+                                         for u, c in enumerate(sub.choices)])
+    else:
+        solution = solve(problem, **limits)
     node_strategy, input_spec, _, tensor_spec, _ = read_solution(parts, solution.choices)
     per_microbatch_moves, per_step_moves = piece_collectives(
         parts, graph, node_strategy, tensor_spec, *gradient_nodes(graph))

@@ -15,6 +15,8 @@ from typing import Any
 from autopar.compiler.inter_op.submesh import StageCandidate
 
 REMAT_SUFFIX = "+remat"
+# a candidate whose layers split their parameters the most ways (the memory-lean variant)
+LEAN_SUFFIX = "+lean"
 # forward flops / (forward + backward flops) of a layer
 FORWARD_SHARE = 1.0 / 3.0
 
@@ -24,14 +26,21 @@ def is_remat_key(key: str) -> bool:
     return key.endswith(REMAT_SUFFIX)
 
 
+def is_lean_key(key: str) -> bool:
+    """Whether a stage candidate's key names the memory-lean variant (its layers' plans
+    split their parameters the most ways: ``LayerCostCache.cost(lean=True)``)."""
+    return LEAN_SUFFIX in key
+
+
 def remat_candidates(costs: Sequence[Any], shape: tuple[int, ...], mode: str, *,
                      extra_time: float = 0.0, tail_time: float = 0.0, host_time: float = 0.0,
-                     param_bytes: float = 0.0) -> list[StageCandidate]:
+                     param_bytes: float = 0.0, lean: bool = False) -> list[StageCandidate]:
     """The stage candidates of layers with ``costs`` (``PieceCost``) on one logical mesh:
     as they are (``mode`` "none" or "auto"), rematerialised ("layers" or "auto").
     ``extra_time`` is added per microbatch; ``tail_time``, ``host_time`` and ``param_bytes``
-    are the stage's (see ``StageCandidate``)."""
-    key = "x".join(map(str, shape))
+    are the stage's (see ``StageCandidate``); ``lean``: the costs are the memory-lean
+    variant's (named so in the key)."""
+    key = "x".join(map(str, shape)) + (LEAN_SUFFIX if lean else "")
     fixed = sum(c.fixed_bytes for c in costs)
     common = dict(fixed_memory=fixed, logical_mesh_shape=shape, tail_time=tail_time,
                   host_time=host_time, param_bytes=param_bytes)

@@ -115,18 +115,29 @@ class IntraOpSolution:
 
 
 class InfeasibleMemoryError(AutoparError, ValueError):
-    """No choice of strategies fits the per-device memory budget."""
+    """No choice of strategies fits the per-device memory budget.
 
-    def __init__(self, budget: float, min_peak_bytes: float, dominant: str = ""):
+    ``min_peak_bytes``: the least memory a plan needs, or with ``split_over`` (a device count)
+    a floor under it: the step with every tensor split over that many devices, which was over
+    the budget before any ILP was built."""
+
+    def __init__(self, budget: float, min_peak_bytes: float, dominant: str = "",
+                 split_over: int | None = None):
         self.budget = budget
         self.min_peak_bytes = min_peak_bytes
         self.dominant = dominant
+        self.split_over = split_over
         have, need = _fmt_bytes(budget), _fmt_bytes(min_peak_bytes)
         if have == need:  # rounding hid the difference: show exact bytes
             have, need = f"{budget:.0f} bytes", f"{min_peak_bytes:.0f} bytes"
         most = f", most of it {dominant}" if dominant else ""
-        super().__init__(f"no sharding plan fits in {have} per device; the smallest per-device "
-                         f"memory any plan needs is {need}{most}")
+        if split_over is not None:
+            text = (f"no sharding plan fits in {have} per device; with every tensor split over "
+                    f"all {split_over} devices the step still needs {need}{most}")
+        else:
+            text = (f"no sharding plan fits in {have} per device; the smallest per-device "
+                    f"memory any plan needs is {need}{most}")
+        super().__init__(text)
 
 
 def _fmt_bytes(b: float) -> str:

@@ -64,6 +64,7 @@ __all__ = [
     "ProblemParts",
     "Variable",
     "build_problem",
+    "most_split_state",
     "read_solution",
     "solve_intra_op",
 ]
@@ -233,6 +234,23 @@ def reshard_collectives(
         if have != need:
             tied.extend(parts.edges.cost(have, need, graph.tensors[out_t]).collectives)
     return uses, tied
+
+
+def most_split_state(parts: ProblemParts, batch_argnums: Sequence[int]) -> dict[int, list[int]]:
+    """Per decision variable of a state input (not a batch argument), its choices that split
+    that input the most ways: ``ilp.restrict`` to these gives the fastest plan among those
+    holding the least state per device (parameters, and so their gradients and optimizer
+    state)."""
+    graph, mesh = parts.table.graph, parts.table.mesh
+    sizes = {a: mesh.axis_size(a) for a in mesh.axis_names}
+    batch = set(batch_argnums)
+    keep: dict[int, list[int]] = {}
+    for index, var in enumerate(parts.variables):
+        if var.root >= 0 or graph.inputs[-var.root - 1].arg_index in batch:
+            continue
+        shards = [s.output_specs[0].num_shards(sizes) for s in var.members[var.root]]
+        keep[index] = [i for i, n in enumerate(shards) if n == max(shards)]
+    return keep
 
 
 def choices_memory(parts: ProblemParts, choices: Sequence[int], options: IntraOpOptions,

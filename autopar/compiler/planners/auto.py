@@ -173,16 +173,16 @@ def plan_auto(step: StepProgram, cluster: ClusterSpec, ilp_observer: IlpObserver
 
 def _one_stage_candidates(method: AutoParallel, cluster: ClusterSpec
                           ) -> list[tuple[str, Method]]:
-    """The full search's one-stage candidates by name. ShardParallel runs on every logical
-    mesh the stage search gives a stage over the whole cluster (``logical_shapes``): one axis,
-    and a 2-D one (hosts x devices per host, or 2 x n/2 on one host), where the ILP can put
-    the batch on one axis and the model on the other, as a data x tensor expert plan does."""
+    """The full search's one-stage candidates by name. ShardParallel runs on one axis (its
+    default) and on every 2-D logical mesh the stage search gives a stage over the whole
+    cluster (``logical_shapes``), where the ILP can put the batch on one axis and the model on
+    the other, as a data x tensor expert plan does."""
     found: list[tuple[str, Method]] = []
     whole = SubmeshShape(cluster.num_hosts, cluster.devices_per_host)
     for candidate in method.one_stage_methods():
         found.append((candidate.name.value, candidate))
         if isinstance(candidate, ShardParallel):
-            for shape in logical_shapes(whole)[1:]:
+            for shape in (s for s in logical_shapes(whole) if len(s) == 2):
                 found.append((f"shard {format_mesh_shape(shape)}",
                               dataclasses.replace(candidate, mesh_shape=shape)))
     return found

@@ -21,7 +21,12 @@ from autopar.compiler.graph.trace import TracedStep, build_graph, trace_step
 from autopar.compiler.inter_op.layers import remat_layer_positions
 from autopar.compiler.planners.auto import plan_auto, trace_auto
 from autopar.compiler.planners.data import plan_data_parallel
-from autopar.compiler.planners.step_program import IlpObserver, PlannedProgram, StepProgram
+from autopar.compiler.planners.step_program import (
+    IlpObserver,
+    PlannedProgram,
+    StepProgram,
+    TraceMemo,
+)
 from autopar.compiler.planners.zero import optimizer_state_pins, plan_zero
 from autopar.errors import (
     BatchSizeError,
@@ -138,9 +143,9 @@ def _plan_one_stage_with_remat(step: StepProgram, cluster: ClusterSpec,
     if remat != "layers":
         try:
             planned = PlannedProgram(step.traced, _plan_one_stage(
-                step.traced, method, cluster, step.batch_argnums, ilp_observer))
-        except InfeasibleMemoryError:
-            if remat == "none" or step.fn is None:
+                step.traced, method, cluster, step.batch_argnums, ilp_observer, step.memo))
+        except InfeasibleMemoryError as err:
+            if remat == "none" or step.fn is None or _state_over_budget(step, cluster, err.budget):
                 raise
             # "auto": no plan without recomputation fits, which is what it is for
             try:
@@ -152,6 +157,13 @@ def _plan_one_stage_with_remat(step: StepProgram, cluster: ClusterSpec,
                             or not _fits(planned.plan, method, cluster, budget)):
         planned = _plan_rematerialised(step, cluster, planned, ilp_observer)
     return planned
+
+
+def _state_over_budget(step: StepProgram, cluster: ClusterSpec, budget: float) -> bool:
+    """Whether the step's state, inputs and updated state alone, split over all the devices,
+    exceed ``budget``: recomputing layers saves activations only, so it cannot fit either."""
+    floor = step.memo.memory_floor(step.traced, step.batch_argnums, cluster.num_devices)
+    return floor.total - floor.activations > budget
 
 
 def _fits(plan: Plan, method: Method, cluster: ClusterSpec, budget: float | None = None) -> bool:
@@ -183,7 +195,8 @@ def _plan_rematerialised(step: StepProgram, cluster: ClusterSpec,
         planned.plan.notes.append("remat='auto' left off: the step has no autopar.value_and_grad")
         return planned
     traced, positions = step.memo.remat
-    plan = _plan_one_stage(traced, step.method, cluster, step.batch_argnums, ilp_observer)
+    plan = _plan_one_stage(traced, step.method, cluster, step.batch_argnums, ilp_observer,
+                           step.memo)
     if planned is not None and plan.peak_memory_bytes >= planned.plan.peak_memory_bytes:
         planned.plan.notes.append(
             "remat='auto' tried the layers under jax.checkpoint: no memory saved")
@@ -222,9 +235,11 @@ def _plan_one_stage(
     cluster: ClusterSpec,
     batch_argnums: tuple[int, ...],
     ilp_observer: IlpObserver | None,
+    memo: TraceMemo | None = None,
 ) -> Plan:
     """One stage over the whole cluster with ``method`` (data, shard, ZeRO); records the
-    planning time and the method's options in the plan."""
+    planning time and the method's options in the plan. ``memo``: the step's shared traces
+    and memory floors."""
     start = time.perf_counter()
     mesh = logical_mesh_for(cluster, method.mesh_shape)
     common = dict(batch_argnums=batch_argnums, cluster_name=cluster.name,
@@ -235,6 +250,15 @@ def _plan_one_stage(
         from autopar.compiler.intra_op.sharding_ilp import IntraOpOptions
         from autopar.compiler.planners.shard import plan_shard_parallel
 
+        budget = method.memory_budget_bytes
+        limit = float(budget if budget is not None else cluster.device.memory_bytes)
+        # no plan holds less of a tensor than its share over every device: a step whose floor
+        # is over the budget is answered before its ILP is built (at published sizes the
+        # build, and the memory-constrained solve after it, take minutes)
+        devices = len(mesh.device_ids)
+        floor = (memo or TraceMemo()).memory_floor(traced, batch_argnums, devices)
+        if floor.total > limit:
+            raise InfeasibleMemoryError(limit, floor.total, floor.dominant(), split_over=devices)
         pins = (optimizer_state_pins(traced.graph, mesh, batch_argnums)
                 if method.prefer_reduce_scatter else {})
 
@@ -249,8 +273,6 @@ def _plan_one_stage(
         # plan does not fit the budget (the device's memory unless one is given): the
         # unconstrained optimum, when it fits, is the constrained one
         plan = solve_within(None)
-        budget = method.memory_budget_bytes
-        limit = float(budget if budget is not None else cluster.device.memory_bytes)
         if plan.peak_memory_bytes > limit:
             fastest = plan
             try:

@@ -29,7 +29,7 @@ from autopar.compiler.inter_op.stages import (
     submesh_shapes,
 )
 from autopar.compiler.intra_op.sharding_ilp import IntraOpOptions
-from autopar.errors import InvalidOptionError, MeshError
+from autopar.errors import InvalidOptionError, MeshError, PlanError
 from autopar.ir.pipeline_pieces import Piece, cut_pieces, piece_roles
 from autopar.ir.pipeline_program import PipelineProgram
 from autopar.ir.schedules import ScheduleName
@@ -51,20 +51,23 @@ def range_piece(pp: PipelineProgram, positions: Sequence[int], start: int, end: 
 
 
 def logical_shapes(submesh: SubmeshShape) -> list[tuple[int, ...]]:
-    """Logical meshes tried on a submesh: one axis over all its devices, then the 2-D ones
-    ``(n / t, t)`` whose second axis (the one the ILP can give the model, as a data x tensor
-    expert plan does) stays inside a host: ``t`` from 2 up to the devices per host, largest
-    first, each a divisor of the submesh. A tensor degree beyond one host cannot win: its
-    collectives would cross the slow links that the first axis's data parallelism crosses
-    once per step."""
+    """Logical meshes tried on a submesh: on one host, one axis over all its devices; then
+    the 2-D ones ``(n / t, t)`` whose second axis (the one the ILP can give the model, as a
+    data x tensor expert plan does) stays inside a host: ``t`` from 2 up to the devices per
+    host, largest first, each a divisor of the submesh. A tensor degree beyond one host
+    cannot win: its collectives would cross the slow links that the first axis's data
+    parallelism crosses once per step. Nor can one axis over several hosts: every collective
+    on it is priced at the links between hosts, while ``(hosts, devices per host)`` can lay
+    out all it can (a dimension may be split over both axes) with the fast links inside a
+    host (measured on GPT layers at 15B: 8-14x slower per microbatch)."""
     n = submesh.num_devices
-    shapes: list[tuple[int, ...]] = [(n,)]
+    shapes: list[tuple[int, ...]] = [(n,)] if submesh.num_hosts == 1 else []
     t = min(submesh.devices_per_host, n // 2)
     while t >= 2:
         if n % t == 0 and submesh.devices_per_host % t == 0:
             shapes.append((n // t, t))
         t //= 2
-    return shapes
+    return shapes or [(n,)]
 
 
 def stage_meshes(method: PipeshardParallel, submesh: SubmeshShape) -> list[tuple[int, ...]]:
@@ -156,6 +159,7 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
     seconds spent in the layers' cost lookups and solves."""
     layers = cut_pieces(pp.forward, positions)
     m = num_microbatches or method.num_microbatches
+    options = stage_dp_options(method, cluster, m)
     runtime = cluster.runtime
     facts = _range_facts(pp, positions)
     per_task = tasks_per_microbatch(method.schedule)
@@ -175,22 +179,45 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
         if submesh.num_devices == cluster.num_devices and runs_as_one_program(method.schedule, 1):
             # the only stage: the runtime runs the step as one program (runtime.fused_step)
             host = runtime.call_s
+        most_in_flight = _most_in_flight(options, submesh, cluster, len(layers))
         for shape in stage_meshes(method, submesh):
             mesh = submesh_mesh(cluster, submesh, shape)
-            costs = [cache.cost(pp, layers[k], mesh) for k in range(start, end)]
-            param_bytes = sum(c.param_bytes for c in costs)
-            tail = sum(c.sync_s + c.update_s for c in costs) + replica_allreduce_time(
-                param_bytes, replicas, whole)
-            extra = transfer + param_bytes / runtime.accumulate_bytes_per_s
-            found.extend(remat_candidates(costs, shape, method.remat, extra_time=extra,
-                                          tail_time=tail, host_time=host,
-                                          param_bytes=param_bytes))
+
+            def variants(lean: bool, mesh=mesh, shape=shape) -> list[StageCandidate]:
+                costs = [cache.cost(pp, layers[k], mesh, lean=lean) for k in range(start, end)]
+                param_bytes = sum(c.param_bytes for c in costs)
+                tail = sum(c.sync_s + c.update_s for c in costs) + replica_allreduce_time(
+                    param_bytes, replicas, whole)
+                extra = transfer + param_bytes / runtime.accumulate_bytes_per_s
+                return remat_candidates(costs, shape, method.remat, extra_time=extra,
+                                        tail_time=tail, host_time=host,
+                                        param_bytes=param_bytes, lean=lean)
+
+            fastest = variants(lean=False)
+            found.extend(fastest)
+            # the layers' fastest plans may hold their parameters (and so their gradients and
+            # optimizer state) on every device: where none of them fits with the most
+            # microbatches this stage could hold, the plans that split them the most ways are
+            # candidates too (solved only for such stages: most stages never need them)
+            if min(c.memory(most_in_flight) for c in fastest) > options.memory_budget_bytes:
+                found.extend(variants(lean=True))
         if clock is not None:
             clock.seconds += time.perf_counter() - start_s
         return found
 
     submeshes = submesh_shapes(cluster.num_hosts, cluster.devices_per_host)
     return StageCostTable(len(positions) + 1, submeshes, candidates)
+
+
+def _most_in_flight(options: StageDPOptions, submesh: SubmeshShape, cluster: ClusterSpec,
+                    num_layers: int) -> float:
+    """The most microbatches a stage on ``submesh`` could hold in flight: stage 0 of the
+    longest pipeline such stages make (one stage per layer at most)."""
+    longest = max(1, min(num_layers, cluster.num_devices // submesh.num_devices))
+    try:
+        return max(options.activation_counts(longest))
+    except (InvalidOptionError, PlanError):  # the schedule does not run on that many stages
+        return float(options.num_microbatches)
 
 
 def stage_dp_options(method: PipeshardParallel, cluster: ClusterSpec,

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from autopar.compiler.cost.memory_model import MemoryEstimate, memory_floor
 from autopar.compiler.graph.trace import TracedStep
 from autopar.ir.pipeline_program import PipelineProgram
 from autopar.methods import Method
@@ -23,9 +24,21 @@ class TraceMemo:
     """Traces of one step that every candidate planned from it shares: the step again with its
     loss function's layers under ``jax.checkpoint`` (``remat``: the traced step and the layer
     positions, or the error that tracing raised), which the full search's one-stage candidates
-    would otherwise each trace anew."""
+    would otherwise each trace anew. ``memory_floors``: per (graph, device count), the memory
+    of the step with every tensor split over all the devices (``memory_floor``), which the
+    one-stage candidates on meshes of the same size share."""
 
     remat: tuple[TracedStep, tuple[int, ...]] | Exception | None = None
+    memory_floors: dict[tuple[int, int], MemoryEstimate] = field(default_factory=dict)
+
+    def memory_floor(self, traced: TracedStep, batch_argnums: tuple[int, ...],
+                     num_devices: int) -> MemoryEstimate:
+        """``memory_floor`` of ``traced``'s graph on ``num_devices`` devices, computed once."""
+        key = (id(traced.graph), num_devices)
+        if key not in self.memory_floors:
+            self.memory_floors[key] = memory_floor(traced.graph, batch_argnums=batch_argnums,
+                                                   num_devices=num_devices)
+        return self.memory_floors[key]
 
 
 @dataclass

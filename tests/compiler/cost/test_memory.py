@@ -7,6 +7,7 @@ serial numbers and hold less per microbatch.
 """
 
 import dataclasses
+import math
 
 import jax
 import pytest
@@ -14,6 +15,7 @@ from memory_checks import assert_serial_numbers, xla_bytes
 
 import autopar
 from autopar.cluster import ClusterSpec, load_cluster
+from autopar.compiler.cost.memory_model import memory_floor
 from autopar.compiler.graph.trace import trace_step
 from autopar.compiler.intra_op.problem import InfeasibleMemoryError
 from autopar.compiler.planners.dispatch import plan_traced
@@ -105,9 +107,29 @@ def test_impossible_budget_names_the_least_and_what_dominates(batch_size, domina
     message = str(info.value)
     assert "\n" not in message and isinstance(info.value, autopar.AutoparError)
     assert "no sharding plan fits in 1000 B per device" in message
-    assert "smallest per-device memory any plan needs is" in message
+    # far below the floor (every tensor split over all 8 devices): answered before any ILP
+    assert "with every tensor split over all 8 devices the step still needs" in message
     assert message.endswith(f"most of it {dominant}")
-    assert info.value.min_peak_bytes > 1000
+    assert info.value.min_peak_bytes > 1000 and info.value.split_over == 8
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt", "moe"])
+def test_the_memory_floor_is_under_every_plan(name):
+    """``memory_floor`` (every tensor split over all the devices) is what the one-stage
+    planners refuse a budget by before building an ILP: no plan may need less, whichever way
+    it lays the step out (fastest, data parallel, the least memory a tight budget forces)."""
+    model, state, batch = zoo_inputs(name)
+    traced = trace_step(model.train_step, (state, batch))
+    base = load_cluster("cpu-sim")
+    floor = memory_floor(traced.graph, batch_argnums=(1,), num_devices=8).total
+    peaks = [plan_traced(traced, method, base).peak_memory_bytes for method in (
+        autopar.ShardParallel(mesh_shape=(8,)), autopar.ShardParallel(mesh_shape=(2, 4)),
+        autopar.DataParallel(), autopar.Zero3Parallel())]
+    with pytest.raises(InfeasibleMemoryError) as least:
+        plan_traced(traced, autopar.ShardParallel(memory_budget_bytes=floor), base)
+    assert least.value.split_over is None  # at the floor the ILP ran and found its least
+    peaks.append(least.value.min_peak_bytes)
+    assert 0 < floor <= min(peaks), (floor, peaks)
 
 
 def test_device_memory_is_the_default_budget():
@@ -146,6 +168,44 @@ def test_gpt_too_big_for_one_device_is_pipelined_to_fit():
     assert all(s.peak_memory_bytes <= device.memory_bytes for s in saved.stages)
     assert whole > device.memory_bytes
     step = autopar.parallelize(model.train_step, method=method, plan=saved, cache=False)
+    assert_serial_numbers(step, model, 2)
+
+
+def test_stages_the_fastest_layouts_overfill_split_their_parameters():
+    """Stage costs priced with each layer's fastest layouts, which keep parameters whole on
+    some mesh axis, overfill a device of 0.8 of that plan's peak: the stage search adds the
+    layers' memory-lean plans (every parameter split the most ways the mesh allows), the plan
+    fits, its lean stages hold less than before, and it runs to the serial numbers."""
+    model = gpt_pipeline_model()
+    state, batch = model.init_state(jax.random.key(0)), model.make_batch(jax.random.key(1))
+    base = load_cluster("cpu-sim")
+    method = autopar.PipeshardParallel(num_microbatches=4)
+
+    def plan_on(memory_bytes):
+        device = dataclasses.replace(base.device, memory_bytes=int(memory_bytes))
+        cluster = ClusterSpec.from_dict(base.to_dict() | {"device": device.to_dict()})
+        return plan_train_step(model.train_step, (state, batch), method, cluster,
+                               batch_argnums=(1,)).plan
+
+    free = plan_on(1e12)
+    assert not any("+lean" in st["candidate"]["key"] for st in free.planning.stage_search["stages"])
+    budget = 0.8 * max(s.peak_memory_bytes for s in free.stages)
+    tight = plan_on(budget)
+    lean = [k for k, st in enumerate(tight.planning.stage_search["stages"])
+            if "+lean" in st["candidate"]["key"]]
+    assert lean, tight.planning.stage_search["stages"]
+    assert all(s.peak_memory_bytes <= budget for s in tight.stages)
+    assert max(tight.stages[k].memory_breakdown["fixed"] for k in lean) < \
+        min(s.memory_breakdown["fixed"] for s in free.stages)
+    for k in lean:
+        stage = tight.stages[k]
+        width = math.prod(stage.logical_mesh_shape)
+        kernels = [spec for path, spec in stage.input_shardings.items()
+                   if path.startswith("state/params") and "kernel" in path]
+        assert kernels and all(spec.num_shards(dict(zip(stage.axis_names,
+                                                        stage.logical_mesh_shape))) == width
+                               for spec in kernels), kernels
+    step = autopar.parallelize(model.train_step, method=method, plan=tight, cache=False)
     assert_serial_numbers(step, model, 2)
 
 

@@ -40,19 +40,27 @@ def shard(mesh_shape, **options):
 
 def test_infeasible_budget_names_the_smallest_memory_and_that_memory_is_enough():
     params, batch = mlp_inputs()
+    params_bytes = 2 * 64 * 128 * 4
+    # far below: answered from the floor (every tensor split over all four devices), before
+    # any ILP is built; the floor holds at least the parameters' quarter each
     with pytest.raises(InfeasibleMemoryError) as err:
         shard((4,), memory_budget_bytes=1024).get_plan(params, batch)
     assert isinstance(err.value, autopar.AutoparError)
     message = str(err.value)
     assert "\n" not in message
-    assert re.search(r"no sharding plan fits in 1\.00 KiB per device; the smallest per-device "
-                     r"memory any plan needs is [\d.]+ KiB", message), message
+    assert re.search(r"no sharding plan fits in 1\.00 KiB per device; with every tensor split "
+                     r"over all 4 devices the step still needs [\d.]+ KiB", message), message
+    floor = err.value.min_peak_bytes
+    assert err.value.split_over == 4 and params_bytes / 4 <= floor
+    # at the floor the ILP runs: its least-memory plan states the smallest memory any plan
+    # needs, at or above the floor; the memory model is conservative (it counts a merged
+    # variable's tensors as live together) but far below holding every tensor of the step whole
+    with pytest.raises(InfeasibleMemoryError) as err:
+        shard((4,), memory_budget_bytes=floor).get_plan(params, batch)
+    assert re.search(r"the smallest per-device memory any plan needs is [\d.]+ KiB",
+                     str(err.value)), str(err.value)
     need = err.value.min_peak_bytes
-    # at least a quarter of the parameters (four devices can share them); the memory model is
-    # conservative (it counts a merged variable's tensors as live together; issue 8 refines it)
-    # but far below holding every tensor of the step whole
-    params_bytes = 2 * 64 * 128 * 4
-    assert params_bytes / 4 <= need < 4 * params_bytes
+    assert err.value.split_over is None and floor <= need < 4 * params_bytes
     # the stated minimum is exact: it is enough, and a little less is not
     plan = shard((4,), memory_budget_bytes=need).get_plan(params, batch)
     assert plan.stages[0].input_shardings["params/w1"].to_string() != "P(None, None)"
@@ -65,7 +73,7 @@ def test_cli_infeasible_budget_is_one_line_and_exit_2(capsys):
             "--memory-budget", "1e-6", "--no-hlo"]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "smallest per-device memory any plan needs is" in err[0]
+    assert len(err) == 1 and "no sharding plan fits in" in err[0] and "still needs" in err[0]
 
 
 def test_a_mesh_axis_that_divides_nothing_replicates_with_a_note():
