@@ -187,6 +187,8 @@ class PipeshardParallel:
     ``stage_mesh_shape``: every stage's logical mesh (``(data, tensor)``, or one axis); None
     (default): the search tries one axis and every 2-D mesh whose second axis stays inside a
     host, per stage.
+    ``planning_workers``: processes the stage search's layer ILPs are split over (None:
+    every core this process may use; 1: all in this process). The plan is the same.
     """
 
     num_microbatches: int = 4
@@ -202,6 +204,7 @@ class PipeshardParallel:
     replicas: str = "auto"
     allow_async: bool = False
     stage_mesh_shape: tuple[int, ...] | None = None
+    planning_workers: int | None = None
 
     name = MethodName.PIPESHARD
 
@@ -250,6 +253,15 @@ class PipeshardParallel:
                 raise InvalidOptionError(f"stage_mesh_shape must be one or two positive "
                                          f"integers, got {self.stage_mesh_shape!r}")
             object.__setattr__(self, "stage_mesh_shape", shape)
+        check_workers(self.planning_workers)
+
+
+def check_workers(value: object) -> None:
+    """Raise ``InvalidOptionError`` unless ``value`` is None or a positive integer."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                              or value < 1):
+        raise InvalidOptionError(f"planning_workers must be a positive integer or None, got "
+                                 f"{value!r}")
 
 
 AUTO_CANDIDATES: tuple[str, ...] = ("data", "shard", "zero2", "zero3", "pipeshard")
@@ -278,6 +290,7 @@ class AutoParallel:
     are planned in order (the one-stage methods, then the pipelines); each ILP's limit is cut
     to what is left, and once the budget is spent the rest are skipped: the best plan found
     is kept and its notes and planning record name what was skipped.
+    ``planning_workers``: the pipelined candidates' (see ``PipeshardParallel``).
     """
 
     candidates: tuple[str, ...] = AUTO_CANDIDATES
@@ -291,6 +304,7 @@ class AutoParallel:
     remat: str = "auto"
     replicas: str = "auto"
     time_budget_s: float | None = None
+    planning_workers: int | None = None
 
     name = "auto"
 
@@ -320,7 +334,8 @@ class AutoParallel:
                                  schedule=self.schedule, num_chunks=self.num_chunks,
                                  memory_budget_bytes=self.memory_budget_bytes,
                                  solver=self.solver, time_limit_s=self.time_limit_s,
-                                 remat=self.remat, replicas=self.replicas)
+                                 remat=self.remat, replicas=self.replicas,
+                                 planning_workers=self.planning_workers)
 
     def one_stage_methods(self) -> list[Method]:
         """The one-stage candidates' methods, in the order they are planned."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -34,6 +35,7 @@ import numpy as np
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.opgraph import OpGraph
 from autopar.compiler.graph.trace import build_graph
+from autopar.compiler.inter_op.forked import run_shares
 from autopar.compiler.inter_op.piece_plan import forward_value_specs, piece_collectives
 from autopar.compiler.inter_op.step_parts import StepWork, amortise, gradient_nodes, step_work
 from autopar.compiler.intra_op.ilp import restrict, solve
@@ -200,14 +202,85 @@ class LayerCostCache:
             self.roles[span] = piece_roles(pp, piece)
         return self.roles[span]
 
+    def _prepare(self, pp: PipelineProgram, piece: Piece, signature: str) -> None:
+        """What solving ``piece`` needs first: its train graph (traced once per structure:
+        an identical piece met first solves as that piece, whose ids the graph's are, and is
+        renamed like any cache hit), and the step's optimizer state and work, read once."""
+        if signature not in self.graphs:
+            self.graphs[signature] = (*piece_train_graph(pp, piece), piece)
+        if self.state_per_parameter is None:
+            self.state_per_parameter = optimizer_state_per_parameter(pp)
+        if self.work is None:
+            self.work = step_work(pp)
+
+    def _solve_new(self, pp: PipelineProgram, signature: str, mesh: LogicalMesh,
+                   options: IntraOpOptions, lean: bool) -> PieceCost:
+        graph, paths, traced_from = self.graphs[signature]
+        mesh_key = _mesh_key(mesh)
+        built = self.built.pop((signature, mesh_key), None)
+        if built is None:
+            built = _build_piece(graph, mesh, options, self.mesh_caches.setdefault(
+                mesh_key, MeshCaches()), self.work, self.num_microbatches)
+        self.built[(signature, mesh_key)] = built  # the most recently used last
+        while len(self.built) > BUILT_PROBLEMS_KEPT:
+            del self.built[next(iter(self.built))]
+        return _solve_piece(pp, traced_from, graph, paths, mesh, options, built,
+                            self.state_per_parameter, self.num_microbatches, lean)
+
+    def _record(self, key: tuple, cost: PieceCost) -> None:
+        self.solved[key] = (cost, self.graphs[key[0]][2])
+        self.ilp_solves += 1
+        self.statuses[solve_status(cost)] += 1
+
+    def prefetch(self, pp: PipelineProgram, pieces: Sequence[Piece],
+                 meshes: Sequence[LogicalMesh],
+                 lean_on: Callable[[LogicalMesh, list[PieceCost]], bool],
+                 workers: int) -> None:
+        """Solve every piece's fastest plan on every mesh, and every piece's lean plan on the
+        meshes where ``lean_on(mesh, fastest costs of the pieces in order)``, split by mesh
+        over ``workers`` processes (``forked``), when at least ``PARALLEL_MIN_SOLVES`` are
+        missing; fewer are left to ``cost``, which solves what it is asked for when asked."""
+        for piece in pieces:
+            span = _span(piece)
+            if span not in self.signatures:
+                self.signatures[span] = piece_signature(pp, piece)
+        order = [self.signatures[_span(p)] for p in pieces]
+        firsts = {sig: p for sig, p in zip(order, pieces, strict=True)}
+        missing = [mesh for mesh in meshes
+                   if any((sig, *_mesh_key(mesh), False) not in self.solved for sig in firsts)]
+        if workers < 2 or len(missing) * len(firsts) < PARALLEL_MIN_SOLVES:
+            return
+        for sig, piece in firsts.items():
+            self._prepare(pp, piece, sig)
+
+        def solve(mesh: LogicalMesh) -> list[tuple[tuple, PieceCost]]:
+            found = {}
+            for lean in (False, True):
+                for sig in firsts:
+                    key = (sig, *_mesh_key(mesh), lean)
+                    if key in self.solved:
+                        found[key] = self.solved[key][0]
+                    else:
+                        found[key] = self._solve_new(pp, sig, mesh, self.options, lean)
+                if lean or not lean_on(mesh, [found[(sig, *_mesh_key(mesh), False)]
+                                              for sig in order]):
+                    break
+            return [(k, c) for k, c in found.items() if k not in self.solved]
+
+        size = -(-len(missing) // workers)
+        shares = [missing[k:k + size] for k in range(0, len(missing), size)]
+        for share in run_shares(shares, solve):
+            for found in share:
+                for key, cost in found:
+                    self._record(key, cost)
+
     def cost(self, pp: PipelineProgram, piece: Piece, mesh: LogicalMesh,
              time_limit_s: float | None = None, *, lean: bool = False) -> PieceCost:
         """``piece``'s cost and plan on ``mesh``. ``time_limit_s``: its ILP's limit when
         longer than the table's (``options.time_limit_s``): a piece that runs is solved
         again under it if the table's solve stopped at its limit. ``lean``: the fastest plan
-        among those that split the piece's parameters the most ways (``split_state``)."""
-        mesh_key = (tuple(mesh.shape), tuple(mesh.alpha), tuple(mesh.beta), mesh.peak_flops,
-                    mesh.compute_efficiency)
+        among those that split the piece's parameters the most ways (``most_split_state``)."""
+        mesh_key = _mesh_key(mesh)
         span = _span(piece)
         if span not in self.signatures:
             self.signatures[span] = piece_signature(pp, piece)
@@ -220,28 +293,8 @@ class LayerCostCache:
                 del self.solved[key]
                 self.renamed = {k: v for k, v in self.renamed.items() if k[0] != key}
         if key not in self.solved:
-            if signature not in self.graphs:
-                self.graphs[signature] = (*piece_train_graph(pp, piece), piece)
-            # an identical piece met first on another mesh traced the graph: solve as that
-            # piece (its ids match the graph's) and rename below like any cache hit
-            graph, paths, traced_from = self.graphs[signature]
-            shared = self.mesh_caches.setdefault(mesh_key, MeshCaches())
-            if self.state_per_parameter is None:
-                self.state_per_parameter = optimizer_state_per_parameter(pp)
-            if self.work is None:
-                self.work = step_work(pp)
-            built = self.built.pop((signature, mesh_key), None)
-            if built is None:
-                built = _build_piece(graph, mesh, options, shared, self.work,
-                                     self.num_microbatches)
-            self.built[(signature, mesh_key)] = built  # the most recently used last
-            while len(self.built) > BUILT_PROBLEMS_KEPT:
-                del self.built[next(iter(self.built))]
-            cost = _solve_piece(pp, traced_from, graph, paths, mesh, options, built,
-                                self.state_per_parameter, self.num_microbatches, lean)
-            self.solved[key] = (cost, traced_from)
-            self.ilp_solves += 1
-            self.statuses[solve_status(cost)] += 1
+            self._prepare(pp, piece, signature)
+            self._record(key, self._solve_new(pp, signature, mesh, options, lean))
         cost, first = self.solved[key]
         if first is piece:
             return cost
@@ -276,6 +329,11 @@ def optimizer_state_per_parameter(pp: PipelineProgram) -> float:
     return state_bytes / param_bytes if param_bytes else 0.0
 
 
+def _mesh_key(mesh: LogicalMesh) -> tuple:
+    return (tuple(mesh.shape), tuple(mesh.alpha), tuple(mesh.beta), mesh.peak_flops,
+            mesh.compute_efficiency)
+
+
 def _span(piece: Piece) -> tuple[int, int]:
     return (piece.eqns[0], piece.eqns[-1]) if piece.eqns else (piece.index, -1)
 
@@ -298,6 +356,10 @@ def solve_status(cost: PieceCost) -> str:
     return "proven"
 
 
+# Fewer layer ILPs than this are solved here, one by one, when the stage search asks: forking
+# costs tens of milliseconds, and small searches (the tests', the zoo at tiny sizes) finish
+# in about that.
+PARALLEL_MIN_SOLVES = 24
 # Built ILPs kept for a memory-lean variant to restrict rather than build again: the stage
 # search asks for it right after the fastest plans of the same stage's layers.
 BUILT_PROBLEMS_KEPT = 8

@@ -155,6 +155,10 @@ def _plan_one_stage_with_remat(step: StepProgram, cluster: ClusterSpec,
             raise
     if remat != "none" and (planned is None
                             or not _fits(planned.plan, method, cluster, budget)):
+        if planned is not None and _beyond_recompute(planned.plan, method, cluster, budget):
+            planned.plan.notes.append("remat='auto' left off: the state alone does not fit, "
+                                      "and recomputing layers saves activations only")
+            return planned
         planned = _plan_rematerialised(step, cluster, planned, ilp_observer)
     return planned
 
@@ -164,6 +168,14 @@ def _state_over_budget(step: StepProgram, cluster: ClusterSpec, budget: float) -
     exceed ``budget``: recomputing layers saves activations only, so it cannot fit either."""
     floor = step.memo.memory_floor(step.traced, step.batch_argnums, cluster.num_devices)
     return floor.total - floor.activations > budget
+
+
+def _beyond_recompute(plan: Plan, method: Method, cluster: ClusterSpec,
+                      budget: float | None) -> bool:
+    """Whether ``plan``'s memory other than activations is already over the budget."""
+    budget = budget or getattr(method, "memory_budget_bytes", None) or cluster.device.memory_bytes
+    parts = plan.stages[0].memory_breakdown
+    return sum(parts.values()) - parts.get("activations", 0) > budget
 
 
 def _fits(plan: Plan, method: Method, cluster: ClusterSpec, budget: float | None = None) -> bool:

@@ -90,14 +90,14 @@ def stage_baselines(pp: PipelineProgram, method: PipeshardParallel, cluster: Clu
     options = stage_dp_options(method, cluster)
     hosts, per_host = cluster.num_hosts, cluster.devices_per_host
     positions = layer_positions(pp, graph, method.layers, cluster.num_devices)
-    table = stage_cost_table(pp, positions, method, cluster, cache)
+    table = stage_cost_table(pp, positions, method, cluster, cache, prefetch_on=())
     best = solve_stages(table, hosts, per_host, options)
     p = num_stages if num_stages is not None else len(best.stages)
     found = {"dp": best}
     if p > 1:
         found["equal-layer"] = uniform_stages(table, p, hosts, per_host, options)
         ops = operator_positions(pp, p)
-        ops_table = stage_cost_table(pp, ops, method, cluster, cache)
+        ops_table = stage_cost_table(pp, ops, method, cluster, cache, prefetch_on=())
         found["equal-operator"] = uniform_stages(ops_table, p, hosts, per_host, options)
     return found
 
@@ -186,8 +186,12 @@ def search_pipelines(pp: PipelineProgram, method: PipeshardParallel, cluster: Cl
         m = method.num_microbatches // r
         hosts, per_host = group.num_hosts, group.devices_per_host
         options = stage_dp_options(method, group, m)
+        # the stage DP reads every entry; uniform and manual stages only their own
+        whole_table = method.stages == "auto" and method.schedule != \
+            ScheduleName.INTERLEAVED_1F1B
         table = stage_cost_table(pp, positions, method, group, cache, clock,
-                                 num_microbatches=m, replicas=r, whole=cluster)
+                                 num_microbatches=m, replicas=r, whole=cluster,
+                                 prefetch_on=None if whole_table else ())
         try:
             partition, chunks = _partition(method, table, num_layers, hosts, per_host, options)
         except PlanError as err:
@@ -227,7 +231,9 @@ def hand_splits(pp: PipelineProgram, method: PipeshardParallel, cluster: Cluster
         try:
             layer_split = uniform_stages(table, count, hosts, per_host, options)
             ops = operator_positions(pp, count)
-            ops_table = stage_cost_table(pp, ops, method, cluster, cache, clock)
+            # the same count of equal stages: on the equal-layer split's submesh
+            ops_table = stage_cost_table(pp, ops, method, cluster, cache, clock,
+                                         prefetch_on=(layer_split.stages[0].submesh,))
             op_split = uniform_stages(ops_table, count, hosts, per_host, options)
         except PlanError:
             continue

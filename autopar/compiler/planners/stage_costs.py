@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from autopar.cluster import ClusterSpec
 from autopar.compiler.cost.mesh import LogicalMesh
+from autopar.compiler.inter_op.forked import available_cores
 from autopar.compiler.inter_op.layer_costs import LayerCostCache, PieceCost
 from autopar.compiler.inter_op.pipeline_cost import (
     replica_allreduce_time,
@@ -149,14 +150,18 @@ def _range_facts(pp: PipelineProgram, positions: Sequence[int]):
 def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: PipeshardParallel,
                      cluster: ClusterSpec, cache: LayerCostCache,
                      clock: CostClock | None = None, *, num_microbatches: int | None = None,
-                     replicas: int = 1, whole: ClusterSpec | None = None) -> StageCostTable:
+                     replicas: int = 1, whole: ClusterSpec | None = None,
+                     prefetch_on: Sequence[SubmeshShape] | None = None) -> StageCostTable:
     """Candidates for every layer range and submesh: per logical mesh shape, the sum of the
     layers' ILP costs (filled lazily: the DP reads every entry, baselines only a few), with
     what the runtime adds per microbatch (the accumulation of the gradients, the transfers in
     and out) and per step (the tail: gradient reduction, update, and with ``replicas`` > 1 the
     replicas' all-reduce over ``whole``'s links between hosts; the driver's host time).
     ``num_microbatches``: per pipeline (default the method's). ``clock``: accumulates the
-    seconds spent in the layers' cost lookups and solves."""
+    seconds spent in the layers' cost lookups and solves. ``prefetch_on``: the submeshes on
+    whose meshes every layer is solved now, over the method's ``planning_workers`` (default
+    every submesh: a table the DP reads whole; ``()`` for a baseline reading a few entries,
+    which are solved when read)."""
     layers = cut_pieces(pp.forward, positions)
     m = num_microbatches or method.num_microbatches
     options = stage_dp_options(method, cluster, m)
@@ -179,7 +184,7 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
         if submesh.num_devices == cluster.num_devices and runs_as_one_program(method.schedule, 1):
             # the only stage: the runtime runs the step as one program (runtime.fused_step)
             host = runtime.call_s
-        most_in_flight = _most_in_flight(options, submesh, cluster, len(layers))
+        most_in_flight = _most_in_flight(options, submesh.num_devices, cluster, len(layers))
         for shape in stage_meshes(method, submesh):
             mesh = submesh_mesh(cluster, submesh, shape)
 
@@ -206,14 +211,31 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
         return found
 
     submeshes = submesh_shapes(cluster.num_hosts, cluster.devices_per_host)
+
+    def lean_on(mesh: LogicalMesh, fastest: list[PieceCost]) -> bool:
+        # the whole model on the mesh with its layers' fastest plans overfills it: the DP
+        # reads that entry, whose candidates then ask for every layer's lean plan there
+        candidates = remat_candidates(fastest, tuple(mesh.shape), method.remat)
+        most = _most_in_flight(options, len(mesh.device_ids), cluster, len(layers))
+        return min(c.memory(most) for c in candidates) > options.memory_budget_bytes
+
+    start_s = time.perf_counter()
+    workers = method.planning_workers or available_cores()
+    meshes = [submesh_mesh(cluster, sub, shape)
+              for sub in (submeshes if prefetch_on is None else prefetch_on)
+              for shape in stage_meshes(method, sub)]
+    if meshes:
+        cache.prefetch(pp, layers, meshes, lean_on, workers)
+    if clock is not None:
+        clock.seconds += time.perf_counter() - start_s
     return StageCostTable(len(positions) + 1, submeshes, candidates)
 
 
-def _most_in_flight(options: StageDPOptions, submesh: SubmeshShape, cluster: ClusterSpec,
+def _most_in_flight(options: StageDPOptions, devices: int, cluster: ClusterSpec,
                     num_layers: int) -> float:
-    """The most microbatches a stage on ``submesh`` could hold in flight: stage 0 of the
-    longest pipeline such stages make (one stage per layer at most)."""
-    longest = max(1, min(num_layers, cluster.num_devices // submesh.num_devices))
+    """The most microbatches a stage on ``devices`` devices could hold in flight: stage 0
+    of the longest pipeline such stages make (one stage per layer at most)."""
+    longest = max(1, min(num_layers, cluster.num_devices // devices))
     try:
         return max(options.activation_counts(longest))
     except (InvalidOptionError, PlanError):  # the schedule does not run on that many stages

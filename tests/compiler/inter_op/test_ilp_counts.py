@@ -18,10 +18,12 @@ from autopar.models import get_model
 BUILD_PROBLEM = layer_costs.build_problem
 
 
-def cost_table_builds(num_layers: int, monkeypatch) -> tuple[int, list[tuple]]:
+def cost_table_builds(num_layers: int, monkeypatch, workers: int = 1
+                      ) -> tuple[int, list[tuple], dict]:
     """Every entry of the stage DP's cost table for a GPT of ``num_layers`` blocks (one
-    pipeline layer each) on 2 described hosts of 8: the ILPs the cache solved, and the
-    (layer structure, mesh) of each ILP built."""
+    pipeline layer each) on 2 described hosts of 8: the ILPs the cache solved, the (layer
+    structure, mesh) of each ILP built in this process, and the table's entries. ``workers``:
+    the processes the layer ILPs are split over (builds in other processes are not seen)."""
     builds: list[tuple] = []
 
     def counting(graph, mesh, options, caches=None):
@@ -32,21 +34,22 @@ def cost_table_builds(num_layers: int, monkeypatch) -> tuple[int, list[tuple]]:
     model = get_model("gpt", "tiny", num_layers=num_layers).with_value_and_grad(
         autopar.value_and_grad)
     cluster = dataclasses.replace(load_cluster("aws-p3.16xlarge"), num_hosts=2)
-    method = autopar.PipeshardParallel(num_microbatches=4, layers=num_layers)
+    method = autopar.PipeshardParallel(num_microbatches=4, layers=num_layers,
+                                       planning_workers=workers)
     pp = build_pipeline_program(model.train_step, model.abstract_inputs(), (1,), 4)
     positions = layer_positions(pp, build_graph(pp.forward), num_layers, cluster.num_devices)
     cache = layer_cost_cache(method)
     table = stage_cost_table(pp, positions, method, cluster, cache)
-    for start in range(table.num_layers):
-        for end in range(start + 1, table.num_layers + 1):
-            for index in range(len(table.submeshes)):
-                table.candidates(start, end, index)
-    return cache.ilp_solves, builds
+    entries = {(start, end, index): table.candidates(start, end, index)
+               for start in range(table.num_layers)
+               for end in range(start + 1, table.num_layers + 1)
+               for index in range(len(table.submeshes))}
+    return cache.ilp_solves, builds, entries
 
 
 def test_identical_layers_and_meshes_are_solved_once(monkeypatch):
     num_layers = 8
-    solves, builds = cost_table_builds(num_layers, monkeypatch)
+    solves, builds, _ = cost_table_builds(num_layers, monkeypatch)
     # no (layer structure, mesh) pair is built twice, and the cache counts every build
     assert len(builds) == len(set(builds)) == solves > 0
     structures = {b[0] for b in builds}
@@ -55,3 +58,13 @@ def test_identical_layers_and_meshes_are_solved_once(monkeypatch):
     # last blocks, which carry the embedding and the head, differ)
     assert solves == len(structures) * len(meshes)
     assert len(structures) <= 4 and solves <= num_layers * len(meshes) / 2
+
+
+def test_layer_ilps_split_over_processes_give_the_same_table(monkeypatch):
+    """Two processes (the parent and a forked child) solve the layer ILPs: the same solves,
+    the same candidates for every entry, and the parent built only its share."""
+    serial_solves, serial_builds, serial = cost_table_builds(8, monkeypatch, workers=1)
+    solves, builds, split = cost_table_builds(8, monkeypatch, workers=2)
+    assert solves == serial_solves
+    assert 0 < len(builds) < len(serial_builds)  # the child built the rest
+    assert split == serial
