@@ -179,17 +179,19 @@ def _plan(run: PublishedRun, method: Any) -> tuple[Plan, float]:
 UNBOUNDED_MEMORY = 1e18
 
 
-def plan_pinned(run: PublishedRun) -> PlannedRun:
+def plan_pinned(run: PublishedRun, within_device: bool = True) -> PlannedRun:
     """The published configuration, pinned (``autopar.pinned``), at each microbatch size the
-    run names, planned within the device's memory (else with it unbounded); the fastest
-    estimate that fits the device memory (else the fastest)."""
+    run names, planned within the device's memory (else, or with ``within_device=False``,
+    with it unbounded); the fastest estimate that fits the device memory (else the
+    fastest)."""
     from autopar.errors import PlanError
     from autopar.methods import pinned
 
     found = []
+    budgets = (None, UNBOUNDED_MEMORY) if within_device else (UNBOUNDED_MEMORY,)
     for size in run.microbatch_sizes:
         m = run.num_microbatches(size)
-        for budget in (None, UNBOUNDED_MEMORY):
+        for budget in budgets:
             method = pinned(run.data, run.tensor, run.pipeline, num_microbatches=m,
                             schedule=run.schedule, remat="layers", memory_budget_bytes=budget)
             try:

@@ -81,6 +81,11 @@ def run_published(run: PublishedRun) -> dict[str, Any]:
         "formula": run.formula, "note": run.note, "pinned": _plan_row(run, pinned),
     }
     row["pinned_over_published"] = row["pinned"]["est_tflops_per_gpu"] / run.tflops
+    # the same configuration with memory unbounded: where autopar's memory model overfills
+    # the device that the publication ran on, the layouts it forces cost this much
+    unbounded = plan_pinned(run, within_device=False)
+    row["pinned_unbounded"] = {"est_tflops_per_gpu": tflops(run, unbounded.plan.est_step_time_s),
+                               "peak_memory_gib": unbounded.plan.peak_memory_bytes / 2**30}
     started = time.perf_counter()
     try:
         searched = plan_full_search(run, pinned.num_microbatches)
@@ -121,15 +126,19 @@ def markdown(rows: Sequence[dict[str, Any]], info: dict[str, Any], command: str,
         "*Search*: `AutoParallel` with the same microbatch count, schedules compared. "
         "TFLOPS per GPU on the source's own formula. *Stopped*: ILPs that ended on a time "
         "limit (pinned / search). Planning seconds include the trace.", "",
-        "| run | published | pinned plan | pinned est. | pinned / published | search plan "
+        "*Unbounded*: the pinned configuration planned with memory unbounded (its estimate "
+        "and memory), where autopar's memory model puts the fastest layouts over the device "
+        "that the publication ran on.", "",
+        "| run | published | pinned plan | pinned est. | pinned / published | unbounded "
+        "est. (GiB) | search plan "
         "| search est. | search / pinned | search planning s | stopped | memory GiB "
         "(pinned / search) |",
-        "|---|---:|---|---:|---:|---|---:|---:|---:|---:|---|",
+        "|---|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['label']} | {r.get('published_tflops_per_gpu', '')} | "
-                         f"error: {r['error']} | | | | | | | | |")
+                         f"error: {r['error']} | | | | | | | | | |")
             continue
         p = r["pinned"]
         s = r.get("full_search")
@@ -141,10 +150,13 @@ def markdown(rows: Sequence[dict[str, Any]], info: dict[str, Any], command: str,
                   if s is not None else
                   f"no plan: {r['search_error']} | — | — | {_f(r['search_planning_s'])} | "
                   f"{p['stopped_ilps']} / — | {_f(p['peak_memory_gib'])}{fits} / — |")
+        free = r.get("pinned_unbounded")
+        free_text = (f"{_f(free['est_tflops_per_gpu'])} ({_f(free['peak_memory_gib'])})"
+                     if free else "—")
         lines.append(
             f"| {r['label']} | {r['published_tflops_per_gpu']:.1f} | {_plan_text(p)} | "
             f"{_f(p['est_tflops_per_gpu'])} | {_f(r['pinned_over_published'], 2)} | "
-            + search)
+            f"{free_text} | " + search)
     notes = sorted({r["note"] for r in rows if r.get("note")})
     if notes:
         lines += ["", "Notes: " + "; ".join(notes) + "."]

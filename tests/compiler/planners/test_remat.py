@@ -123,3 +123,30 @@ def test_auto_remat_when_no_plan_without_it_fits_at_all():
                              batch_argnums=(1,)).plan
     assert chosen.remat_positions is not None
     assert chosen.peak_memory_bytes <= budget
+
+
+def test_auto_remat_is_not_tried_when_the_state_alone_is_over_the_budget():
+    """Recomputing layers saves activations only: where the parameters and optimizer state
+    (held whole by data parallelism, or split over every device at best) are already over
+    the budget, remat='auto' answers with the plan without it (data) or the floor's error
+    (shard), without tracing the step again."""
+    model = marked_zoo("gpt", batch_size=64)
+    state, batch = model.init_state(jax.random.key(0)), model.make_batch(jax.random.key(1))
+    base = load_cluster("cpu-sim")
+    args = (model.train_step, (state, batch))
+    roomy = plan_train_step(*args, autopar.DataParallel(), base, batch_argnums=(1,)).plan
+    parts = roomy.stages[0].memory_breakdown
+    state_bytes = sum(parts.values()) - parts["activations"]
+    device = dataclasses.replace(base.device, memory_bytes=state_bytes // 2)
+    small = ClusterSpec.from_dict(base.to_dict() | {"device": device.to_dict()})
+    data = plan_train_step(*args, autopar.DataParallel(remat="auto"), small,
+                           batch_argnums=(1,)).plan
+    assert data.remat_positions is None and data.peak_memory_bytes > device.memory_bytes
+    assert any("state alone does not fit" in note for note in data.notes), data.notes
+    # split eight ways the state is a sixteenth of a budget of half of it, so a budget of a
+    # hundredth of the state is below the floor of any plan with or without recomputation
+    with pytest.raises(InfeasibleMemoryError, match="split over all 8 devices") as refused:
+        plan_train_step(*args, autopar.ShardParallel(remat="auto",
+                                                     memory_budget_bytes=state_bytes / 100),
+                        base, batch_argnums=(1,))
+    assert refused.value.split_over == 8
