@@ -179,7 +179,7 @@ def test_stages_the_fastest_layouts_overfill_split_their_parameters():
     model = gpt_pipeline_model()
     state, batch = model.init_state(jax.random.key(0)), model.make_batch(jax.random.key(1))
     base = load_cluster("cpu-sim")
-    method = autopar.PipeshardParallel(num_microbatches=4)
+    method = autopar.PipeshardParallel(num_microbatches=2, layers=2)
 
     def plan_on(memory_bytes):
         device = dataclasses.replace(base.device, memory_bytes=int(memory_bytes))
