@@ -49,6 +49,7 @@ METHOD_OPTIONS: tuple[tuple[str, str, str], ...] = (
     ("pipeline_layers", "--pipeline-layers", "layers"),
     ("remat", "--remat", "remat"),
     ("time_budget", "--time-budget", "time_budget_s"),
+    ("planning_workers", "--planning-workers", "planning_workers"),
 )
 # What --degrees takes besides the degrees (``methods.pinned``'s keywords).
 PINNED_OPTIONS: frozenset[str] = frozenset(

@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="planning seconds the full search may spend: the best plan found "
                         "within them, the report naming what was skipped")
     p = c.add_argument_group("pipeline (--method pipeshard, and auto's pipelined candidates)")
+    p.add_argument("--planning-workers", type=int, default=None, metavar="N",
+                   help="processes the stage search's layer ILPs are split over (default: "
+                        "every core; 1: none forked); the plan is the same")
     p.add_argument("--microbatches", type=int, default=None,
                    help="microbatches per step (default 4)")
     p.add_argument("--schedule", default=None,
