@@ -202,9 +202,8 @@ def test_stages_the_fastest_layouts_overfill_split_their_parameters():
         width = math.prod(stage.logical_mesh_shape)
         kernels = [spec for path, spec in stage.input_shardings.items()
                    if path.startswith("state/params") and "kernel" in path]
-        assert kernels and all(spec.num_shards(dict(zip(stage.axis_names,
-                                                        stage.logical_mesh_shape))) == width
-                               for spec in kernels), kernels
+        sizes = dict(zip(stage.axis_names, stage.logical_mesh_shape, strict=True))
+        assert kernels and all(spec.num_shards(sizes) == width for spec in kernels), kernels
     step = autopar.parallelize(model.train_step, method=method, plan=tight, cache=False)
     assert_serial_numbers(step, model, 2)
 
