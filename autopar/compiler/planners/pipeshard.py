@@ -186,12 +186,8 @@ def search_pipelines(pp: PipelineProgram, method: PipeshardParallel, cluster: Cl
         m = method.num_microbatches // r
         hosts, per_host = group.num_hosts, group.devices_per_host
         options = stage_dp_options(method, group, m)
-        # the stage DP reads every entry; uniform and manual stages only their own
-        whole_table = method.stages == "auto" and method.schedule != \
-            ScheduleName.INTERLEAVED_1F1B
         table = stage_cost_table(pp, positions, method, group, cache, clock,
-                                 num_microbatches=m, replicas=r, whole=cluster,
-                                 prefetch_on=None if whole_table else ())
+                                 num_microbatches=m, replicas=r, whole=cluster)
         try:
             partition, chunks = _partition(method, table, num_layers, hosts, per_host, options)
         except PlanError as err:

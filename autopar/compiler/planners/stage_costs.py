@@ -159,9 +159,10 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
     replicas' all-reduce over ``whole``'s links between hosts; the driver's host time).
     ``num_microbatches``: per pipeline (default the method's). ``clock``: accumulates the
     seconds spent in the layers' cost lookups and solves. ``prefetch_on``: the submeshes on
-    whose meshes every layer is solved now, over the method's ``planning_workers`` (default
-    every submesh: a table the DP reads whole; ``()`` for a baseline reading a few entries,
-    which are solved when read)."""
+    whose meshes every layer is solved now, over the method's ``planning_workers`` (default:
+    every submesh when the stage DP will read the table whole, i.e. stages="auto" and not
+    interleaved; none for uniform or manual stages, which read their own entries, solved
+    when read; ``()`` for a baseline reading a few)."""
     layers = cut_pieces(pp.forward, positions)
     m = num_microbatches or method.num_microbatches
     options = stage_dp_options(method, cluster, m)
@@ -221,8 +222,11 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
 
     start_s = time.perf_counter()
     workers = method.planning_workers or available_cores()
-    meshes = [submesh_mesh(cluster, sub, shape)
-              for sub in (submeshes if prefetch_on is None else prefetch_on)
+    if prefetch_on is None:
+        read_whole = method.stages == "auto" and \
+            method.schedule != ScheduleName.INTERLEAVED_1F1B
+        prefetch_on = submeshes if read_whole else ()
+    meshes = [submesh_mesh(cluster, sub, shape) for sub in prefetch_on
               for shape in stage_meshes(method, sub)]
     if meshes:
         cache.prefetch(pp, layers, meshes, lean_on, workers)
