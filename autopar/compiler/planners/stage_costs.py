@@ -171,6 +171,16 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
     per_task = tasks_per_microbatch(method.schedule)
     whole = whole or cluster
 
+    most_in_flight: dict[int, float] = {}
+
+    def overfills(candidates: Sequence[StageCandidate], devices: int) -> bool:
+        """Whether none of a stage's candidates on ``devices`` devices fits with the most
+        microbatches such a stage could hold."""
+        if devices not in most_in_flight:
+            most_in_flight[devices] = _most_in_flight(options, devices, cluster, len(layers))
+        most = most_in_flight[devices]
+        return min(c.memory(most) for c in candidates) > options.memory_budget_bytes
+
     def candidates(start: int, end: int, submesh: SubmeshShape) -> list[StageCandidate]:
         found = []
         start_s = time.perf_counter()
@@ -185,7 +195,6 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
         if submesh.num_devices == cluster.num_devices and runs_as_one_program(method.schedule, 1):
             # the only stage: the runtime runs the step as one program (runtime.fused_step)
             host = runtime.call_s
-        most_in_flight = _most_in_flight(options, submesh.num_devices, cluster, len(layers))
         for shape in stage_meshes(method, submesh):
             mesh = submesh_mesh(cluster, submesh, shape)
 
@@ -205,7 +214,7 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
             # optimizer state) on every device: where none of them fits with the most
             # microbatches this stage could hold, the plans that split them the most ways are
             # candidates too (solved only for such stages: most stages never need them)
-            if min(c.memory(most_in_flight) for c in fastest) > options.memory_budget_bytes:
+            if overfills(fastest, submesh.num_devices):
                 found.extend(variants(lean=True))
         if clock is not None:
             clock.seconds += time.perf_counter() - start_s
@@ -216,9 +225,8 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
     def lean_on(mesh: LogicalMesh, fastest: list[PieceCost]) -> bool:
         # the whole model on the mesh with its layers' fastest plans overfills it: the DP
         # reads that entry, whose candidates then ask for every layer's lean plan there
-        candidates = remat_candidates(fastest, tuple(mesh.shape), method.remat)
-        most = _most_in_flight(options, len(mesh.device_ids), cluster, len(layers))
-        return min(c.memory(most) for c in candidates) > options.memory_budget_bytes
+        return overfills(remat_candidates(fastest, tuple(mesh.shape), method.remat),
+                         len(mesh.device_ids))
 
     start_s = time.perf_counter()
     workers = method.planning_workers or available_cores()
