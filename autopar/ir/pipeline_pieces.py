@@ -66,6 +66,37 @@ def cut_pieces(forward: FlatProgram, positions: Sequence[int]) -> list[Piece]:
     return pieces
 
 
+class PieceSlicer:
+    """Pieces of one forward for any span of equations, each made in time proportional to
+    its own equations (``cut_pieces`` reads the whole forward): where each value is defined
+    and last read is indexed once. ``piece(a, b)`` equals the piece ``[a, b)`` of any
+    ``cut_pieces`` that cuts at ``a`` and ``b``."""
+
+    def __init__(self, forward: FlatProgram) -> None:
+        self.forward = forward
+        self._constant = {v for v, kind in forward.kinds.items()
+                          if kind in (TensorKind.CONST, TensorKind.LITERAL)}
+        self._defined_at: dict[int, int] = {}
+        self._last_read: dict[int, int] = {}
+        for i, e in enumerate(forward.eqns):
+            for v in e.outputs:
+                self._defined_at[v] = i
+            for v in e.inputs:
+                self._last_read[v] = i
+        for v in forward.out_ids:  # a result is read after every equation
+            self._last_read[v] = len(forward.eqns)
+
+    def piece(self, a: int, b: int, index: int = 0) -> Piece:
+        """Equations ``[a, b)`` as a piece numbered ``index``."""
+        eqns = self.forward.eqns[a:b]
+        defined = self._defined_at
+        reads = {v for e in eqns for v in e.inputs if v not in self._constant}
+        inputs = sorted(v for v in reads if not a <= defined.get(v, -1) < b)
+        outputs = sorted(v for e in eqns for v in e.outputs
+                         if self._last_read.get(v, -1) >= b)
+        return Piece(index, tuple(range(a, b)), tuple(inputs), tuple(outputs))
+
+
 def stage_scan_iterations(pp: PipelineProgram, pieces: Sequence[Piece],
                           stage_of_piece: Sequence[int]) -> list[int]:
     """How many iterations of the forward's layer scans each stage runs: a unit cut between

@@ -37,6 +37,7 @@ from autopar.compiler.graph.opgraph import OpGraph
 from autopar.compiler.graph.trace import build_graph
 from autopar.compiler.inter_op.forked import run_shares
 from autopar.compiler.inter_op.piece_plan import forward_value_specs, piece_collectives
+from autopar.compiler.inter_op.repeats import RepeatGrid, find_repeats
 from autopar.compiler.inter_op.step_parts import StepWork, amortise, gradient_nodes, step_work
 from autopar.compiler.intra_op.ilp import restrict, solve
 from autopar.compiler.intra_op.sharding_ilp import (
@@ -47,7 +48,7 @@ from autopar.compiler.intra_op.sharding_ilp import (
     read_solution,
 )
 from autopar.ir.flatten import flatten_step
-from autopar.ir.pipeline_pieces import Piece, PieceRoles, piece_roles
+from autopar.ir.pipeline_pieces import Piece, PieceRoles, PieceSlicer, piece_roles
 from autopar.ir.pipeline_program import PipelineProgram
 from autopar.ir.scan_units import run_forward_eqns, whole_unit_runs
 from autopar.plan import CollectiveEstimate, ShardingSpec
@@ -168,8 +169,11 @@ def piece_signature(pp: PipelineProgram, piece: Piece) -> str:
 class LayerCostCache:
     """Piece costs by (structure, mesh): a repeated layer is solved once per mesh.
 
-    ``num_microbatches``: what the per-step parts (gradient reduction, update) are divided by
-    in the ILP's objective. ``statuses``: how every ILP solved ended (``solve_status``)."""
+    A layer is costed per block of the forward's repeated structure (``repeats``; found from
+    the first layer cuts given to ``use_layers``): ``layer_cost`` sums its blocks' costs, and
+    identical blocks are one ILP per mesh. ``num_microbatches``: what the per-step parts
+    (gradient reduction, update) are divided by in the ILP's objective. ``statuses``: how
+    every ILP solved ended (``solve_status``)."""
 
     options: IntraOpOptions
     num_microbatches: int = 1
@@ -195,6 +199,91 @@ class LayerCostCache:
     # the latest built ILPs by (structure, mesh): a piece's memory-lean variant is its
     # fastest's problem restricted, asked for soon after it (``BUILT_PROBLEMS_KEPT``)
     built: dict[tuple, BuiltPiece] = field(default_factory=dict)
+    # the forward's repeated block, once looked for (``use_layers``)
+    grid: RepeatGrid | None = None
+    grid_found: bool = False
+    # each layer's blocks, by its first and last equation, cut by ``slicer``
+    units_of: dict[tuple[int, int], list[Piece]] = field(default_factory=dict)
+    slicer: PieceSlicer | None = None
+    # each layer's cost as its blocks' sum, by (its span, mesh, lean)
+    composed: dict[tuple, PieceCost] = field(default_factory=dict)
+
+    def use_layers(self, pp: PipelineProgram, positions: Sequence[int]) -> None:
+        """Look for the forward's repeated block once, its boundaries placed as ``positions``
+        (the stage search's layer cuts) fall in it. Layer scans already run their layers as
+        one body: their pieces are not cut further."""
+        if not self.grid_found:
+            self.grid = None if pp.layer_scans else find_repeats(pp.forward, positions)
+            self.grid_found = True
+
+    def units(self, pp: PipelineProgram, piece: Piece) -> list[Piece]:
+        """``piece`` cut at the repeated block's boundaries inside it (``[piece]`` if none)."""
+        span = _span(piece)
+        if span not in self.units_of:
+            a, b = (piece.eqns[0], piece.eqns[-1] + 1) if piece.eqns else (0, 0)
+            cuts = self.grid.cuts_within(a, b) if self.grid is not None and piece.eqns else []
+            if not cuts:
+                self.units_of[span] = [piece]
+            else:
+                if self.slicer is None or self.slicer.forward is not pp.forward:
+                    self.slicer = PieceSlicer(pp.forward)
+                bounds = [a, *cuts, b]
+                self.units_of[span] = [self.slicer.piece(x, y, k) for k, (x, y) in
+                                       enumerate(zip(bounds, bounds[1:], strict=False))]
+        return self.units_of[span]
+
+    def layer_cost(self, pp: PipelineProgram, piece: Piece, mesh: LogicalMesh,
+                   time_limit_s: float | None = None, *, lean: bool = False) -> PieceCost:
+        """``piece``'s cost and plan on ``mesh`` as the sum of its blocks' (``cost`` of each
+        of ``units``; the arguments as there)."""
+        units = self.units(pp, piece)
+        if len(units) == 1:
+            return self.cost(pp, units[0], mesh, time_limit_s, lean=lean)
+        key = (_span(piece), *_mesh_key(mesh), lean)
+        longer = time_limit_s is not None and time_limit_s > self.options.time_limit_s
+        if longer or key not in self.composed:
+            costs = [self.cost(pp, u, mesh, time_limit_s, lean=lean) for u in units]
+            self.composed[key] = self._compose(pp, piece, units, costs)
+        return self.composed[key]
+
+    def _compose(self, pp: PipelineProgram, piece: Piece, units: Sequence[Piece],
+                 costs: Sequence[PieceCost]) -> PieceCost:
+        """One cost for ``piece`` from its ``units``' ``costs``: times and bytes added, plans
+        merged (an inner boundary keeps its producer's layout: its consumer's is a
+        resharding inside the layer), the worst ILP ending kept; rematerialised, only the
+        piece's own inputs are kept, split as its blocks split their batch."""
+        fwd = pp.forward
+        inside = {v for i in piece.eqns for v in fwd.eqns[i].outputs}
+
+        def input_bytes(p: Piece) -> float:
+            roles = self._roles(pp, p)
+            return sum(_nbytes(fwd.avals[v]) for v in (*roles.acts, *roles.micro))
+
+        splits = [input_bytes(u) / c.boundary_bytes
+                  for u, c in zip(units, costs, strict=True) if c.boundary_bytes > 0]
+        stopped = [c for c in costs if _stopped_early(c)]
+        gaps = [c.ilp_gap for c in costs if c.ilp_gap is not None]
+        values: dict[int, ShardingSpec] = {}
+        for c in costs:
+            values.update(c.value_specs)
+        return PieceCost(
+            time_s=sum(c.time_s for c in costs),
+            compute_s=sum(c.compute_s for c in costs),
+            fixed_bytes=sum(c.fixed_bytes for c in costs),
+            activation_bytes=sum(c.activation_bytes for c in costs),
+            boundary_bytes=input_bytes(piece) / max(splits) if splits else 0.0,
+            input_specs={v: s for c in costs for v, s in c.input_specs.items()
+                         if v not in inside},
+            ilp_status=(stopped[0] if stopped else max(
+                costs, key=lambda c: c.ilp_status != "trivial")).ilp_status,
+            sync_s=sum(c.sync_s for c in costs),
+            update_s=sum(c.update_s for c in costs),
+            param_bytes=sum(c.param_bytes for c in costs),
+            ilp_gap=max(gaps) if gaps else None,
+            collectives=tuple(x for c in costs for x in c.collectives),
+            sync_collectives=tuple(x for c in costs for x in c.sync_collectives),
+            value_specs=values,
+        )
 
     def _roles(self, pp: PipelineProgram, piece: Piece) -> PieceRoles:
         span = _span(piece)
@@ -236,22 +325,34 @@ class LayerCostCache:
                  meshes: Sequence[LogicalMesh],
                  lean_on: Callable[[LogicalMesh, list[PieceCost]], bool],
                  workers: int) -> None:
-        """Solve every piece's fastest plan on every mesh, and every piece's lean plan on the
-        meshes where ``lean_on(mesh, fastest costs of the pieces in order)``, split by mesh
-        over ``workers`` processes (``forked``), when at least ``PARALLEL_MIN_SOLVES`` are
-        missing; fewer are left to ``cost``, which solves what it is asked for when asked."""
-        for piece in pieces:
-            span = _span(piece)
+        """Solve every piece's fastest plan on every mesh (per block: ``units``), and every
+        piece's lean plan on the meshes where ``lean_on(mesh, fastest costs of the pieces in
+        order)``, split by mesh over ``workers`` processes (``forked``), when at least
+        ``PARALLEL_MIN_SOLVES`` are missing; fewer are left to ``cost``, which solves what it
+        is asked for when asked."""
+        units = [self.units(pp, piece) for piece in pieces]
+        for unit in (u for group in units for u in group):
+            span = _span(unit)
             if span not in self.signatures:
-                self.signatures[span] = piece_signature(pp, piece)
-        order = [self.signatures[_span(p)] for p in pieces]
-        firsts = {sig: p for sig, p in zip(order, pieces, strict=True)}
+                self.signatures[span] = piece_signature(pp, unit)
+        firsts: dict[str, Piece] = {}
+        for unit in (u for group in units for u in group):
+            firsts.setdefault(self.signatures[_span(unit)], unit)
         missing = [mesh for mesh in meshes
                    if any((sig, *_mesh_key(mesh), False) not in self.solved for sig in firsts)]
         if workers < 2 or len(missing) * len(firsts) < PARALLEL_MIN_SOLVES:
             return
-        for sig, piece in firsts.items():
-            self._prepare(pp, piece, sig)
+        for sig, unit in firsts.items():
+            self._prepare(pp, unit, sig)
+
+        def layer_costs(found: dict[tuple, PieceCost], mesh: LogicalMesh) -> list[PieceCost]:
+            out = []
+            for piece, group in zip(pieces, units, strict=True):
+                costs = [found[(self.signatures[_span(u)], *_mesh_key(mesh), False)]
+                         for u in group]
+                out.append(costs[0] if len(group) == 1 else
+                           self._compose(pp, piece, group, costs))
+            return out
 
         def solve(mesh: LogicalMesh) -> list[tuple[tuple, PieceCost]]:
             found = {}
@@ -262,8 +363,7 @@ class LayerCostCache:
                         found[key] = self.solved[key][0]
                     else:
                         found[key] = self._solve_new(pp, sig, mesh, self.options, lean)
-                if lean or not lean_on(mesh, [found[(sig, *_mesh_key(mesh), False)]
-                                              for sig in order]):
+                if lean or not lean_on(mesh, layer_costs(found, mesh)):
                     break
             return [(k, c) for k, c in found.items() if k not in self.solved]
 

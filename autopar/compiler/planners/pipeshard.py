@@ -290,8 +290,8 @@ def plan_pipeshard(pp: PipelineProgram, method: PipeshardParallel, cluster: Clus
         for k, piece in enumerate(pieces):
             if layout.stage_of_piece[k] == s:
                 # the layouts that run: the method's own ILP time limit, not the table's
-                cost = cache.cost(pp, piece, mesh, time_limit_s=method.time_limit_s,
-                                  lean=is_lean_key(assignment.candidate.key))
+                cost = cache.layer_cost(pp, piece, mesh, time_limit_s=method.time_limit_s,
+                                        lean=is_lean_key(assignment.candidate.key))
                 specs.update(cost.input_specs)
                 values.update(cost.value_specs)
                 compute += cost.compute_s

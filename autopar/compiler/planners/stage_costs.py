@@ -31,7 +31,7 @@ from autopar.compiler.inter_op.stages import (
 )
 from autopar.compiler.intra_op.sharding_ilp import IntraOpOptions
 from autopar.errors import InvalidOptionError, MeshError, PlanError
-from autopar.ir.pipeline_pieces import Piece, cut_pieces, piece_roles
+from autopar.ir.pipeline_pieces import Piece, PieceSlicer, cut_pieces, piece_roles
 from autopar.ir.pipeline_program import PipelineProgram
 from autopar.ir.schedules import ScheduleName
 from autopar.methods import PipeshardParallel
@@ -127,6 +127,7 @@ def _range_facts(pp: PipelineProgram, positions: Sequence[int]):
     """``facts(start, end)`` of the piece of layers ``[start, end)`` (cached)."""
     found: dict[tuple[int, int], _RangeFacts] = {}
     fwd = pp.forward
+    slicer = PieceSlicer(fwd)
 
     def nbytes(v: int) -> float:
         aval = fwd.avals[v]
@@ -134,7 +135,7 @@ def _range_facts(pp: PipelineProgram, positions: Sequence[int]):
 
     def facts(start: int, end: int) -> _RangeFacts:
         if (start, end) not in found:
-            roles = piece_roles(pp, range_piece(pp, positions, start, end))
+            roles = piece_roles(pp, slicer.piece(*_span(positions, len(fwd.eqns), start, end)))
             incoming = [*roles.acts, *roles.micro]
             found[(start, end)] = _RangeFacts(
                 params=len(roles.params), fixed=len(roles.fixed),
@@ -164,6 +165,7 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
     interleaved; none for uniform or manual stages, which read their own entries, solved
     when read; ``()`` for a baseline reading a few)."""
     layers = cut_pieces(pp.forward, positions)
+    cache.use_layers(pp, positions)
     m = num_microbatches or method.num_microbatches
     options = stage_dp_options(method, cluster, m)
     runtime = cluster.runtime
@@ -199,7 +201,8 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
             mesh = submesh_mesh(cluster, submesh, shape)
 
             def variants(lean: bool, mesh=mesh, shape=shape) -> list[StageCandidate]:
-                costs = [cache.cost(pp, layers[k], mesh, lean=lean) for k in range(start, end)]
+                costs = [cache.layer_cost(pp, layers[k], mesh, lean=lean)
+                         for k in range(start, end)]
                 param_bytes = sum(c.param_bytes for c in costs)
                 tail = sum(c.sync_s + c.update_s for c in costs) + replica_allreduce_time(
                     param_bytes, replicas, whole)
