@@ -174,6 +174,13 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
     whole = whole or cluster
 
     most_in_flight: dict[int, float] = {}
+    replica_times: dict[float, float] = {}
+
+    def replica_time(param_bytes: float) -> float:
+        # the stage DP reads each range on each mesh once per schedule and replica count
+        if param_bytes not in replica_times:
+            replica_times[param_bytes] = replica_allreduce_time(param_bytes, replicas, whole)
+        return replica_times[param_bytes]
 
     def overfills(candidates: Sequence[StageCandidate], devices: int) -> bool:
         """Whether none of a stage's candidates on ``devices`` devices fits with the most
@@ -204,8 +211,7 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
                 costs = [cache.layer_cost(pp, layers[k], mesh, lean=lean)
                          for k in range(start, end)]
                 param_bytes = sum(c.param_bytes for c in costs)
-                tail = sum(c.sync_s + c.update_s for c in costs) + replica_allreduce_time(
-                    param_bytes, replicas, whole)
+                tail = sum(c.sync_s + c.update_s for c in costs) + replica_time(param_bytes)
                 extra = transfer + param_bytes / runtime.accumulate_bytes_per_s
                 return remat_candidates(costs, shape, method.remat, extra_time=extra,
                                         tail_time=tail, host_time=host,
