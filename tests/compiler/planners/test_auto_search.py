@@ -119,6 +119,36 @@ def test_the_one_stage_candidates_include_a_2d_mesh_where_data_x_tensor_wins():
     assert plan.est_step_time_s <= expert.est_step_time_s * (1 + 1e-9)
 
 
+def test_methods_that_keep_the_state_whole_are_not_planned_over_the_budget():
+    """Data parallelism keeps parameters and optimizer state on every device, ZeRO-2 the
+    parameters: with a budget below those bytes their rows say so, unplanned, and the
+    methods that split the state are planned."""
+    widths = (512,) * 13 + (8,)  # twelve equal layers: ZeRO-3 gathers one at a time
+    step, args = mlp_step(optax.adam(1e-3), widths=widths)
+    params = sum(4 * a * b for a, b in zip(widths[:-1], widths[1:], strict=False))
+    # over ZeRO-3's plan on 8 devices (0.83 of the parameters' bytes), under the parameters
+    budget = params * 0.95
+    plan = planned(step, args, autopar.AutoParallel(candidates=("data", "zero2", "zero3"),
+                                                    memory_budget_bytes=budget),
+                   local_cluster())
+    rows = {r["name"]: r for r in plan.planning.candidates}
+    for name, kept in (("data", 3 * params), ("zero2", params)):
+        assert rows[name]["est_step_time_s"] is None and not rows[name]["fits"]
+        assert rows[name]["note"] == (f"not planned: the state it keeps whole on every "
+                                      f"device needs {kept / 2**30:.2f} GiB, over the budget")
+    assert rows["zero3"]["fits"] and rows["zero3"]["chosen"]
+    assert plan.peak_memory_bytes <= budget
+
+
+def test_one_axis_shard_parallel_is_not_a_candidate_over_several_hosts():
+    model = get_model("gpt", "tiny")
+    cluster = dataclasses.replace(load_cluster("aws-p3.16xlarge"), num_hosts=2)
+    method = autopar.AutoParallel(candidates=("shard",), memory_budget_bytes=1e18)
+    step = dispatch.trace(model.train_step, model.abstract_inputs(), method, (1,))
+    rows = {r["name"] for r in dispatch.plan(step, cluster).plan.planning.candidates}
+    assert rows == {"shard 2x8", "shard 4x4", "shard 8x2"}
+
+
 def test_candidates_are_restricted_and_checked():
     step, args = mlp_step(optax.sgd(0.1))
     plan = planned(step, args, autopar.AutoParallel(candidates=("data", "zero2")),
