@@ -97,6 +97,34 @@ class PieceSlicer:
         return Piece(index, tuple(range(a, b)), tuple(inputs), tuple(outputs))
 
 
+class LayerRanges:
+    """Pieces for runs of consecutive layers, joined from the layers' own inputs and outputs
+    (``layers``: a ``cut_pieces`` of ``forward``) without a pass over the equations: the
+    stage search asks for every range of layers, over forwards of ten thousand equations.
+    ``piece(start, end)`` equals ``cut_pieces``' piece for the run of layers
+    ``[start, end)``."""
+
+    def __init__(self, forward: FlatProgram, layers: Sequence[Piece]) -> None:
+        self.layers = list(layers)
+        # the last layer reading each value (past the last layer: a result of the forward)
+        self._last_reader: dict[int, int] = {}
+        for k, layer in enumerate(self.layers):
+            for v in layer.inputs:
+                self._last_reader[v] = k
+        for v in forward.out_ids:
+            self._last_reader[v] = len(self.layers)
+
+    def piece(self, start: int, end: int) -> Piece:
+        """Layers ``[start, end)`` as one piece."""
+        run = self.layers[start:end]
+        made = set().union(*(layer.outputs for layer in run))
+        read = set().union(*(layer.inputs for layer in run))
+        first, last = run[0].eqns[0], run[-1].eqns[-1] + 1
+        outputs = sorted(v for v in made if self._last_reader.get(v, -1) >= end)
+        return Piece(0 if first == 0 else 1, tuple(range(first, last)), tuple(sorted(read - made)),
+                     tuple(outputs))
+
+
 def stage_scan_iterations(pp: PipelineProgram, pieces: Sequence[Piece],
                           stage_of_piece: Sequence[int]) -> list[int]:
     """How many iterations of the forward's layer scans each stage runs: a unit cut between

@@ -12,7 +12,7 @@ The runtime does not run a stage's layers as unrolled code: every run of *whole*
 units of one layer scan runs as one scan of as many iterations over their slices concatenated
 (``run_forward_eqns``), the original body (``jax.checkpoint`` included) unchanged; only a unit
 cut between two stages runs its equations one by one. The stage cost ILP traces its pieces the
-same way (``layer_costs.piece_train_graph``), so it plans what runs.
+same way (``piece_cost.piece_train_graph``), so it plans what runs.
 """
 
 from __future__ import annotations

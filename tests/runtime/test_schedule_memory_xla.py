@@ -28,7 +28,7 @@ the per-layer solutions behind ``fixed`` need not share. So the model bounds the
 only where what it over-counts outweighs what it omits. It does on the GPT used here (measured
 / model: 0.45 and 0.82 per stage); it does not on an activation-heavy tanh MLP (width 32,
 batch 256, 8 microbatches: measured is 1.3x to 1.9x the model under every schedule, 1F1B and
-GPipe included), a limit of the stage memory model (``layer_costs.PieceCost``), not of the
+GPipe included), a limit of the stage memory model (``piece_cost.PieceCost``), not of the
 in-flight counts. The GPT batch is chosen so that the fit check is sensitive to those counts:
 on the last stage the measured peak exceeds the figure of the old closed form (one microbatch
 in flight there; ZB-H1 holds 2, interleaved 1.5), so a plan that fitted a budget by the old

@@ -4,7 +4,7 @@ forward computes, and the collectives it predicts per microbatch and per step.
 Which tensor of a piece's train graph is which forward value: the stage plan for the values a
 piece computes, not only for those it reads.
 
-A piece's cost is solved on its small train step (``layer_costs.piece_train_graph``: the
+A piece's cost is solved on its small train step (``piece_cost.piece_train_graph``: the
 forward under ``jax.vjp``, the backward, a placeholder update), traced anew, so its tensors
 have ids of their own. The runtime runs the piece's forward equations themselves (and lets
 ``jax.vjp`` derive the backward), so it can hold the forward's results to the plan only if

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from autopar.cluster import ClusterSpec
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.inter_op.forked import available_cores
-from autopar.compiler.inter_op.layer_costs import LayerCostCache, PieceCost
+from autopar.compiler.inter_op.layer_costs import LayerCostCache
+from autopar.compiler.inter_op.piece_cost import PieceCost
 from autopar.compiler.inter_op.pipeline_cost import (
     replica_allreduce_time,
     runs_as_one_program,
@@ -31,7 +32,7 @@ from autopar.compiler.inter_op.stages import (
 )
 from autopar.compiler.intra_op.sharding_ilp import IntraOpOptions
 from autopar.errors import InvalidOptionError, MeshError, PlanError
-from autopar.ir.pipeline_pieces import Piece, PieceSlicer, cut_pieces, piece_roles
+from autopar.ir.pipeline_pieces import LayerRanges, Piece, cut_pieces, piece_roles
 from autopar.ir.pipeline_program import PipelineProgram
 from autopar.ir.schedules import ScheduleName
 from autopar.methods import PipeshardParallel
@@ -127,7 +128,7 @@ def _range_facts(pp: PipelineProgram, positions: Sequence[int]):
     """``facts(start, end)`` of the piece of layers ``[start, end)`` (cached)."""
     found: dict[tuple[int, int], _RangeFacts] = {}
     fwd = pp.forward
-    slicer = PieceSlicer(fwd)
+    ranges = LayerRanges(fwd, cut_pieces(fwd, positions))
 
     def nbytes(v: int) -> float:
         aval = fwd.avals[v]
@@ -135,7 +136,7 @@ def _range_facts(pp: PipelineProgram, positions: Sequence[int]):
 
     def facts(start: int, end: int) -> _RangeFacts:
         if (start, end) not in found:
-            roles = piece_roles(pp, slicer.piece(*_span(positions, len(fwd.eqns), start, end)))
+            roles = piece_roles(pp, ranges.piece(start, end))
             incoming = [*roles.acts, *roles.micro]
             found[(start, end)] = _RangeFacts(
                 params=len(roles.params), fixed=len(roles.fixed),
@@ -174,6 +175,13 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
     whole = whole or cluster
 
     most_in_flight: dict[int, float] = {}
+    meshes_made: dict[tuple[SubmeshShape, tuple[int, ...]], LogicalMesh] = {}
+
+    def mesh_of(submesh: SubmeshShape, shape: tuple[int, ...]) -> LogicalMesh:
+        # one per submesh and shape: made over every device, 16,384 at Llama-3 405B's size
+        if (submesh, shape) not in meshes_made:
+            meshes_made[(submesh, shape)] = submesh_mesh(cluster, submesh, shape)
+        return meshes_made[(submesh, shape)]
     replica_times: dict[float, float] = {}
 
     def replica_time(param_bytes: float) -> float:
@@ -205,7 +213,7 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
             # the only stage: the runtime runs the step as one program (runtime.fused_step)
             host = runtime.call_s
         for shape in stage_meshes(method, submesh):
-            mesh = submesh_mesh(cluster, submesh, shape)
+            mesh = mesh_of(submesh, shape)
 
             def variants(lean: bool, mesh=mesh, shape=shape) -> list[StageCandidate]:
                 costs = [cache.layer_cost(pp, layers[k], mesh, lean=lean)
@@ -243,8 +251,7 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
         read_whole = method.stages == "auto" and \
             method.schedule != ScheduleName.INTERLEAVED_1F1B
         prefetch_on = submeshes if read_whole else ()
-    meshes = [submesh_mesh(cluster, sub, shape) for sub in prefetch_on
-              for shape in stage_meshes(method, sub)]
+    meshes = [mesh_of(sub, shape) for sub in prefetch_on for shape in stage_meshes(method, sub)]
     if meshes:
         cache.prefetch(pp, layers, meshes, lean_on, workers)
     if clock is not None:

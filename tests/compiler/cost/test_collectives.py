@@ -117,6 +117,24 @@ def test_schedules_describe_rounds():
         assert close(sched.time(ALPHA, BETA), allreduce_time(M, N, ALPHA, BETA, algo))
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 7, 8, 12, 100, 3072])
+def test_runs_of_equal_rounds_price_as_the_rounds_one_by_one(n):
+    """A schedule keeps its rounds as runs (a ring over 3,072 workers: one run of 6,142);
+    the runs hold the same rounds, and price and count them as the rounds one by one; the
+    binomial tree's senders per round are the workers i with i mod 2d == d."""
+    for algo in A:
+        sched = allreduce_schedule(algo, n, M)
+        assert [r for r, count in sched.runs for _ in range(count)] == list(sched.rounds)
+        assert math.isclose(sched.time(ALPHA, BETA),
+                            math.fsum(r.time(ALPHA, BETA) for r in sched.rounds), rel_tol=1e-12)
+        assert math.isclose(sched.traffic, math.fsum(r.traffic for r in sched.rounds),
+                            rel_tol=1e-12)
+    tree = allreduce_schedule(A.TREE, n, M)
+    levels = (n - 1).bit_length()
+    senders = [sum(1 for i in range(n) if i % (2 << k) == 1 << k) for k in range(levels)]
+    assert [r.senders for r in tree.rounds] == senders + senders[::-1]
+
+
 # ---------------------------------------------------------------- cheapest
 def test_cheapest_latency_bound_small_group():
     # n = 8, M = 1000: ring 14 * (1e-5 + 1.25e-7) = 1.4175e-4, tree 6 * 1.1e-5 = 6.6e-5,

@@ -9,13 +9,13 @@ import dataclasses
 import autopar
 from autopar.cluster import load_cluster
 from autopar.compiler.graph.trace import build_graph
-from autopar.compiler.inter_op import layer_costs
+from autopar.compiler.inter_op import piece_cost
 from autopar.compiler.inter_op.layers import layer_positions
 from autopar.compiler.planners.stage_costs import layer_cost_cache, stage_cost_table
 from autopar.ir.pipeline_program import build_pipeline_program
 from autopar.models import get_model
 
-BUILD_PROBLEM = layer_costs.build_problem
+BUILD_PROBLEM = piece_cost.build_problem
 
 
 def cost_table_builds(num_layers: int, monkeypatch, workers: int = 1
@@ -30,7 +30,7 @@ def cost_table_builds(num_layers: int, monkeypatch, workers: int = 1
         builds.append((id(graph), tuple(mesh.shape), tuple(mesh.alpha), tuple(mesh.beta)))
         return BUILD_PROBLEM(graph, mesh, options, caches)
 
-    monkeypatch.setattr(layer_costs, "build_problem", counting)
+    monkeypatch.setattr(piece_cost, "build_problem", counting)
     model = get_model("gpt", "tiny", num_layers=num_layers).with_value_and_grad(
         autopar.value_and_grad)
     cluster = dataclasses.replace(load_cluster("aws-p3.16xlarge"), num_hosts=2)

@@ -8,8 +8,8 @@ import autopar
 from autopar.api import local_cluster
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.trace import build_graph
-from autopar.compiler.inter_op.layer_costs import piece_signature, solve_status
 from autopar.compiler.inter_op.layers import layer_positions
+from autopar.compiler.inter_op.piece_cost import piece_signature, solve_status
 from autopar.compiler.planners.stage_costs import layer_cost_cache, range_piece
 from autopar.ir.pipeline_program import build_pipeline_program
 from autopar.models import get_model

@@ -105,17 +105,17 @@ def local_cluster_devices():
 @pytest.mark.parametrize("status", ["time_limit", "no_solution", "solver_error"])
 def test_stage_cost_ilp_statuses_are_counted(status, monkeypatch):
     """Every stage-cost ILP's ending is counted in the plan's stage search and notes."""
-    from autopar.compiler.inter_op import layer_costs
+    from autopar.compiler.inter_op import piece_cost
     from autopar.compiler.intra_op.problem import IntraOpSolution
 
-    real = layer_costs.solve
+    real = piece_cost.solve
 
     def stopped(problem, **kwargs):
         got = real(problem, **kwargs)
         return IntraOpSolution(got.choices, got.objective, status, False, None, "highs", 0, 0,
                                0.0, 0.0)
 
-    monkeypatch.setattr(layer_costs, "solve", stopped)
+    monkeypatch.setattr(piece_cost, "solve", stopped)
 
     def step(state, batch):
         def loss_fn(w):
