@@ -270,16 +270,39 @@ def choices_memory(parts: ProblemParts, choices: Sequence[int], options: IntraOp
                            shards=shards, resharded=resharded)
 
 
+def with_memory_budget(problem: IntraOpProblem, parts: ProblemParts,
+                       options: IntraOpOptions) -> IntraOpProblem:
+    """``problem``, built without a memory budget, with ``options``' budget: each strategy's
+    memory and the live sets, as ``build_problem`` makes them with that budget."""
+    budget = options.memory_budget_bytes
+    if budget is None:
+        return problem
+    nodes = [dataclasses.replace(node, memory=memory)
+             for node, memory in zip(problem.nodes, memory_vectors(parts.table), strict=True)]
+    return IntraOpProblem(nodes=nodes, edges=problem.edges, memory_budget=budget,
+                          live_sets=live_sets(parts.table, options.max_live_sets))
+
+
 def solve_intra_op(
     graph: OpGraph,
     mesh: LogicalMesh,
     options: IntraOpOptions,
     caches: MeshCaches | None = None,
+    built: dict[tuple, tuple[IntraOpProblem, ProblemParts]] | None = None,
 ) -> IntraOpResult:
     """Build and solve the sharding ILP of ``graph`` on ``mesh`` (``caches``: see
-    ``build_problem``)."""
+    ``build_problem``). ``built``: problems built without a budget, by mesh, to solve again
+    under another budget without building them again (filled here)."""
     start = time.perf_counter()
-    problem, parts = build_problem(graph, mesh, options, caches)
+    if built is None:
+        problem, parts = build_problem(graph, mesh, options, caches)
+    else:
+        key = (id(graph), tuple(mesh.shape), tuple(mesh.device_ids), mesh.axis_names)
+        if key not in built:
+            built[key] = build_problem(
+                graph, mesh, dataclasses.replace(options, memory_budget_bytes=None), caches)
+        problem, parts = built[key]
+        problem = with_memory_budget(problem, parts, options)
     build_time = time.perf_counter() - start
     try:
         solution = solve(problem, solver=options.solver, time_limit_s=options.time_limit_s,

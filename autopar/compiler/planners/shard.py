@@ -45,10 +45,13 @@ def plan_shard_parallel(
     cluster_name: str,
     devices_per_host: int,
     ilp_observer: Callable[[Any, Any], None] | None = None,
+    built: dict | None = None,
 ) -> Plan:
-    """Solve the sharding ILP for ``traced`` on ``mesh`` and return the plan."""
+    """Solve the sharding ILP for ``traced`` on ``mesh`` and return the plan. ``built``: the
+    problems built so far for this step (``solve_intra_op``), to solve one again under a
+    memory budget."""
     graph = traced.graph
-    result = solve_intra_op(graph, mesh, options)
+    result = solve_intra_op(graph, mesh, options, built=built)
     if ilp_observer is not None:
         ilp_observer(result.problem, result.solution)
     sizes = {a: mesh.axis_size(a) for a in mesh.axis_names}
