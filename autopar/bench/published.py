@@ -184,24 +184,34 @@ def plan_pinned(run: PublishedRun, within_device: bool = True) -> PlannedRun:
     run names, planned within the device's memory (else, or with ``within_device=False``,
     with it unbounded); the fastest estimate that fits the device memory (else the
     fastest)."""
-    from autopar.errors import PlanError
+    from autopar.errors import InvalidOptionError, PlanError
     from autopar.methods import pinned
 
     found = []
+    skipped: list[str] = []
     budgets = (None, UNBOUNDED_MEMORY) if within_device else (UNBOUNDED_MEMORY,)
     for size in run.microbatch_sizes:
         m = run.num_microbatches(size)
         for budget in budgets:
-            method = pinned(run.data, run.tensor, run.pipeline, num_microbatches=m,
-                            schedule=run.schedule, remat="layers", memory_budget_bytes=budget)
             try:
+                method = pinned(run.data, run.tensor, run.pipeline, num_microbatches=m,
+                                schedule=run.schedule, remat="layers",
+                                memory_budget_bytes=budget)
                 plan, seconds = _plan(run, method)
+            except InvalidOptionError as err:
+                # a size the schedule cannot run (interleaved 1F1B needs the microbatches
+                # to divide by the stages: 310B at size 2 has 72 for 16): not a candidate
+                skipped.append(f"microbatch size {size}: {err}")
+                break
             except PlanError:
                 if budget is not None:  # not even with memory unbounded
                     raise
                 continue
             found.append(PlannedRun(plan, m, seconds))
             break
+    if not found:
+        raise PlanError(f"{run.label}: no microbatch size of {list(run.microbatch_sizes)} "
+                        f"plans pinned: {'; '.join(skipped)}")
     budget = run.described_cluster().device.memory_bytes
     fitting = [p for p in found if p.plan.peak_memory_bytes <= budget] or found
     return min(fitting, key=lambda p: p.plan.est_step_time_s)

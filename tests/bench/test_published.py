@@ -4,18 +4,21 @@ plot. The real rows are planned by ``autopar bench --suite published`` (docs/ben
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from autopar.bench.published import (
     ALPA_FIGURE_7,
+    INTERLEAVED,
     MEGATRON_TABLE_1,
     ONE_F_ONE_B,
     PublishedRun,
     tflops,
 )
 from autopar.bench.published_suite import run_suite
+from autopar.errors import PlanError
 
 # Megatron-LM Table 1: (params in billions, aggregate PFLOP/s), as printed beside each row
 MEGATRON_TOTALS = [(1.7, 4.4), (3.6, 8.8), (7.5, 18.2), (18.4, 34.6), (39.1, 70.8),
@@ -75,6 +78,25 @@ def test_a_run_is_planned_pinned_and_searched_into_a_row_a_page_and_a_plot(tmp_p
     assert "small GPT @ 8 A100" in page and "Load average before" in page
     assert (tmp_path / "bench-published.png").stat().st_size > 1000
     assert len(lines) == 1 and lines[0].startswith("[1/1] small GPT @ 8 A100: published 100.0")
+
+
+def test_a_microbatch_size_the_schedule_cannot_run_is_not_pinned():
+    """Interleaved 1F1B needs the microbatches to divide by the stages: a size that makes
+    them not divide is skipped (Megatron's 310B row at size 2: 72 microbatches for 16
+    stages), the others planned; with none left, one line names the sizes and why."""
+    from autopar.bench.published import plan_pinned
+
+    # 4 layers on 2 stages of 2 chunks; 8 sequences over 2 replicas: size 1 gives 4
+    # microbatches (divisible by 2 stages), size 4 gives 1 (not)
+    run = dataclasses.replace(small_run(), tensor=2, data=2, pipeline=2,
+                              shape=(("batch_size", 8), ("seq_len", 16), ("hidden_size", 64),
+                                     ("num_layers", 4), ("num_heads", 8),
+                                     ("vocab_size", 256), ("dtype", "bfloat16")),
+                              schedule=INTERLEAVED, microbatch_sizes=(4, 1))
+    assert plan_pinned(run).num_microbatches == 4
+    with pytest.raises(PlanError, match=r"no microbatch size of \[4\] plans pinned: "
+                                        r"microbatch size 4: .*divisible"):
+        plan_pinned(dataclasses.replace(run, microbatch_sizes=(4,)))
 
 
 def test_a_stopped_suite_lists_the_runs_it_did_not_start(tmp_path):
