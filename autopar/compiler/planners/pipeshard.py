@@ -289,9 +289,8 @@ def plan_pipeshard(pp: PipelineProgram, method: PipeshardParallel, cluster: Clus
         specs, values, compute, costs = {}, {}, 0.0, []
         for k, piece in enumerate(pieces):
             if layout.stage_of_piece[k] == s:
-                # the layouts that run: the stage's layers as one ILP (its blocks' plans may
-                # disagree at their boundaries, where the runtime would reshard what the
-                # table did not price), under the method's own time limit, not the table's
+                # the layouts that run: one ILP, not its blocks' (docs/algorithms.md), under
+                # the method's own time limit, not the table's
                 cost = cache.cost(pp, piece, mesh, time_limit_s=method.time_limit_s,
                                   lean=is_lean_key(assignment.candidate.key))
                 specs.update(cost.input_specs)
