@@ -289,8 +289,7 @@ def plan_pipeshard(pp: PipelineProgram, method: PipeshardParallel, cluster: Clus
         specs, values, compute, costs = {}, {}, 0.0, []
         for k, piece in enumerate(pieces):
             if layout.stage_of_piece[k] == s:
-                # the layouts that run: one ILP, not its blocks' (docs/algorithms.md), under
-                # the method's own time limit, not the table's
+                # what runs: one ILP, not its blocks' (docs/algorithms.md), at the method's limit
                 cost = cache.cost(pp, piece, mesh, time_limit_s=method.time_limit_s,
                                   lean=is_lean_key(assignment.candidate.key))
                 specs.update(cost.input_specs)
