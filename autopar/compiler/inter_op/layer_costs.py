@@ -25,6 +25,7 @@ from autopar.compiler.inter_op.piece_cost import (
     solve_status,
     stopped_early,
 )
+from autopar.compiler.inter_op.remat import state_split_levels
 from autopar.compiler.inter_op.repeats import RepeatGrid, find_repeats
 from autopar.compiler.inter_op.step_parts import StepWork, step_work
 from autopar.compiler.intra_op.sharding_ilp import IntraOpOptions, MeshCaches
@@ -81,7 +82,7 @@ class LayerCostCache:
     # each layer's blocks, by its first and last equation, cut by ``slicer``
     units_of: dict[tuple[int, int], list[Piece]] = field(default_factory=dict)
     slicer: PieceSlicer | None = None
-    # each layer's cost as its blocks' sum, by (its span, mesh, lean)
+    # each layer's cost as its blocks' sum, by (its span, mesh, split)
     composed: dict[tuple, PieceCost] = field(default_factory=dict)
 
     def use_layers(self, pp: PipelineProgram, positions: Sequence[int]) -> None:
@@ -109,16 +110,16 @@ class LayerCostCache:
         return self.units_of[span]
 
     def layer_cost(self, pp: PipelineProgram, piece: Piece, mesh: LogicalMesh,
-                   time_limit_s: float | None = None, *, lean: bool = False) -> PieceCost:
+                   time_limit_s: float | None = None, *, split: int = 1) -> PieceCost:
         """``piece``'s cost and plan on ``mesh`` as the sum of its blocks' (``cost`` of each
         of ``units``; the arguments as there)."""
         units = self.units(pp, piece)
         if len(units) == 1:
-            return self.cost(pp, units[0], mesh, time_limit_s, lean=lean)
-        key = (_span(piece), *_mesh_key(mesh), lean)
+            return self.cost(pp, units[0], mesh, time_limit_s, split=split)
+        key = (_span(piece), *_mesh_key(mesh), split)
         longer = time_limit_s is not None and time_limit_s > self.options.time_limit_s
         if longer or key not in self.composed:
-            costs = [self.cost(pp, u, mesh, time_limit_s, lean=lean) for u in units]
+            costs = [self.cost(pp, u, mesh, time_limit_s, split=split) for u in units]
             self.composed[key] = self._compose(pp, piece, units, costs)
         return self.composed[key]
 
@@ -179,7 +180,7 @@ class LayerCostCache:
             self.work = step_work(pp)
 
     def _solve_new(self, pp: PipelineProgram, signature: str, mesh: LogicalMesh,
-                   options: IntraOpOptions, lean: bool) -> PieceCost:
+                   options: IntraOpOptions, split: int) -> PieceCost:
         graph, paths, traced_from = self.graphs[signature]
         mesh_key = _mesh_key(mesh)
         built = self.built.pop((signature, mesh_key), None)
@@ -190,7 +191,7 @@ class LayerCostCache:
         while len(self.built) > BUILT_PROBLEMS_KEPT:
             del self.built[next(iter(self.built))]
         return solve_piece(pp, traced_from, graph, paths, mesh, options, built,
-                            self.state_per_parameter, self.num_microbatches, lean)
+                            self.state_per_parameter, self.num_microbatches, split)
 
     def _record(self, key: tuple, cost: PieceCost) -> None:
         self.solved[key] = (cost, self.graphs[key[0]][2])
@@ -199,11 +200,12 @@ class LayerCostCache:
 
     def prefetch(self, pp: PipelineProgram, pieces: Sequence[Piece],
                  meshes: Sequence[LogicalMesh],
-                 lean_on: Callable[[LogicalMesh, list[PieceCost]], bool],
+                 overfilled: Callable[[LogicalMesh, list[PieceCost]], bool],
                  workers: int) -> None:
-        """Solve every piece's fastest plan on every mesh (per block: ``units``), and every
-        piece's lean plan on the meshes where ``lean_on(mesh, fastest costs of the pieces in
-        order)``, split by mesh over ``workers`` processes (``forked``), when at least
+        """Solve every piece's fastest plan on every mesh (per block: ``units``), and on the
+        meshes where ``overfilled(mesh, the pieces' costs in order)``, their plans splitting
+        every parameter more ways (``state_split_levels``, least split first, until one is
+        not overfilled), split by mesh over ``workers`` processes (``forked``), when at least
         ``PARALLEL_MIN_SOLVES`` are missing; fewer are left to ``cost``, which solves what it
         is asked for when asked."""
         units = [self.units(pp, piece) for piece in pieces]
@@ -215,16 +217,17 @@ class LayerCostCache:
         for unit in (u for group in units for u in group):
             firsts.setdefault(self.signatures[_span(unit)], unit)
         missing = [mesh for mesh in meshes
-                   if any((sig, *_mesh_key(mesh), False) not in self.solved for sig in firsts)]
+                   if any((sig, *_mesh_key(mesh), 1) not in self.solved for sig in firsts)]
         if workers < 2 or len(missing) * len(firsts) < PARALLEL_MIN_SOLVES:
             return
         for sig, unit in firsts.items():
             self._prepare(pp, unit, sig)
 
-        def layer_costs(found: dict[tuple, PieceCost], mesh: LogicalMesh) -> list[PieceCost]:
+        def layer_costs(found: dict[tuple, PieceCost], mesh: LogicalMesh,
+                        split: int) -> list[PieceCost]:
             out = []
             for piece, group in zip(pieces, units, strict=True):
-                costs = [found[(self.signatures[_span(u)], *_mesh_key(mesh), False)]
+                costs = [found[(self.signatures[_span(u)], *_mesh_key(mesh), split)]
                          for u in group]
                 out.append(costs[0] if len(group) == 1 else
                            self._compose(pp, piece, group, costs))
@@ -232,14 +235,14 @@ class LayerCostCache:
 
         def solve(mesh: LogicalMesh) -> list[tuple[tuple, PieceCost]]:
             found = {}
-            for lean in (False, True):
+            for split in (1, *state_split_levels(mesh.shape)):
                 for sig in firsts:
-                    key = (sig, *_mesh_key(mesh), lean)
+                    key = (sig, *_mesh_key(mesh), split)
                     if key in self.solved:
                         found[key] = self.solved[key][0]
                     else:
-                        found[key] = self._solve_new(pp, sig, mesh, self.options, lean)
-                if lean or not lean_on(mesh, layer_costs(found, mesh)):
+                        found[key] = self._solve_new(pp, sig, mesh, self.options, split)
+                if not overfilled(mesh, layer_costs(found, mesh, split)):
                     break
             return [(k, c) for k, c in found.items() if k not in self.solved]
 
@@ -253,17 +256,18 @@ class LayerCostCache:
                     self._record(key, cost)
 
     def cost(self, pp: PipelineProgram, piece: Piece, mesh: LogicalMesh,
-             time_limit_s: float | None = None, *, lean: bool = False) -> PieceCost:
+             time_limit_s: float | None = None, *, split: int = 1) -> PieceCost:
         """``piece``'s cost and plan on ``mesh``. ``time_limit_s``: its ILP's limit when
         longer than the table's (``options.time_limit_s``): a piece that runs is solved
-        again under it if the table's solve stopped at its limit. ``lean``: the fastest plan
-        among those that split the piece's parameters the most ways (``most_split_state``)."""
+        again under it if the table's solve stopped at its limit. ``split`` > 1: the fastest
+        plan among those splitting each of the piece's parameters at least that many ways, or
+        as many as it can be (``state_split_at_least``)."""
         mesh_key = _mesh_key(mesh)
         span = _span(piece)
         if span not in self.signatures:
             self.signatures[span] = piece_signature(pp, piece)
         signature = self.signatures[span]
-        key = (signature, *mesh_key, lean)
+        key = (signature, *mesh_key, split)
         options = self.options
         if time_limit_s is not None and time_limit_s > options.time_limit_s:
             options = replace(options, time_limit_s=time_limit_s)
@@ -272,7 +276,7 @@ class LayerCostCache:
                 self.renamed = {k: v for k, v in self.renamed.items() if k[0] != key}
         if key not in self.solved:
             self._prepare(pp, piece, signature)
-            self._record(key, self._solve_new(pp, signature, mesh, options, lean))
+            self._record(key, self._solve_new(pp, signature, mesh, options, split))
         cost, first = self.solved[key]
         if first is piece:
             return cost

@@ -40,8 +40,8 @@ from autopar.compiler.intra_op.sharding_ilp import (
     IntraOpOptions,
     MeshCaches,
     build_problem,
-    most_split_state,
     read_solution,
+    state_split_at_least,
 )
 from autopar.ir.flatten import flatten_step
 from autopar.ir.pipeline_pieces import Piece, piece_roles
@@ -211,14 +211,16 @@ def build_piece(graph: OpGraph, mesh: LogicalMesh, options: IntraOpOptions,
 
 def solve_piece(pp: PipelineProgram, piece: Piece, graph: OpGraph, paths: dict[str, int],
                 mesh: LogicalMesh, options: IntraOpOptions, built: BuiltPiece,
-                 state_per_parameter: float, m: int, lean: bool) -> PieceCost:
-    """``lean``: the fastest plan among those splitting every parameter the most ways."""
+                 state_per_parameter: float, m: int, split: int = 1) -> PieceCost:
+    """``split`` > 1: the fastest plan among those splitting every parameter at least that
+    many ways (``state_split_at_least``)."""
     problem, parts, per_step = built.problem, built.parts, built.per_step
     limits = dict(solver=options.solver, time_limit_s=options.time_limit_s,
                   relative_gap=options.relative_gap)
-    if lean:
+    if split > 1:
         restricted, originals = restrict(problem, {
-            u: np.asarray(c) for u, c in most_split_state(parts, options.batch_argnums).items()})
+            u: np.asarray(c)
+            for u, c in state_split_at_least(parts, options.batch_argnums, split).items()})
         sub = solve(restricted, **limits)
         solution = replace(sub, choices=[int(originals[u][c])
                                          for u, c in enumerate(sub.choices)])

@@ -9,14 +9,19 @@ only the bytes of its layers' activation inputs instead of everything their forw
 
 from __future__ import annotations
 
+import itertools
+import math
+import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from autopar.compiler.inter_op.submesh import StageCandidate
 
 REMAT_SUFFIX = "+remat"
-# a candidate whose layers split their parameters the most ways (the memory-lean variant)
-LEAN_SUFFIX = "+lean"
+# a candidate whose layers split every parameter at least k ways (or as many as it can be):
+# "+split<k>" (the memory-lean variants, ``LayerCostCache.cost(split=k)``)
+SPLIT_SUFFIX = "+split"
 # forward flops / (forward + backward flops) of a layer
 FORWARD_SHARE = 1.0 / 3.0
 
@@ -26,36 +31,80 @@ def is_remat_key(key: str) -> bool:
     return key.endswith(REMAT_SUFFIX)
 
 
-def is_lean_key(key: str) -> bool:
-    """Whether a stage candidate's key names the memory-lean variant (its layers' plans
-    split their parameters the most ways: ``LayerCostCache.cost(lean=True)``)."""
-    return LEAN_SUFFIX in key
+def state_split_of_key(key: str) -> int:
+    """The least number of ways a stage candidate's layers split each parameter (1: the
+    fastest plans, no such floor), from its key."""
+    found = re.search(re.escape(SPLIT_SUFFIX) + r"(\d+)", key)
+    return int(found.group(1)) if found else 1
 
 
-def remat_candidates(costs: Sequence[Any], shape: tuple[int, ...], mode: str, *,
+def state_split_levels(shape: Sequence[int]) -> list[int]:
+    """The memory-lean variants a logical mesh of ``shape`` offers, least split first: every
+    parameter split at least as many ways as one axis, or several together, has (on a data x
+    tensor mesh: over the tensor axis, as Megatron-LM splits; over the data axis; over
+    both)."""
+    sizes = [d for d in shape if d > 1]
+    products = {math.prod(c) for r in range(1, len(sizes) + 1)
+                for c in itertools.combinations(sizes, r)}
+    return sorted(products)
+
+
+@dataclass(frozen=True)
+class LayerSums:
+    """What a stage's candidates read of its layers' costs (``PieceCost``), summed in layer
+    order: ``time_s`` and ``remat_time_s`` per microbatch (the latter with the recomputed
+    forward), the bytes kept, and ``tail_s`` (the per-step gradient reduction and update)."""
+
+    time_s: float = 0.0
+    remat_time_s: float = 0.0
+    fixed_bytes: float = 0.0
+    activation_bytes: float = 0.0
+    boundary_bytes: float = 0.0
+    param_bytes: float = 0.0
+    tail_s: float = 0.0
+
+    def plus(self, c: Any) -> LayerSums:
+        """These sums with one more layer's cost ``c`` added."""
+        return LayerSums(self.time_s + c.time_s,
+                         self.remat_time_s + (c.time_s + FORWARD_SHARE * c.compute_s),
+                         self.fixed_bytes + c.fixed_bytes,
+                         self.activation_bytes + c.activation_bytes,
+                         self.boundary_bytes + c.boundary_bytes,
+                         self.param_bytes + c.param_bytes,
+                         self.tail_s + (c.sync_s + c.update_s))
+
+    @classmethod
+    def of(cls, costs: Sequence[Any]) -> LayerSums:
+        """The sums of ``costs``, in order."""
+        sums = cls()
+        for c in costs:
+            sums = sums.plus(c)
+        return sums
+
+
+def remat_candidates(sums: LayerSums, shape: tuple[int, ...], mode: str, *,
                      extra_time: float = 0.0, tail_time: float = 0.0, host_time: float = 0.0,
-                     param_bytes: float = 0.0, lean: bool = False) -> list[StageCandidate]:
-    """The stage candidates of layers with ``costs`` (``PieceCost``) on one logical mesh:
-    as they are (``mode`` "none" or "auto"), rematerialised ("layers" or "auto").
+                     param_bytes: float = 0.0, split: int = 1) -> list[StageCandidate]:
+    """The stage candidates of layers whose costs sum to ``sums`` on one logical mesh: as
+    they are (``mode`` "none" or "auto"), rematerialised ("layers" or "auto").
     ``extra_time`` is added per microbatch; ``tail_time``, ``host_time`` and ``param_bytes``
-    are the stage's (see ``StageCandidate``); ``lean``: the costs are the memory-lean
-    variant's (named so in the key)."""
-    key = "x".join(map(str, shape)) + (LEAN_SUFFIX if lean else "")
-    fixed = sum(c.fixed_bytes for c in costs)
-    common = dict(fixed_memory=fixed, logical_mesh_shape=shape, tail_time=tail_time,
-                  host_time=host_time, param_bytes=param_bytes)
+    are the stage's (see ``StageCandidate``); ``split``: the costs are those of the plans
+    splitting every parameter at least that many ways (named so in the key)."""
+    key = "x".join(map(str, shape)) + (f"{SPLIT_SUFFIX}{split}" if split > 1 else "")
+    common = dict(fixed_memory=sums.fixed_bytes, logical_mesh_shape=shape,
+                  tail_time=tail_time, host_time=host_time, param_bytes=param_bytes)
     found = []
     if mode != "layers":
         found.append(StageCandidate(
-            time=sum(c.time_s for c in costs) + extra_time,
-            activation_memory_per_microbatch=sum(c.activation_bytes for c in costs),
+            time=sums.time_s + extra_time,
+            activation_memory_per_microbatch=sums.activation_bytes,
             key=key,
             **common,
         ))
     if mode != "none":
         found.append(StageCandidate(
-            time=sum(c.time_s + FORWARD_SHARE * c.compute_s for c in costs) + extra_time,
-            activation_memory_per_microbatch=sum(c.boundary_bytes for c in costs),
+            time=sums.remat_time_s + extra_time,
+            activation_memory_per_microbatch=sums.boundary_bytes,
             key=key + REMAT_SUFFIX,
             **common,
         ))

@@ -64,7 +64,7 @@ __all__ = [
     "ProblemParts",
     "Variable",
     "build_problem",
-    "most_split_state",
+    "state_split_at_least",
     "read_solution",
     "solve_intra_op",
 ]
@@ -236,11 +236,13 @@ def reshard_collectives(
     return uses, tied
 
 
-def most_split_state(parts: ProblemParts, batch_argnums: Sequence[int]) -> dict[int, list[int]]:
+def state_split_at_least(parts: ProblemParts, batch_argnums: Sequence[int],
+                         ways: int) -> dict[int, list[int]]:
     """Per decision variable of a state input (not a batch argument), its choices that split
-    that input the most ways: ``ilp.restrict`` to these gives the fastest plan among those
-    holding the least state per device (parameters, and so their gradients and optimizer
-    state)."""
+    that input at least ``ways`` ways, or as many as it can be where fewer: ``ilp.restrict``
+    to these gives the fastest plan among those holding at most that share of the state per
+    device (parameters, and so their gradients and optimizer state). A ``ways`` of the mesh's
+    size keeps each input's most-split choices (the memory-lean plan)."""
     graph, mesh = parts.table.graph, parts.table.mesh
     sizes = {a: mesh.axis_size(a) for a in mesh.axis_names}
     batch = set(batch_argnums)
@@ -249,7 +251,8 @@ def most_split_state(parts: ProblemParts, batch_argnums: Sequence[int]) -> dict[
         if var.root >= 0 or graph.inputs[-var.root - 1].arg_index in batch:
             continue
         shards = [s.output_specs[0].num_shards(sizes) for s in var.members[var.root]]
-        keep[index] = [i for i, n in enumerate(shards) if n == max(shards)]
+        need = min(ways, max(shards))
+        keep[index] = [i for i, n in enumerate(shards) if n >= need]
     return keep
 
 

@@ -5,8 +5,9 @@ activations; interleaved 1F1B needs uniform stages). The asynchronous ones, Pipe
 PipeDream-2BW, are candidates only with ``allow_async=True``: they change the training
 algorithm (weight staleness), which is the user's call, not the planner's. Each candidate is
 planned in full (its own stage search, whose memory counts its activations in flight and its
-weight versions), sharing the layer costs; one that cannot be planned (nothing fits, too few
-microbatches for 2BW) is listed with why. The plan says what it chose, what 1F1B would have
+weight versions), sharing the layer costs, and only the fastest has its stages solved whole
+(``finish_pipeshard``); one that cannot be planned (nothing fits, too few microbatches for
+2BW) is listed with why. The plan says what it chose, what 1F1B would have
 taken, and, for an asynchronous choice, the weight versions and staleness per stage.
 """
 
@@ -16,7 +17,8 @@ import dataclasses
 from typing import Any
 
 from autopar.cluster import ClusterSpec
-from autopar.compiler.planners.pipeshard import plan_pipeshard
+from autopar.compiler.planners.pipeline_search import PipeshardSearch, search_pipeshard
+from autopar.compiler.planners.pipeshard import finish_pipeshard, plan_pipeshard
 from autopar.compiler.planners.stage_costs import layer_cost_cache
 from autopar.errors import InvalidOptionError, PlanError
 from autopar.ir.async_schedules import weight_versions
@@ -62,33 +64,33 @@ def choose_schedule(pp: PipelineProgram, method: PipeshardParallel, cluster: Clu
     """The fastest plan over :func:`auto_schedules` (PlanError, one line, when none can be
     planned, with each schedule's reason)."""
     cache = cache if cache is not None else layer_cost_cache(method)
-    plans: dict[ScheduleName, Plan] = {}
+    searches: dict[ScheduleName, PipeshardSearch] = {}
     why: dict[ScheduleName, str] = {}
     for name in auto_schedules(method.allow_async):
         try:
-            plans[name] = plan_pipeshard(pp, dataclasses.replace(method, schedule=name),
-                                         cluster, cluster_name, cache=cache)
+            searches[name] = search_pipeshard(pp, dataclasses.replace(method, schedule=name),
+                                              cluster, cache=cache)
         except (PlanError, InvalidOptionError) as exc:
             why[name] = str(exc)
-    if not plans:
+    if not searches:
         reasons = "; ".join(f"{name}: {text}" for name, text in why.items())
         raise PlanError(f"schedule='auto' found no schedule that plans: {reasons}")
-    best = min(plans, key=lambda name: plans[name].est_step_time_s)
-    plan = plans[best]
+    # only the kept schedule's stages are solved whole: that does not change its estimate
+    times = {name: found.best.estimate.total_s for name, found in searches.items()}
+    best = min(times, key=times.__getitem__)
+    plan = finish_pipeshard(searches[best], cluster_name)
     rows = []
     for name in auto_schedules(method.allow_async):
-        found = plans.get(name)
         rows.append({"name": f"schedule {name}", "method": MethodName.PIPESHARD.value,
-                     "est_step_time_s": None if found is None else found.est_step_time_s,
-                     "fits": found is not None, "chosen": name == best,
+                     "est_step_time_s": times.get(name),
+                     "fits": name in times, "chosen": name == best,
                      "note": why.get(name, "asynchronous" if is_async(name) else "")})
     notes = [f"schedule auto{' (asynchronous allowed)' if method.allow_async else ''}: chose "
              f"{best} (est. {plan.est_step_time_s:.4g} s/step)"]
-    reference = plans.get(ScheduleName.ONE_F_ONE_B)
+    reference = times.get(ScheduleName.ONE_F_ONE_B)
     if reference is not None and best != ScheduleName.ONE_F_ONE_B:
-        notes[0] += (f"; 1f1b est. {reference.est_step_time_s:.4g} s/step, estimated "
-                     f"throughput {reference.est_step_time_s / plan.est_step_time_s:.2f}x "
-                     "1f1b's")
+        notes[0] += (f"; 1f1b est. {reference:.4g} s/step, estimated "
+                     f"throughput {reference / plan.est_step_time_s:.2f}x 1f1b's")
     summary = async_summary(plan)
     if summary is not None:
         notes.append(summary)

@@ -22,7 +22,7 @@ from autopar.compiler.inter_op.pipeline_cost import (
     runs_as_one_program,
     tasks_per_microbatch,
 )
-from autopar.compiler.inter_op.remat import remat_candidates
+from autopar.compiler.inter_op.remat import LayerSums, remat_candidates, state_split_levels
 from autopar.compiler.inter_op.stages import (
     StageCandidate,
     StageCostTable,
@@ -190,6 +190,20 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
             replica_times[param_bytes] = replica_allreduce_time(param_bytes, replicas, whole)
         return replica_times[param_bytes]
 
+    # each range's layer costs summed, by (mesh, split) then (start, end): the DP reads every
+    # range on every mesh, and a range's sums are its one-shorter range's plus a layer (at
+    # Llama-3 405B on 16,384 GPUs, summing each range anew was millions of cost lookups)
+    summed: dict[tuple[int, int], dict[tuple[int, int], LayerSums]] = {}
+
+    def range_sums(mesh: LogicalMesh, split: int, start: int, end: int) -> LayerSums:
+        found = summed.setdefault((id(mesh), split), {})
+        if (start, end) not in found:
+            shorter = LayerSums() if end - 1 == start else range_sums(mesh, split, start,
+                                                                      end - 1)
+            found[(start, end)] = shorter.plus(cache.layer_cost(pp, layers[end - 1], mesh,
+                                                                split=split))
+        return found[(start, end)]
+
     def overfills(candidates: Sequence[StageCandidate], devices: int) -> bool:
         """Whether none of a stage's candidates on ``devices`` devices fits with the most
         microbatches such a stage could hold."""
@@ -215,34 +229,38 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
         for shape in stage_meshes(method, submesh):
             mesh = mesh_of(submesh, shape)
 
-            def variants(lean: bool, mesh=mesh, shape=shape) -> list[StageCandidate]:
-                costs = [cache.layer_cost(pp, layers[k], mesh, lean=lean)
-                         for k in range(start, end)]
-                param_bytes = sum(c.param_bytes for c in costs)
-                tail = sum(c.sync_s + c.update_s for c in costs) + replica_time(param_bytes)
-                extra = transfer + param_bytes / runtime.accumulate_bytes_per_s
-                return remat_candidates(costs, shape, method.remat, extra_time=extra,
+            def variants(split: int, mesh=mesh, shape=shape) -> list[StageCandidate]:
+                sums = range_sums(mesh, split, start, end)
+                tail = sums.tail_s + replica_time(sums.param_bytes)
+                extra = transfer + sums.param_bytes / runtime.accumulate_bytes_per_s
+                return remat_candidates(sums, shape, method.remat, extra_time=extra,
                                         tail_time=tail, host_time=host,
-                                        param_bytes=param_bytes, lean=lean)
+                                        param_bytes=sums.param_bytes, split=split)
 
-            fastest = variants(lean=False)
-            found.extend(fastest)
+            chosen = variants(1)
+            found.extend(chosen)
             # the layers' fastest plans may hold their parameters (and so their gradients and
             # optimizer state) on every device: where none of them fits with the most
-            # microbatches this stage could hold, the plans that split them the most ways are
-            # candidates too (solved only for such stages: most stages never need them)
-            if overfills(fastest, submesh.num_devices):
-                found.extend(variants(lean=True))
+            # microbatches this stage could hold, the plans splitting every parameter more
+            # ways are candidates too, least split first (over a tensor axis, as Megatron-LM
+            # splits, before over every device), until one fits (solved only for such
+            # stages: most stages never need them)
+            for split in state_split_levels(shape):
+                if not overfills(chosen, submesh.num_devices):
+                    break
+                chosen = variants(split)
+                found.extend(chosen)
         if clock is not None:
             clock.seconds += time.perf_counter() - start_s
         return found
 
     submeshes = submesh_shapes(cluster.num_hosts, cluster.devices_per_host)
 
-    def lean_on(mesh: LogicalMesh, fastest: list[PieceCost]) -> bool:
-        # the whole model on the mesh with its layers' fastest plans overfills it: the DP
-        # reads that entry, whose candidates then ask for every layer's lean plan there
-        return overfills(remat_candidates(fastest, tuple(mesh.shape), method.remat),
+    def overfilled(mesh: LogicalMesh, costs: list[PieceCost]) -> bool:
+        # the whole model on the mesh with its layers' plans ``costs`` overfills it: the DP
+        # reads that entry, whose candidates then ask for every layer's more split plans
+        return overfills(remat_candidates(LayerSums.of(costs), tuple(mesh.shape),
+                                          method.remat),
                          len(mesh.device_ids))
 
     start_s = time.perf_counter()
@@ -253,7 +271,7 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
         prefetch_on = submeshes if read_whole else ()
     meshes = [mesh_of(sub, shape) for sub in prefetch_on for shape in stage_meshes(method, sub)]
     if meshes:
-        cache.prefetch(pp, layers, meshes, lean_on, workers)
+        cache.prefetch(pp, layers, meshes, overfilled, workers)
     if clock is not None:
         clock.seconds += time.perf_counter() - start_s
     return StageCostTable(len(positions) + 1, submeshes, candidates)

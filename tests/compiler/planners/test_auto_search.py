@@ -15,7 +15,8 @@ from autopar.api import local_cluster
 from autopar.cluster import RuntimeCosts, load_cluster
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.planners import dispatch
-from autopar.compiler.planners.pipeshard import search_pipelines, stage_ilp_notes
+from autopar.compiler.planners.pipeline_search import search_pipelines
+from autopar.compiler.planners.pipeshard import stage_ilp_notes
 from autopar.compiler.planners.stage_costs import (
     STAGE_COST_TIME_LIMIT_S,
     CostClock,

@@ -13,7 +13,7 @@ from tanh_mlp import tanh_mlp_step
 
 import autopar
 from autopar.cluster import load_cluster
-from autopar.compiler.planners.pipeshard import stage_baselines
+from autopar.compiler.planners.pipeline_search import stage_baselines
 from autopar.errors import BatchSizeError, NoLossFunctionError, PlanError
 from autopar.frontend.cli.main import main
 from autopar.ir.pipeline_program import build_pipeline_program

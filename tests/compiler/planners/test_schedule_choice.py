@@ -149,3 +149,25 @@ def test_the_command_line_allows_async_and_draws_the_steady_state(tmp_path, caps
     assert main(["compile", "--model", "gpt", "--devices", "8", "--method", "data",
                  "--allow-async"]) != 0
     assert "--allow-async applies to --method pipeshard" in capsys.readouterr().err
+
+
+def test_only_the_chosen_schedule_has_its_stages_solved_whole(monkeypatch):
+    # every schedule is searched, and its estimate compared; the stage plans solved whole
+    # (an ILP per stage) do not change an estimate, so only the kept one is finished
+    from autopar.compiler.planners import schedule_choice
+
+    finished = []
+    real = schedule_choice.finish_pipeshard
+
+    def counting(search, *args, **kwargs):
+        finished.append(search.method.schedule)
+        return real(search, *args, **kwargs)
+
+    monkeypatch.setattr(schedule_choice, "finish_pipeshard", counting)
+    model = get_model("mlp", "tiny", num_layers=4).with_value_and_grad(autopar.value_and_grad)
+    method = autopar.PipeshardParallel(num_microbatches=4, schedule="auto", allow_async=True,
+                                       stages="uniform", num_stages=2, layers=2)
+    plan = autopar.parallelize(model.train_step, method=method,
+                               cache=False).get_plan(*model.abstract_inputs())
+    assert len(rows(plan)) == 4 and sum(r["fits"] for r in rows(plan).values()) >= 2
+    assert finished == [plan.pipeline.schedule]
