@@ -124,7 +124,10 @@ class ParallelizedStep:
         self._argument_names: dict[int, list[str]] = {}  # per argument count
         self.saved_plan = plan  # run this plan instead of planning (checked against each trace)
         self.method_defaulted = False  # parallelize() without method=: the full search
-        functools.update_wrapper(self, fn)
+        # the step's name and docstring, not its attributes: a library's wrapper (Equinox's
+        # filter_jit keeps its function in a field named ``fn``) would overwrite this
+        # object's own
+        functools.update_wrapper(self, fn, updated=())
 
     def _signature_key(self, args: Sequence[Any]) -> tuple:
         """Static arguments by value; for the others the tree structure, each array leaf's

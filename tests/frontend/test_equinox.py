@@ -203,3 +203,17 @@ def test_static_leaf_the_step_cannot_use_is_one_line():
     with pytest.raises(autopar.TraceError, match="^could not trace step: TypeError") as err:
         parallel(model, opt_state, batches()[0])
     assert "\n" not in str(err.value)
+
+
+def test_a_step_already_under_filter_jit_is_parallelized_as_it_is():
+    """``parallelize(eqx.filter_jit(step))``: the wrapper's own fields (its function is one
+    named ``fn``) are not copied over the parallel step's, and the step gives filter_jit's
+    numbers."""
+    wrapped = eqx.filter_jit(step)
+    want_model, _, want_losses = run(wrapped, make_mlp())
+    parallel = autopar.parallelize(wrapped, method=autopar.DataParallel(), batch_argnums=(2,),
+                                   cache=False)
+    assert parallel.fn is wrapped and parallel.__wrapped__ is wrapped
+    got_model, _, got_losses = run(parallel, make_mlp())
+    np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5, atol=1e-6)
+    assert_same(got_model, want_model)
