@@ -5,6 +5,10 @@ the runtime).
 A rematerialised candidate pays one more forward per microbatch (a third of a layer's
 forward-plus-backward compute, the usual 1:2 flop split) and holds, per in-flight microbatch,
 only the bytes of its layers' activation inputs instead of everything their forwards produce.
+
+The same candidates come in memory-lean variants (``state_split_levels``): the layers' plans
+splitting every parameter at least k ways. Both are read off the layers' costs summed
+(``LayerSums``).
 """
 
 from __future__ import annotations
