@@ -81,6 +81,9 @@ def barrier_strategies(ctx: StrategyContext) -> list[Strategy]:
 _NAMES = sorted(ELEMENTWISE) + [
     "convert_element_type", "copy", "copy_p", "reduce_precision", "bitcast_convert_type",
     "stop_gradient", "sharding_constraint",
+    # ``jax.ad_checkpoint.checkpoint_name``: a label for the rematerialisation policy, the
+    # identity on its operand (replicated, it gathered every named activation)
+    "name",
 ]
 
 RULES: dict[str, Callable[[StrategyContext], list[Strategy]]] = {
