@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -253,17 +254,23 @@ def _abstract_leaf(leaf: Any) -> Any:
     )
 
 
-def flatten_step(fn: Callable, args: Sequence[Any], keep_markers: bool = False,
-                 expand_loss: LossExpansion | None = None,
-                 expand_scans: bool = False) -> FlatProgram:
-    """Trace ``fn(*args)`` (arrays or ``jax.ShapeDtypeStruct``) into a ``FlatProgram``.
+@dataclass(frozen=True)
+class StepJaxpr:
+    """``fn(*args)`` traced once by ``jax.make_jaxpr``, before any walk: the closed jaxpr, its
+    input leaves' paths and per-argument ranges, and the trees. Every flattening of one step
+    at one set of shapes (plain, with its markers kept, rematerialised) walks this same
+    jaxpr, so the user's step (and its optimizer update) is traced once, not per form."""
 
-    Nothing is computed and no device memory is touched: abstract shapes are enough.
-    ``keep_markers``: see ``_Numberer`` (the pipeline pass sets it). ``expand_loss``: what an
-    ``autopar.value_and_grad`` equation is inlined as (default: its plain value and gradient;
-    ``remat_loss.flatten_step_rematerialised`` passes the rematerialised form).
-    ``expand_scans``: number scan bodies as regions (see the module docstring).
-    """
+    closed: Any
+    in_paths: tuple[str, ...]
+    ranges: tuple[tuple[int, int], ...]
+    in_tree: Any
+    out_tree: Any
+
+
+def trace_jaxpr(fn: Callable, args: Sequence[Any]) -> StepJaxpr:
+    """Trace ``fn(*args)`` (arrays or ``jax.ShapeDtypeStruct``) with ``jax.make_jaxpr``;
+    raises ``TraceError`` with one line for any failure inside the user's code."""
     names = argument_names(fn, len(args))
     in_paths: list[str] = []
     ranges: list[tuple[int, int]] = []
@@ -301,7 +308,23 @@ def flatten_step(fn: Callable, args: Sequence[Any], keep_markers: bool = False,
         raise TraceError(
             f"could not trace {name}: {type(exc).__name__}: {first}"
         ) from exc
-    out_tree = out_tree_box[-1]
+    return StepJaxpr(closed, tuple(in_paths), tuple(ranges), in_tree, out_tree_box[-1])
+
+
+def flatten_step(fn: Callable, args: Sequence[Any], keep_markers: bool = False,
+                 expand_loss: LossExpansion | None = None,
+                 expand_scans: bool = False, *, jaxpr: StepJaxpr | None = None) -> FlatProgram:
+    """Trace ``fn(*args)`` (arrays or ``jax.ShapeDtypeStruct``) into a ``FlatProgram``.
+
+    Nothing is computed and no device memory is touched: abstract shapes are enough.
+    ``keep_markers``: see ``_Numberer`` (the pipeline pass sets it). ``expand_loss``: what an
+    ``autopar.value_and_grad`` equation is inlined as (default: its plain value and gradient;
+    ``remat_loss.flatten_step_rematerialised`` passes the rematerialised form).
+    ``expand_scans``: number scan bodies as regions (see the module docstring). ``jaxpr``:
+    the step already traced at these arguments' shapes (``trace_jaxpr``), walked again.
+    """
+    traced = jaxpr if jaxpr is not None else trace_jaxpr(fn, args)
+    closed = traced.closed
     numberer = _Numberer(keep_markers, expand_loss, expand_scans)
     in_ids = [
         numberer.new_id(var.aval, TensorKind.INPUT) for var in closed.jaxpr.invars
@@ -310,10 +333,11 @@ def flatten_step(fn: Callable, args: Sequence[Any], keep_markers: bool = False,
     out_paths = [
         leaf_path("out", keypath)
         for keypath, _ in jax.tree_util.tree_flatten_with_path(
-            jax.tree_util.tree_unflatten(out_tree, list(range(len(out_ids))))
+            jax.tree_util.tree_unflatten(traced.out_tree, list(range(len(out_ids))))
         )[0]
     ]
-    return numberer.program(in_ids, out_ids, in_paths, out_paths, in_tree, out_tree, ranges)
+    return numberer.program(in_ids, out_ids, list(traced.in_paths), out_paths,
+                            traced.in_tree, traced.out_tree, list(traced.ranges))
 
 
 def flatten_closed_jaxpr(closed: Any, keep_markers: bool = True) -> FlatProgram:

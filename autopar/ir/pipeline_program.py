@@ -23,11 +23,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
+import numpy as np
 
 from autopar.errors import BatchSizeError, NoLossFunctionError, PlanError
-from autopar.ir.flatten import flatten_jaxpr, flatten_step
+from autopar.ir.flatten import StepJaxpr, flatten_jaxpr, flatten_step, trace_jaxpr
 from autopar.ir.loss_markers import PIPELINE_BOUNDARY, VALUE_AND_GRAD, LossFunction
-from autopar.ir.program import FlatProgram
+from autopar.ir.program import FlatProgram, TensorKind, run_eqns
 from autopar.ir.random_draws import RandomDraw, rewrite_draws
 from autopar.ir.scan_split import split_forward, split_step
 from autopar.ir.scan_units import LayerScan
@@ -53,6 +54,8 @@ class PipelineProgram:
     # results are microbatch inputs of the forward), and why any other draw is not
     draws: tuple[RandomDraw, ...] = ()
     inexact_draws: tuple[str, ...] = ()
+    # the loss forward's with_sharding_constraint calls, left out (``_without_constraints``)
+    dropped_constraints: int = 0
 
     @property
     def vg(self) -> Any:
@@ -93,15 +96,19 @@ def _loss_eqn(program: FlatProgram) -> Any:
 
 
 def build_pipeline_program(
-    fn: Callable, args: Sequence[Any], batch_argnums: Sequence[int], num_microbatches: int
+    fn: Callable, args: Sequence[Any], batch_argnums: Sequence[int], num_microbatches: int,
+    jaxpr: StepJaxpr | None = None,
 ) -> PipelineProgram:
     """Trace ``fn(*args)`` and find its loss function (raises PlanError when it has none).
 
     The step is traced twice: with the whole batch (the equations around the loss) and with one
     microbatch (the loss forward the pipeline runs): shapes, and constants such as a mean's
-    divisor, are baked into a trace, so the forward must be traced at the size it runs at."""
+    divisor, are baked into a trace, so the forward must be traced at the size it runs at.
+    ``jaxpr``: the step already traced with the whole batch (``flatten.trace_jaxpr``); with
+    one microbatch that trace is the microbatch's too."""
     args = tuple(args)
-    outer = flatten_step(fn, args, keep_markers=True)
+    whole = jaxpr if jaxpr is not None else trace_jaxpr(fn, args)
+    outer = flatten_step(fn, args, keep_markers=True, jaxpr=whole)
     vg = _loss_eqn(outer)
     owner = outer.leaf_arg_indices()
     batch_leaves = [vid for vid, a in zip(outer.in_ids, owner, strict=True) if a in batch_argnums]
@@ -121,7 +128,10 @@ def build_pipeline_program(
         jax.tree_util.tree_map(lambda x: _with_first_dim(x, micro), a) if i in batch_argnums else a
         for i, a in enumerate(args)
     ]
-    micro_vg = _loss_eqn(flatten_step(fn, micro_args, keep_markers=True))
+    # one microbatch is the whole batch: the outer trace already holds its loss function
+    micro_program = outer if micro == batch_size else flatten_step(fn, micro_args,
+                                                                    keep_markers=True)
+    micro_vg = _loss_eqn(micro_program)
     loss: LossFunction = micro_vg.params["loss"]
     full: LossFunction = vg.params["loss"]
     if (loss.num_consts, loss.num_args, loss.diff_leaves) != (
@@ -131,6 +141,8 @@ def build_pipeline_program(
             "the loss function's inputs change with the batch size; PipeshardParallel needs the "
             "same closed-over values and arguments for the whole batch and for one microbatch"
         )
+    if micro_program is not outer:
+        vg = _take_microbatch_constants(outer, vg, micro_program, micro_vg)
     paths = [f"loss/const{i}" for i in range(loss.num_consts)] + [
         f"loss/arg{i}" for i in range(loss.num_args)
     ]
@@ -161,9 +173,10 @@ def build_pipeline_program(
     layered = split_forward(forward, diff)
     if layered is None:
         draws = _place_draws(outer, drawn.draws, operand_of, split)
+        forward, dropped = _without_constraints(forward)
         return PipelineProgram(
             outer, vg.index, loss, forward, operand_of, frozenset(split), diff, batch_size,
-            draws=draws, inexact_draws=drawn.inexact,
+            draws=draws, inexact_draws=drawn.inexact, dropped_constraints=dropped,
         )
     # scans over stacked layers: inlined, one unit per iteration, the step split to match
     step = split_step(outer, vg.index, fwd_in_ids, layered.slices, diff, 1 + loss.num_aux)
@@ -174,10 +187,82 @@ def build_pipeline_program(
                           strict=True))
     diff = tuple(x for fid in diff for x in layered.slices.get(fid, (fid,)))
     draws = _place_draws(step.program, drawn.draws, operand_of, split)
+    forward, dropped = _without_constraints(forward)
     return PipelineProgram(
         step.program, step.vg_index, loss, forward, operand_of, frozenset(split), diff,
-        batch_size, layered.scans, step.input_splits, draws, drawn.inexact
+        batch_size, layered.scans, step.input_splits, draws, drawn.inexact, dropped
     )
+
+
+# Layout requests in the user's loss: each names a sharding over the user's mesh
+SHARDING_CONSTRAINTS = frozenset({"sharding_constraint", "reshard"})
+
+
+def _without_constraints(forward: FlatProgram) -> tuple[FlatProgram, int]:
+    """``forward`` with each ``with_sharding_constraint`` (and ``reshard``) made a plain copy,
+    and how many there were. They name a sharding over the devices the user's mesh holds,
+    while each stage runs on a submesh of its own with the plan's layouts (XLA refuses a
+    constraint over other devices); the one-stage methods keep them."""
+    eqns = [replace(e, primitive=jax.lax.copy_p, params={})
+            if e.name in SHARDING_CONSTRAINTS else e for e in forward.eqns]
+    dropped = sum(1 for e in forward.eqns if e.name in SHARDING_CONSTRAINTS)
+    return (replace(forward, eqns=eqns) if dropped else forward), dropped
+
+
+def _take_microbatch_constants(outer: FlatProgram, vg: Any, micro: FlatProgram,
+                               micro_vg: Any) -> Any:
+    """Give the loss function the closed-over constants of its microbatch trace; returns the
+    loss equation, with fresh constant operands where they differ. A constant built from a
+    shape (a mean's divisor, ``jnp.prod(jnp.asarray(v.shape))``, or ``jnp.full`` of the batch
+    size outside the loss) is baked into each trace, and the forward runs at the microbatch's
+    size: the whole batch's value would scale its result silently. The rest of the step keeps
+    the whole batch's value."""
+    operands = list(vg.inputs)
+    for k in range(vg.params["loss"].num_consts):
+        whole = _folded(outer, vg.inputs[k])
+        small = _folded(micro, micro_vg.inputs[k])
+        if whole is None or small is None or whole is small or (
+                np.shape(whole) == np.shape(small)
+                and np.array_equal(np.asarray(whole), np.asarray(small))):
+            continue
+        fresh = max(outer.avals) + 1
+        outer.avals[fresh] = micro.avals[micro_vg.inputs[k]]
+        outer.kinds[fresh], outer.values[fresh] = TensorKind.CONST, small
+        operands[k] = fresh
+    if operands == list(vg.inputs):
+        return vg
+    outer.eqns[vg.index] = replace(vg, inputs=tuple(operands))
+    return outer.eqns[vg.index]
+
+
+# Constants computed in the step (``jnp.full(n, batch_size)``) are folded when made by at
+# most this many equations; a longer computation from constants alone is left as traced.
+FOLD_LIMIT = 32
+
+
+def _folded(program: FlatProgram, vid: int) -> Any:
+    """``vid``'s value when it depends on no step input (a constant, or made from constants
+    by at most ``FOLD_LIMIT`` equations), else None."""
+    if vid in program.values:
+        return program.values[vid]
+    if program.kinds.get(vid) == TensorKind.INPUT:
+        return None
+    producer = {o: e for e in program.eqns for o in e.outputs}
+    needed: set[int] = set()
+    pending = [vid]
+    while pending:
+        v = pending.pop()
+        if v in program.values:
+            continue
+        eqn = producer.get(v)
+        if eqn is None or len(needed) >= FOLD_LIMIT:
+            return None
+        if eqn.index not in needed:
+            needed.add(eqn.index)
+            pending.extend(eqn.inputs)
+    env: dict[int, Any] = {}
+    run_eqns(program, sorted(needed), env)
+    return env[vid]
 
 
 def _place_draws(outer: FlatProgram, draws: Sequence[RandomDraw], operand_of: dict[int, int],

@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from autopar.ir.flatten import flatten_jaxpr, flatten_step
+from autopar.ir.flatten import StepJaxpr, flatten_jaxpr, flatten_step
 from autopar.ir.loss_markers import LossFunction
 from autopar.ir.pipeline_pieces import cut_pieces
 from autopar.ir.program import FlatProgram, run_eqns
@@ -75,10 +75,12 @@ def layer_function(forward: FlatProgram, layer: Any, inputs: Sequence[int]) -> C
     return run
 
 
-def flatten_step_rematerialised(fn: Callable, args: Sequence[Any],
-                                positions: Sequence[int]) -> FlatProgram:
+def flatten_step_rematerialised(fn: Callable, args: Sequence[Any], positions: Sequence[int],
+                                jaxpr: StepJaxpr | None = None) -> FlatProgram:
     """``program.flatten_step`` with ``autopar.value_and_grad`` inlined in its rematerialised
     form: each layer of the loss forward (cut before the equations at ``positions`` of
-    ``loss_forward``) under ``jax.checkpoint``."""
+    ``loss_forward``) under ``jax.checkpoint``. ``jaxpr``: the step already traced at these
+    shapes (``flatten.trace_jaxpr``)."""
     return flatten_step(fn, args,
-                        expand_loss=lambda loss: rematerialised_value_and_grad(loss, positions))
+                        expand_loss=lambda loss: rematerialised_value_and_grad(loss, positions),
+                        jaxpr=jaxpr)

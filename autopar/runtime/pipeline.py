@@ -276,7 +276,8 @@ class PipelineRunner:
         (an optimizer state as the update made it), not replicated."""
         key = (vid, stage, fid)
         if key not in st.placed:
-            value = st.env[vid]
+            # a constant the step captured (a loss's closed-over array) is no step value
+            value = st.env[vid] if vid in st.env else self.pp.outer.values[vid]
             source = fid if fid is not None else self.spec_source.get(vid)
             if source is None and self._on_stage(value, stage):
                 st.placed[key] = value

@@ -19,6 +19,8 @@ ELEMENTWISE = frozenset(
     floor ge gt imag integer_pow is_finite le lgamma digamma log log1p logistic lt max min mul
     ne neg nextafter not or pow real rem round rsqrt select_n sign sin sinh sqrt square sub tan
     tanh xor shift_left shift_right_logical shift_right_arithmetic population_count
+    acos acosh asin asinh atan atanh bessel_i0e bessel_i1e clz complex conj igamma
+    igamma_grad_a igammac polygamma regularized_incomplete_beta zeta mulhi eq_to le_to lt_to
     """.split()
 )
 

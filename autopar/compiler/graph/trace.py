@@ -15,7 +15,7 @@ from typing import Any
 
 from autopar.compiler.graph.op_costs import primitive_flops
 from autopar.compiler.graph.opgraph import GraphIO, OpGraph, OpNode, ScanLoop, TensorInfo
-from autopar.ir.flatten import flatten_step
+from autopar.ir.flatten import StepJaxpr, flatten_step
 from autopar.ir.program import FlatProgram
 from autopar.ir.remat_loss import flatten_step_rematerialised
 
@@ -77,13 +77,16 @@ def build_graph(program: FlatProgram) -> OpGraph:
 
 
 def trace_step(fn: Callable, args: Sequence[Any],
-               remat_positions: Sequence[int] | None = None) -> TracedStep:
+               remat_positions: Sequence[int] | None = None,
+               jaxpr: StepJaxpr | None = None) -> TracedStep:
     """Trace ``fn(*args)`` into a flat program and its OpGraph (raises ``TraceError``).
     ``remat_positions``: inline ``autopar.value_and_grad`` with the loss forward's layers (cut
     before these equations) under ``jax.checkpoint`` (``remat_loss.flatten_step_rematerialised``).
+    ``jaxpr``: the step already traced at these shapes (``flatten.trace_jaxpr``): walked, not
+    traced again.
     """
     if remat_positions is None:
-        program = flatten_step(fn, tuple(args), expand_scans=True)
+        program = flatten_step(fn, tuple(args), expand_scans=True, jaxpr=jaxpr)
     else:
-        program = flatten_step_rematerialised(fn, tuple(args), remat_positions)
+        program = flatten_step_rematerialised(fn, tuple(args), remat_positions, jaxpr=jaxpr)
     return TracedStep(program=program, graph=build_graph(program))

@@ -18,6 +18,7 @@ from autopar.compiler.inter_op.submesh import SubmeshShape
 from autopar.compiler.planners.stage_costs import logical_shapes
 from autopar.compiler.planners.step_program import IlpObserver, PlannedProgram, StepProgram
 from autopar.errors import AutoparError, BatchSizeError, NoLossFunctionError, PlanError
+from autopar.ir.flatten import trace_jaxpr
 from autopar.ir.pipeline_program import build_pipeline_program
 from autopar.methods import (
     AutoParallel,
@@ -39,11 +40,15 @@ def trace_auto(fn: Callable, args: Sequence[Any], method: AutoParallel,
                batch_argnums: tuple[int, ...]) -> StepProgram:
     """The plain step (for the one-stage candidates) and, when pipelines are candidates and
     the step can be pipelined, its pipeline cut."""
-    step = StepProgram(trace_step(fn, args), method, batch_argnums, fn=fn, args=tuple(args))
+    jaxpr = trace_jaxpr(fn, args)
+    step = StepProgram(trace_step(fn, args, jaxpr=jaxpr), method, batch_argnums, fn=fn,
+                       args=tuple(args))
+    step.memo.jaxpr = jaxpr
     if "pipeshard" not in method.candidates:
         return step
     try:
-        pp = build_pipeline_program(fn, args, batch_argnums, method.num_microbatches)
+        pp = build_pipeline_program(fn, args, batch_argnums, method.num_microbatches,
+                                    jaxpr=jaxpr)
     except (NoLossFunctionError, BatchSizeError) as err:
         step.notes.append(f"no pipelined candidate: {err}")
         return step

@@ -35,6 +35,7 @@ from autopar.errors import (
     NoLossFunctionError,
     PlanError,
 )
+from autopar.ir.flatten import trace_jaxpr
 from autopar.ir.pipeline_program import build_pipeline_program
 from autopar.methods import (
     AutoParallel,
@@ -62,20 +63,27 @@ def trace(fn: Callable, args: Sequence[Any], method: Method, batch_argnums: Sequ
     batch_argnums = tuple(batch_argnums)
     if isinstance(method, AutoParallel):
         return trace_auto(fn, args, method, batch_argnums)
+    jaxpr = trace_jaxpr(fn, args)
     if isinstance(method, PipeshardParallel):
         try:
-            pp = build_pipeline_program(fn, args, batch_argnums, method.num_microbatches)
+            pp = build_pipeline_program(fn, args, batch_argnums, method.num_microbatches,
+                                        jaxpr=jaxpr)
         except (NoLossFunctionError, BatchSizeError) as err:
             if not fall_back_to_shard:
                 raise
             shard = ShardParallel(memory_budget_bytes=method.memory_budget_bytes,
                                   solver=method.solver, time_limit_s=method.time_limit_s)
-            step = trace(fn, args, shard, batch_argnums)
+            step = StepProgram(trace_step(fn, args, jaxpr=jaxpr), shard, batch_argnums,
+                               fn=fn, args=tuple(args))
             step.notes.append(f"one stage, no pipeline: {err}")
-            return step
-        return StepProgram(TracedStep(pp.outer, build_graph(pp.outer)), method, batch_argnums,
-                           pipeline=pp, fn=fn, args=tuple(args))
-    return StepProgram(trace_step(fn, args), method, batch_argnums, fn=fn, args=tuple(args))
+        else:
+            step = StepProgram(TracedStep(pp.outer, build_graph(pp.outer)), method,
+                               batch_argnums, pipeline=pp, fn=fn, args=tuple(args))
+    else:
+        step = StepProgram(trace_step(fn, args, jaxpr=jaxpr), method, batch_argnums, fn=fn,
+                           args=tuple(args))
+    step.memo.jaxpr = jaxpr
+    return step
 
 
 def trace_for_plan(fn: Callable, args: Sequence[Any], plan: Plan,
@@ -121,6 +129,11 @@ def _plan_pipelined(step: StepProgram, method: PipeshardParallel, traced: Traced
     planned = PlannedProgram(traced, plan_pipeline(step.pipeline, method, cluster),
                              step.pipeline)
     planned.plan.batch_argnums = step.batch_argnums
+    dropped = step.pipeline.dropped_constraints
+    if dropped:
+        planned.plan.notes.append(
+            f"the loss function's {dropped} with_sharding_constraint call(s) are left out of "
+            "the pipeline: each stage runs on its own submesh, in the plan's layouts")
     inexact = step.pipeline.inexact_draws
     if inexact:
         planned.plan.notes.append(
@@ -192,11 +205,14 @@ def _plan_rematerialised(step: StepProgram, cluster: ClusterSpec,
         raise InvalidOptionError("remat needs the step itself to trace it again; this step "
                                  "was given as a traced program only")
     if step.memo.remat is None:
+        if step.memo.jaxpr is None:
+            step.memo.jaxpr = trace_jaxpr(step.fn, step.args)
+        jaxpr = step.memo.jaxpr
         try:
-            pp = build_pipeline_program(step.fn, step.args, step.batch_argnums, 1)
+            pp = build_pipeline_program(step.fn, step.args, step.batch_argnums, 1, jaxpr=jaxpr)
             positions = remat_layer_positions(pp, build_graph(pp.forward))
-            step.memo.remat = (trace_step(step.fn, step.args, remat_positions=positions),
-                               tuple(positions))
+            step.memo.remat = (trace_step(step.fn, step.args, remat_positions=positions,
+                                          jaxpr=jaxpr), tuple(positions))
         except NoLossFunctionError as err:
             step.memo.remat = err
     if isinstance(step.memo.remat, Exception):

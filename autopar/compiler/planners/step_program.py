@@ -12,6 +12,7 @@ from typing import Any
 
 from autopar.compiler.cost.memory_model import MemoryEstimate, memory_floor
 from autopar.compiler.graph.trace import TracedStep
+from autopar.ir.flatten import StepJaxpr
 from autopar.ir.pipeline_program import PipelineProgram
 from autopar.methods import Method
 from autopar.plan import Plan
@@ -26,8 +27,11 @@ class TraceMemo:
     positions, or the error that tracing raised), which the full search's one-stage candidates
     would otherwise each trace anew. ``memory_floors``: per (graph, device count), the memory
     of the step with every tensor split over all the devices (``memory_floor``), which the
-    one-stage candidates on meshes of the same size share."""
+    one-stage candidates on meshes of the same size share. ``jaxpr``: the step traced once
+    at its arguments' shapes (``flatten.trace_jaxpr``), which each form of it (plain,
+    pipeline cut, rematerialised) walks rather than tracing the user's code again."""
 
+    jaxpr: StepJaxpr | None = None
     remat: tuple[TracedStep, tuple[int, ...]] | Exception | None = None
     memory_floors: dict[tuple[int, int], MemoryEstimate] = field(default_factory=dict)
 

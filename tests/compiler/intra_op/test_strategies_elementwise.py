@@ -185,3 +185,30 @@ def test_registry_serves_these_families():
     for module in (dot, conv, elementwise, reduce, layout):
         for name, rule in module.RULES.items():
             assert merged[name] is rule, name
+
+
+def test_stack_splits_every_dim_its_operands_share():
+    case = Case(lambda a, b: jnp.stack([a, b], axis=1), (sds(8, 16), sds(8, 16)), (2, 4),
+                "stack")
+    check_structure(case)
+    s = case.by_name("S(x)S(y) x S(x)S(y) -> S(x)RS(y)")
+    assert s.communication_time_s == 0 and not s.collectives
+    # the stacked dim stays whole: XLA exchanged the operands all-to-all to split it
+    assert all(st.output_specs[0].dims[1] == () for st in case.strategies)
+    check_numerics(case)  # every strategy: none may make XLA communicate
+
+
+def test_unstack_keeps_the_unstacked_dim_whole():
+    case = Case(lambda a: jnp.unstack(a, axis=1), (sds(8, 2, 16),), (2, 4), "unstack")
+    check_structure(case)
+    assert all(s.input_specs[0].dims[1] == () for s in case.strategies)
+    assert case.by_name("S(x)RS(y) -> S(x)S(y), S(x)S(y)") is not None
+    check_numerics(case)  # every strategy: none may make XLA communicate
+
+
+def test_tile_keeps_the_repeated_dim_whole():
+    case = Case(lambda a: jnp.tile(a, (1, 2)), (sds(8, 16),), (2, 4), "tile")
+    check_structure(case)
+    assert all(s.output_specs[0].dims[1] == () for s in case.strategies)
+    assert case.by_name("S(x,y)R -> S(x,y)R") is not None
+    check_numerics(case)

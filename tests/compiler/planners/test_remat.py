@@ -150,3 +150,22 @@ def test_auto_remat_is_not_tried_when_the_state_alone_is_over_the_budget():
                                                      memory_budget_bytes=state_bytes / 100),
                         base, batch_argnums=(1,))
     assert refused.value.split_over == 8
+
+
+@pytest.mark.parametrize("method, traces", [
+    (autopar.ShardParallel(remat="layers"), 1),
+    # the whole batch once, one microbatch once; the rematerialised candidates walk the first
+    (autopar.AutoParallel(num_microbatches=2, remat="layers"), 2),
+], ids=["shard", "auto"])
+def test_the_users_step_is_traced_once_per_shape(method, traces):
+    model = marked_zoo("gpt")
+    calls = []
+
+    def counted(state, batch):
+        calls.append(1)
+        return model.train_step(state, batch)
+
+    state, batch = model.init_state(jax.random.key(0)), model.make_batch(jax.random.key(1))
+    plan = autopar.parallelize(counted, method=method, cache=False).get_plan(state, batch)
+    assert plan.remat_positions or plan.is_pipelined
+    assert len(calls) == traces

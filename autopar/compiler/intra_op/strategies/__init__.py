@@ -2,7 +2,8 @@
 
 Each family module exposes ``RULES``: primitive name -> generator ``(StrategyContext) ->
 list[Strategy]``. :func:`strategies_for` looks the node's primitive up; an unknown primitive
-gets the replicated strategy and one warning naming it (per primitive name and process).
+gets the replicated strategy, and one warning naming it (per primitive name and process)
+unless ``coverage.REPLICATED_BY_DESIGN`` gives the reason it runs replicated.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Callable
 from functools import cache
 
 from autopar.compiler.intra_op.strategies.base import Strategy, StrategyContext
+from autopar.compiler.intra_op.strategies.coverage import REPLICATED_BY_DESIGN
 
 FAMILY_MODULES = (
     "elementwise", "layout", "reduce", "dot", "conv", "indexing", "slicing", "misc", "control",
@@ -48,7 +50,8 @@ def strategies_for(ctx: StrategyContext) -> list[Strategy]:
     """The strategies of ``ctx.node`` (replicated only, with a warning, if unknown)."""
     rule = registry().get(ctx.node.primitive)
     if rule is None:
-        _warn_unknown(ctx.node.primitive)
+        if ctx.node.primitive not in REPLICATED_BY_DESIGN:
+            _warn_unknown(ctx.node.primitive)
         control = importlib.import_module(f"{__name__}.control")
         return [control.replicated_strategy(ctx)]
     return rule(ctx)

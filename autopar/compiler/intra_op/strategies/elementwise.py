@@ -81,6 +81,10 @@ def barrier_strategies(ctx: StrategyContext) -> list[Strategy]:
 _NAMES = sorted(ELEMENTWISE) + [
     "convert_element_type", "copy", "copy_p", "reduce_precision", "bitcast_convert_type",
     "stop_gradient", "sharding_constraint",
+    # the layout change JAX's autodiff emits (on the cotangent seed): the plan sets layouts
+    "reshard", "device_put",
+    # ``jax.lax.stage``: lifts a value into the trace, the identity
+    "stage",
     # ``jax.ad_checkpoint.checkpoint_name``: a label for the rematerialisation policy, the
     # identity on its operand (replicated, it gathered every named activation)
     "name",

@@ -7,6 +7,11 @@ the output's split implies; the slots (see :mod:`compute_common`) say which spli
   output dim splits for free: each device materialises its own slice.
 * ``transpose``: output dim i is operand dim ``permutation[i]``.
 * ``squeeze`` / ``expand_dims``: the removed / added dims have size 1 and never split.
+* ``stack`` / ``unstack`` (``jnp.stack``, ``jnp.unstack`` in jax 0.10: rotary embeddings):
+  the other dims keep their axes in every operand and result; the stacked dim stays whole
+  (XLA lowers a stack to a concatenation, and splitting that dim made it exchange the
+  operands all-to-all rather than pick each device's own: measured).
+* ``tile``: a repeated dim stays whole, the others keep their axes.
 * ``reshape``: operand and output dims fall into groups of equal products (a merge, a split,
   or a general regrouping; size-1 dims are ignored). The block distribution of a group's
   flat index range over n devices is the block distribution of its major-most dim iff that
@@ -68,6 +73,34 @@ def expand_dims_strategies(ctx: StrategyContext) -> list[Strategy]:
     return slot_strategies(ctx, _same_dims(ctx, range(len(kept)), kept))
 
 
+def stack_strategies(ctx: StrategyContext) -> list[Strategy]:
+    """Output dim ``axis`` is new and whole; the others carry every operand's dim in order."""
+    axis = int(ctx.node.params["axis"]) % ctx.outputs[0].ndim
+    operands = range(len(ctx.inputs))
+    return slot_strategies(ctx, [
+        Slot(size, tuple((k, j if j < axis else j - 1) for k in operands), ((0, j),))
+        for j, size in enumerate(ctx.outputs[0].shape) if j != axis])
+
+
+def unstack_strategies(ctx: StrategyContext) -> list[Strategy]:
+    """Operand dim ``axis`` stays whole; the others carry into every result in order."""
+    shape = ctx.inputs[0].shape
+    axis = int(ctx.node.params["axis"]) % len(shape)
+    results = range(len(ctx.outputs))
+    return slot_strategies(ctx, [
+        Slot(size, ((0, d),), tuple((k, d if d < axis else d - 1) for k in results))
+        for d, size in enumerate(shape) if d != axis])
+
+
+def tile_strategies(ctx: StrategyContext) -> list[Strategy]:
+    """Dims repeated (``reps`` > 1) stay whole: a block of the output is not the operand's
+    block; the others keep their axes."""
+    shape = ctx.inputs[0].shape
+    reps = ctx.node.params["reps"]
+    return slot_strategies(ctx, [Slot(size, ((0, d),), ((0, d),))
+                                 for d, size in enumerate(shape) if int(reps[d]) == 1])
+
+
 def reshape_groups(
     in_shape: Sequence[int], out_shape: Sequence[int]
 ) -> list[tuple[list[int], list[int]]]:
@@ -111,4 +144,7 @@ RULES: dict[str, Callable[[StrategyContext], list[Strategy]]] = {
     "transpose": transpose_strategies,
     "squeeze": squeeze_strategies,
     "expand_dims": expand_dims_strategies,
+    "stack": stack_strategies,
+    "unstack": unstack_strategies,
+    "tile": tile_strategies,
 }
