@@ -19,8 +19,10 @@ import jax
 
 from autopar.cluster import ClusterSpec, load_cluster
 from autopar.compiler.graph.trace import TracedStep
+from autopar.compiler.planners.status import PlanningStatus
 from autopar.errors import InvalidOptionError, PlanError
 from autopar.frontend.planning import StaticBinding, bind_static_args, plan_train_step
+from autopar.frontend.progress import Progress
 from autopar.frontend.static_leaves import array_leaves, signature_part
 from autopar.ir.flatten import argument_names
 from autopar.ir.schedules import is_async
@@ -36,6 +38,8 @@ if TYPE_CHECKING:
 # cross-host transfer server), an order of magnitude slower than inside one process: the
 # planner should see that link as the slow one (a rough figure for loopback; calibrate for
 # real hosts).
+# seconds of planning before its progress line shows (on a terminal only)
+PROGRESS_DELAY_S = 3.0
 MULTIPROCESS_INTER_HOST = {"bandwidth_bytes_per_s": 1e9, "latency_s": 1e-4}
 
 
@@ -173,11 +177,15 @@ class ParallelizedStep:
         if getattr(method, "replicas", None) == "auto":
             # the pipeline runtime runs one replica: plan these devices with none
             method = dataclasses.replace(method, replicas="none")
-        planned = plan_train_step(
-            bound.fn, bound.dynamic_args, method, local_cluster(self.devices),
-            batch_argnums=bound.batch_argnums, fall_back_to_shard=self.method_defaulted,
-            saved_plan=self.saved_plan, cache=self.cache,
-        )
+        # a planning longer than a few seconds shows its progress on a terminal
+        status = PlanningStatus()
+        with Progress(delay_s=PROGRESS_DELAY_S) as progress, \
+                progress.phase("planning", detail=status.describe):
+            planned = plan_train_step(
+                bound.fn, bound.dynamic_args, method, local_cluster(self.devices),
+                batch_argnums=bound.batch_argnums, fall_back_to_shard=self.method_defaulted,
+                saved_plan=self.saved_plan, cache=self.cache, status=status,
+            )
         plan = same_plan_everywhere(planned.plan)  # across processes: process 0's plan
         if plan.pipeline is not None and plan.pipeline.replicas > 1:
             raise PlanError(

@@ -10,7 +10,7 @@ from enum import StrEnum
 
 from autopar.errors import InvalidOptionError, choices_text
 from autopar.ir.schedules import ScheduleName, schedule_name
-from autopar.plan import MethodName
+from autopar.plan import MethodName, ShardingSpec
 
 
 class Solver(StrEnum):
@@ -88,6 +88,9 @@ class ShardParallel:
     from ``autopar.value_and_grad``): ``"none"``, ``"layers"`` (each layer under
     ``jax.checkpoint``: the backward keeps only layer inputs and recomputes the rest) or
     ``"auto"`` (only when the plan without it does not fit the memory budget).
+    ``pinned_inputs``: (leaf path, spec on the logical mesh) pairs, e.g.
+    ``(("state/params/w", ShardingSpec(((), ("y",)))),)``: those inputs keep that layout and
+    the ILP chooses the rest (the full search pins the inputs committed to your own mesh so).
     """
 
     mesh_shape: tuple[int, ...] | None = None
@@ -96,6 +99,7 @@ class ShardParallel:
     time_limit_s: float = 30.0
     prefer_reduce_scatter: bool = False
     remat: str = "none"
+    pinned_inputs: tuple[tuple[str, ShardingSpec], ...] = ()
 
     name = MethodName.SHARD
 

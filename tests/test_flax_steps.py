@@ -1,9 +1,13 @@
 """Train steps written the ordinary Flax way (linen ``TrainState`` with an optax chain and a
 schedule, dropout from a typed key; NNX split state with a functional optax update) give the
 plain ``jax.jit`` step's numbers under every method, a pipelined step with dropout included
-(it draws the whole batch's masks once per step, as the serial step does)."""
+(it draws the whole batch's masks once per step, as the serial step does), and kernels boxed
+with ``nn.with_partitioning``."""
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
+import optax
 import pytest
 from flax_models import linen_setup, linen_train_step, make_nnx_train_step, nnx_setup
 from step_runs import assert_same_run, run_steps
@@ -50,3 +54,43 @@ def test_nnx_split_state_matches_jit(method):
     want = run_steps(jax.jit(train_step), state, batch)
     step = autopar.parallelize(train_step, method=method, cache=False)
     assert_same_run(run_steps(step, state, batch), want)
+
+
+class PartitionedMLP(nn.Module):
+    """Kernels boxed with ``nn.with_partitioning`` (logical axis names, Megatron's split)."""
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.lecun_normal()
+        x = nn.tanh(nn.Dense(64, kernel_init=nn.with_partitioning(init, (None, "model")))(x))
+        return nn.Dense(4, kernel_init=nn.with_partitioning(init, ("model", None)))(x)
+
+
+@pytest.mark.parametrize("method", [
+    autopar.ShardParallel(mesh_shape=(2, 4)),
+    autopar.PipeshardParallel(num_microbatches=2, num_stages=2, stages="uniform"),
+    autopar.AutoParallel(),
+], ids=["shard", "pipeshard", "default"])
+def test_linen_with_partitioning_metadata_matches_jit(method):
+    model, opt = PartitionedMLP(), optax.adam(1e-2)
+    k = jax.random.split(jax.random.key(0), 3)
+    batch = {"x": jax.random.normal(k[0], (16, 8)), "y": jax.random.normal(k[1], (16, 4))}
+    params = model.init(k[2], batch["x"])["params"]
+    assert isinstance(params["Dense_0"]["kernel"], nn.Partitioned)
+
+    def make(value_and_grad):
+        def step(state, batch):
+            def loss_fn(p, batch):
+                return jnp.mean((model.apply({"params": p}, batch["x"]) - batch["y"]) ** 2)
+
+            loss, grads = value_and_grad(loss_fn)(state["p"], batch)
+            updates, o = opt.update(grads, state["o"], state["p"])
+            return {"p": optax.apply_updates(state["p"], updates), "o": o}, loss
+
+        return step
+
+    state = {"p": params, "o": opt.init(params)}
+    step = autopar.parallelize(make(autopar.value_and_grad), method=method, cache=False)
+    got = run_steps(step, state, batch)
+    assert isinstance(got[1]["p"]["Dense_0"]["kernel"], nn.Partitioned)  # the boxes come back
+    assert_same_run(got, run_steps(jax.jit(make(jax.value_and_grad)), state, batch))

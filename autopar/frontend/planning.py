@@ -19,6 +19,7 @@ import jax
 from autopar.cluster import ClusterSpec
 from autopar.compiler.graph.trace import TracedStep, trace_step
 from autopar.compiler.planners import dispatch
+from autopar.compiler.planners.status import PlanningStatus
 from autopar.compiler.planners.step_program import StepProgram
 from autopar.errors import InvalidOptionError, PlanError, TraceError
 from autopar.frontend.static_leaves import (
@@ -136,6 +137,7 @@ def plan_train_step(
     saved_plan: Plan | None = None,
     cache: Any = None,
     ilp_observer: Callable[[Any, Any], None] | None = None,
+    status: PlanningStatus | None = None,
 ) -> PlannedStep:
     """Trace ``fn(*args)`` and plan it with ``method`` on ``cluster``.
 
@@ -146,11 +148,14 @@ def plan_train_step(
     ``cache``: an ``autopar.frontend.plan_cache.PlanCache`` to take the plan from, keyed by the
     traced program, method, cluster and batch arguments, and to store a new plan in.
     ``ilp_observer(problem, solution)``: called with each one-stage sharding ILP solved
-    (``--dump-ilp``; the cache is then not read).
+    (``--dump-ilp``; the cache is then not read). ``status``: what the planner is doing, kept
+    up to date for a progress display to show.
     """
     if saved_plan is not None:
         return _with_saved_plan(fn, args, saved_plan, batch_argnums)
     step = dispatch.trace(fn, args, method, batch_argnums, fall_back_to_shard=fall_back_to_shard)
+    if status is not None:
+        step.status = status
     key = None if ilp_observer is not None else _cache_key(cache, step, cluster)
     cached = _cached_plan(cache, key, step.traced)
     if cached is not None:
@@ -176,8 +181,11 @@ def _cache_key(cache: Any, step: StepProgram, cluster: ClusterSpec) -> str | Non
     from autopar.frontend.plan_cache import cache_key, program_fingerprint
 
     fingerprint = "+".join(program_fingerprint(p) for p in step.programs)
+    # the full search plans the user's committed layout too: it is part of what it planned
     return cache_key(fingerprint, method=step.method, cluster=cluster,
-                     batch_argnums=step.batch_argnums, devices=None)
+                     batch_argnums=step.batch_argnums, devices=None,
+                     extra=None if step.annotations is None
+                     else {"annotations": repr(step.annotations)})
 
 
 def _cached_plan(cache: Any, key: str | None, traced: TracedStep) -> Plan | None:

@@ -1,12 +1,14 @@
-"""Progress of long CLI phases: one updating status line on a terminal, nothing otherwise.
+"""Progress of long phases: one updating status line on a terminal, nothing otherwise.
 
-``Progress`` writes ``autopar: planning (12.5 s)`` to its stream (default ``sys.stderr``),
-rewriting the same line (``\\r``) every ``interval_s`` from a daemon thread while a phase runs,
-and clears it when the phase ends. When the stream is not a terminal (a pipe, a file, a test's
+``Progress`` writes ``autopar: planning (12.5 s, pipelines: 312 ILPs solved)`` to its stream
+(default ``sys.stderr``), rewriting the same line (``\\r``) every ``interval_s`` from a daemon
+thread while a phase runs, and clears it when the phase ends; with ``delay_s`` nothing shows
+before that many seconds. When the stream is not a terminal (a pipe, a file, a test's
 capture) it writes nothing at all: long solves show progress on a terminal and stay quiet
 otherwise. Every phase's duration is logged at INFO on ``autopar.frontend.progress`` either way.
 
-There is no module-level state: the CLI makes one ``Progress`` per command and passes it on.
+There is no module-level state: the CLI makes one ``Progress`` per command and passes it on;
+``autopar.parallelize`` one per planning.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TextIO
 
@@ -30,6 +32,17 @@ def is_terminal(stream: object) -> bool:
         return False
 
 
+def status_text(name: str, elapsed_s: float, detail: Callable[[], str] | None = None) -> str:
+    """``tracing and planning (14.2 s, pipelines: 312 ILPs solved)``."""
+    extra = ""
+    if detail is not None:
+        try:
+            extra = detail()
+        except Exception:  # a display must never stop the work it shows
+            extra = ""
+    return f"{name} ({elapsed_s:.1f} s{', ' + extra if extra else ''})"
+
+
 class Progress:
     """A status line for the phases of one command (``with progress.phase("planning"): ...``).
 
@@ -39,10 +52,11 @@ class Progress:
     """
 
     def __init__(self, stream: TextIO | None = None, *, interval_s: float = 0.5,
-                 prefix: str = "autopar: ") -> None:
+                 prefix: str = "autopar: ", delay_s: float = 0.0) -> None:
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = is_terminal(self.stream)
         self.interval_s = interval_s
+        self.delay_s = delay_s
         self.prefix = prefix
         self._lock = threading.Lock()
         self._shown = 0  # characters of the status line now on screen (0: none)
@@ -54,15 +68,18 @@ class Progress:
         self.clear_line()
 
     @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        """Show ``name`` and its elapsed seconds while the block runs; clear the line after."""
+    def phase(self, name: str, detail: Callable[[], str] | None = None) -> Iterator[None]:
+        """Show ``name``, its elapsed seconds and ``detail()`` (the planner's phase and ILP
+        count) while the block runs; clear the line after. Nothing is shown before
+        ``delay_s``: a quick phase leaves the terminal as it was."""
         start = time.perf_counter()
         stop = threading.Event()
         ticker = None
         if self.enabled:
-            self._show(f"{name} ...")
-            ticker = threading.Thread(target=self._tick, args=(name, start, stop), daemon=True,
-                                      name=f"autopar-progress-{name}")
+            if not self.delay_s:
+                self._show(f"{name} ...")
+            ticker = threading.Thread(target=self._tick, args=(name, start, stop, detail),
+                                      daemon=True, name=f"autopar-progress-{name}")
             ticker.start()
         try:
             yield
@@ -84,9 +101,14 @@ class Progress:
                 self._write("\r" + " " * self._shown + "\r")
                 self._shown = 0
 
-    def _tick(self, name: str, start: float, stop: threading.Event) -> None:
-        while not stop.wait(self.interval_s):
-            self._show(f"{name} ({time.perf_counter() - start:.1f} s)")
+    def _tick(self, name: str, start: float, stop: threading.Event,
+              detail: Callable[[], str] | None) -> None:
+        if stop.wait(self.delay_s):
+            return
+        while True:
+            self._show(status_text(name, time.perf_counter() - start, detail))
+            if stop.wait(self.interval_s):
+                return
 
     def _show(self, text: str) -> None:
         line = self.prefix + text

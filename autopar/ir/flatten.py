@@ -29,6 +29,10 @@ from autopar.errors import TraceError
 from autopar.ir.loss_markers import PIPELINE_BOUNDARY, VALUE_AND_GRAD, expand_value_and_grad
 from autopar.ir.program import SCAN_ENTER, SCAN_EXIT, FlatEqn, FlatProgram, ScanRegion, TensorKind
 
+# Layout requests in the user's code (``with_sharding_constraint``; ``reshard``, which JAX's
+# autodiff also emits): each names a sharding over the user's own mesh
+SHARDING_CONSTRAINTS = frozenset({"sharding_constraint", "reshard"})
+
 # How an autopar_value_and_grad equation's loss function becomes value and gradient code.
 LossExpansion = Callable[[Any], Callable[..., list[Any]]]
 
@@ -71,6 +75,7 @@ class _Numberer:
         self.values: dict[int, Any] = {}
         self.regions: dict[int, ScanRegion] = {}
         self.repeat = 1  # the lengths of the scan regions being walked, multiplied
+        self.dropped_constraints = 0
 
     def new_id(self, aval: Any, kind: str, value: Any = None) -> int:
         vid = len(self.avals)
@@ -93,7 +98,8 @@ class _Numberer:
         """The program walked so far, with these inputs and outputs."""
         return FlatProgram(self.eqns, self.avals, self.kinds, self.values, in_ids, out_ids,
                            in_paths, out_paths, in_tree, out_tree, arg_leaf_ranges,
-                           regions=dict(self.regions))
+                           regions=dict(self.regions),
+                           dropped_constraints=self.dropped_constraints)
 
     def walk(self, jaxpr: Any, consts: Sequence[Any], operand_ids: Sequence[int]) -> list[int]:
         const_ids = [
@@ -138,6 +144,14 @@ class _Numberer:
                 results = self.walk(inner, inner_consts, operands)
             elif name == "scan" and self.expand_scans:
                 results = self.scan_region(eqn, operands)
+            elif name in SHARDING_CONSTRAINTS:
+                # the user's layout request, over the user's mesh: the plan sets layouts (a
+                # constraint it does not price made XLA reshard around it; inside a stage,
+                # on other devices, XLA refuses it), so it is numbered as a plain copy
+                results = [self.new_id(v.aval, TensorKind.INTERMEDIATE) for v in eqn.outvars]
+                self.append(jax.lax.copy_p, {}, operands, results, getattr(eqn, "ctx", None),
+                            str(eqn.source_info.name_stack))
+                self.dropped_constraints += 1
             else:
                 results = [self.new_id(v.aval, TensorKind.INTERMEDIATE) for v in eqn.outvars]
                 self.append(eqn.primitive, dict(eqn.params), operands, results,

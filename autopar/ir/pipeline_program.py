@@ -54,7 +54,7 @@ class PipelineProgram:
     # results are microbatch inputs of the forward), and why any other draw is not
     draws: tuple[RandomDraw, ...] = ()
     inexact_draws: tuple[str, ...] = ()
-    # the loss forward's with_sharding_constraint calls, left out (``_without_constraints``)
+    # the loss forward's with_sharding_constraint calls, numbered as copies (``flatten``)
     dropped_constraints: int = 0
 
     @property
@@ -147,6 +147,7 @@ def build_pipeline_program(
         f"loss/arg{i}" for i in range(loss.num_args)
     ]
     forward = flatten_jaxpr(loss.jaxpr, paths, keep_markers=True)
+    dropped = forward.dropped_constraints
     operand_of = dict(zip(forward.in_ids, vg.inputs, strict=True))
 
     from_batch = _depends_on(outer, set(batch_leaves))
@@ -173,7 +174,6 @@ def build_pipeline_program(
     layered = split_forward(forward, diff)
     if layered is None:
         draws = _place_draws(outer, drawn.draws, operand_of, split)
-        forward, dropped = _without_constraints(forward)
         return PipelineProgram(
             outer, vg.index, loss, forward, operand_of, frozenset(split), diff, batch_size,
             draws=draws, inexact_draws=drawn.inexact, dropped_constraints=dropped,
@@ -187,26 +187,10 @@ def build_pipeline_program(
                           strict=True))
     diff = tuple(x for fid in diff for x in layered.slices.get(fid, (fid,)))
     draws = _place_draws(step.program, drawn.draws, operand_of, split)
-    forward, dropped = _without_constraints(forward)
     return PipelineProgram(
         step.program, step.vg_index, loss, forward, operand_of, frozenset(split), diff,
         batch_size, layered.scans, step.input_splits, draws, drawn.inexact, dropped
     )
-
-
-# Layout requests in the user's loss: each names a sharding over the user's mesh
-SHARDING_CONSTRAINTS = frozenset({"sharding_constraint", "reshard"})
-
-
-def _without_constraints(forward: FlatProgram) -> tuple[FlatProgram, int]:
-    """``forward`` with each ``with_sharding_constraint`` (and ``reshard``) made a plain copy,
-    and how many there were. They name a sharding over the devices the user's mesh holds,
-    while each stage runs on a submesh of its own with the plan's layouts (XLA refuses a
-    constraint over other devices); the one-stage methods keep them."""
-    eqns = [replace(e, primitive=jax.lax.copy_p, params={})
-            if e.name in SHARDING_CONSTRAINTS else e for e in forward.eqns]
-    dropped = sum(1 for e in forward.eqns if e.name in SHARDING_CONSTRAINTS)
-    return (replace(forward, eqns=eqns) if dropped else forward), dropped
 
 
 def _take_microbatch_constants(outer: FlatProgram, vg: Any, micro: FlatProgram,

@@ -125,6 +125,8 @@ class FlatProgram:
     arg_leaf_ranges: list[tuple[int, int]] = field(default_factory=list)
     # scan regions by their first equation's index (empty unless flattened with expand_scans)
     regions: dict[int, ScanRegion] = field(default_factory=dict)
+    # the user's with_sharding_constraint calls numbered as copies (``flatten``)
+    dropped_constraints: int = 0
 
     @property
     def num_eqns(self) -> int:

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from autopar.ir.schedules import Schedule, Task, TaskKind
-from autopar.runtime.pipeline_state import StepState
+from autopar.runtime.pipeline_state import StepState, is_averaged
 from autopar.runtime.program_calls import ProgramCall, TaskRecord, abstract_args
 
 
@@ -119,7 +119,8 @@ class FusedStep:
             body.accum = {p: list(a) for p, a in zip(pieces, accum, strict=True)}
             for task in tasks:
                 runner.run_task(body, task)
-            sums = [total + part for total, part in zip(sums, loss_parts(body), strict=True)]
+            sums = [total + part if is_averaged(part) else part  # integers: the last's
+                    for total, part in zip(sums, loss_parts(body), strict=True)]
             return ([body.accum[p] for p in pieces], sums), None
 
         (accum, sums), _ = jax.lax.scan(

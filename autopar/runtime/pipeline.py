@@ -34,7 +34,13 @@ from autopar.plan import Plan
 from autopar.runtime.distributed import put
 from autopar.runtime.fused_step import FusedStep
 from autopar.runtime.param_copies import sum_copies
-from autopar.runtime.pipeline_state import StageDevices, StepState, microbatch_mean, shared_outputs
+from autopar.runtime.pipeline_state import (
+    StageDevices,
+    StepState,
+    is_averaged,
+    microbatch_mean,
+    shared_outputs,
+)
 from autopar.runtime.pipeline_tasks import PieceTasks, piece_tasks
 from autopar.runtime.program_calls import ProgramCall, TaskRecord, abstract_args
 from autopar.runtime.shard import partition_spec
@@ -425,7 +431,9 @@ class PipelineRunner:
         for k, fid in enumerate(self.pp.loss_outputs):
             out_id, stage = vg.outputs[k], self.loss_stage(k)
             if loss_sums is not None:
-                st.env[out_id] = loss_sums[k] / self.m
+                total = loss_sums[k]
+                st.env[out_id] = (total / self.m).astype(total.dtype) if is_averaged(total) \
+                    else total
                 continue
             # each microbatch's in the layout its stage made it (batch norm's statistics
             # split by channel stay split): replicating each would gather it per microbatch

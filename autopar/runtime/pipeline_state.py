@@ -8,12 +8,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from autopar.ir.pipeline_program import PipelineProgram
 from autopar.ir.program import carried_inputs
 from autopar.runtime.program_calls import ProgramCall
 
-__all__ = ["StageDevices", "StepState", "microbatch_mean", "shared_outputs"]
+__all__ = ["StageDevices", "StepState", "is_averaged", "microbatch_mean", "shared_outputs"]
 
 
 @dataclass(frozen=True)
@@ -67,8 +68,18 @@ def shared_outputs(pp: PipelineProgram) -> frozenset[int]:
                      if v in kept or not getattr(outer.avals[v], "shape", ()))
 
 
+def is_averaged(value: Any) -> bool:
+    """Whether a loss-function result is averaged over the microbatches: an inexact one is.
+    An integer or boolean result (a dropout seed's counter, which every microbatch advances
+    alike from the same state) is the last microbatch's: a mean of integers is not one (in
+    float32 it changed a uint32 seed by 16)."""
+    return bool(jnp.issubdtype(value.dtype, jnp.inexact))
+
+
 @jax.jit
 def microbatch_mean(parts: list[Any]) -> Any:
     """The microbatches' mean of one result, summed in microbatch order (the fused step's
-    loop sums in the same order)."""
-    return sum(parts[1:], parts[0]) / len(parts)
+    loop sums in the same order), in the result's dtype; ``is_averaged``: which are."""
+    if not is_averaged(parts[0]):
+        return parts[-1]
+    return (sum(parts[1:], parts[0]) / len(parts)).astype(parts[0].dtype)

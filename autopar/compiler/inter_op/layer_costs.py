@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.opgraph import OpGraph
@@ -40,6 +41,14 @@ PARALLEL_MIN_SOLVES = 24
 # Built ILPs kept for a memory-lean variant to restrict rather than build again: the stage
 # search asks for it right after the fastest plans of the same stage's layers.
 BUILT_PROBLEMS_KEPT = 8
+
+
+class SolveObserver(Protocol):
+    """What a progress display is told: a batch of ``count`` ILPs begins; one was solved."""
+
+    def expect(self, count: int) -> None: ...
+
+    def solved(self, count: int = 1) -> None: ...
 
 
 @dataclass
@@ -84,6 +93,8 @@ class LayerCostCache:
     slicer: PieceSlicer | None = None
     # each layer's cost as its blocks' sum, by (its span, mesh, split)
     composed: dict[tuple, PieceCost] = field(default_factory=dict)
+    # told of every ILP solved, for a progress display (``planners.status.PlanningStatus``)
+    status: SolveObserver | None = None
 
     def use_layers(self, pp: PipelineProgram, positions: Sequence[int]) -> None:
         """Look for the forward's repeated block once, its boundaries placed as ``positions``
@@ -197,6 +208,8 @@ class LayerCostCache:
         self.solved[key] = (cost, self.graphs[key[0]][2])
         self.ilp_solves += 1
         self.statuses[solve_status(cost)] += 1
+        if self.status is not None:
+            self.status.solved()
 
     def prefetch(self, pp: PipelineProgram, pieces: Sequence[Piece],
                  meshes: Sequence[LogicalMesh],
@@ -250,6 +263,8 @@ class LayerCostCache:
         # strategies (in contiguous halves, at Llama-3 405B on 16,384 GPUs the second half
         # took three times the first)
         shares = [missing[k::workers] for k in range(min(workers, len(missing)))]
+        if self.status is not None:  # the fastest plans' ILPs; the lean ones are not known yet
+            self.status.expect(len(missing) * len(firsts))
         for share in run_shares(shares, solve):
             for found in share:
                 for key, cost in found:

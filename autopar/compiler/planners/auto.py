@@ -7,6 +7,7 @@ fitting the memory budget kept, with a planning record of every candidate.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -15,6 +16,7 @@ from autopar.cluster import ClusterSpec, format_mesh_shape
 from autopar.compiler.cost.memory_model import parameter_inputs
 from autopar.compiler.graph.trace import TracedStep, build_graph, trace_step
 from autopar.compiler.inter_op.submesh import SubmeshShape
+from autopar.compiler.planners.annotations import UserLayout, user_layout
 from autopar.compiler.planners.stage_costs import logical_shapes
 from autopar.compiler.planners.step_program import IlpObserver, PlannedProgram, StepProgram
 from autopar.errors import AutoparError, BatchSizeError, NoLossFunctionError, PlanError
@@ -44,6 +46,7 @@ def trace_auto(fn: Callable, args: Sequence[Any], method: AutoParallel,
     step = StepProgram(trace_step(fn, args, jaxpr=jaxpr), method, batch_argnums, fn=fn,
                        args=tuple(args))
     step.memo.jaxpr = jaxpr
+    step.annotations = user_layout(args, jaxpr.in_paths)
     if "pipeshard" not in method.candidates:
         return step
     try:
@@ -87,7 +90,7 @@ def plan_auto(step: StepProgram, cluster: ClusterSpec, ilp_observer: IlpObserver
                      f"({method.time_budget_s:g} s) was spent"})
         return False
 
-    for name, candidate in _one_stage_candidates(method, cluster):
+    for name, candidate in _one_stage_candidates(method, cluster, step.annotations):
         if not within_budget(name):
             continue
         replicated = _replicated_state_bytes(step, candidate)
@@ -97,6 +100,7 @@ def plan_auto(step: StepProgram, cluster: ClusterSpec, ilp_observer: IlpObserver
                          f"every device needs {replicated / 2**30:.2f} GiB, over the budget"})
             continue
         candidate = _within(candidate, deadline)
+        step.status.enter(name)
         single = StepProgram(step.traced, candidate, step.batch_argnums, fn=step.fn,
                              args=step.args, memo=step.memo)
         began = time.perf_counter()
@@ -107,6 +111,7 @@ def plan_auto(step: StepProgram, cluster: ClusterSpec, ilp_observer: IlpObserver
             continue
         finally:
             phases[f"{name}_s"] = time.perf_counter() - began
+            step.status.solved()  # its ILP (two, where the first overfilled the budget)
         found[name] = planned
         rows.append(_candidate_row(name, planned.plan, budget))
     if step.pipeline is not None and within_budget("pipeshard"):
@@ -172,6 +177,8 @@ def plan_auto(step: StepProgram, cluster: ClusterSpec, ilp_observer: IlpObserver
         summary += (f"; next: {runner_up['name']} (est. {runner_up['est_step_time_s']:.4g} s, "
                     f"{runner_up['est_step_time_s'] / plan.est_step_time_s:.2f}x)")
     plan.notes.insert(0, summary)
+    if step.annotations is not None:
+        plan.notes.insert(1, _annotations_note(step.annotations, rows, plan))
     if skipped:
         plan.notes.insert(1, f"the time budget ({method.time_budget_s:g} s) was spent before "
                              f"{', '.join(skipped)}: not planned")
@@ -190,8 +197,8 @@ def plan_auto(step: StepProgram, cluster: ClusterSpec, ilp_observer: IlpObserver
     return PlannedProgram(best.traced, plan, best.pipeline, candidates=found)
 
 
-def _one_stage_candidates(method: AutoParallel, cluster: ClusterSpec
-                          ) -> list[tuple[str, Method]]:
+def _one_stage_candidates(method: AutoParallel, cluster: ClusterSpec,
+                          annotations: UserLayout | None = None) -> list[tuple[str, Method]]:
     """The full search's one-stage candidates by name. ShardParallel runs on every 2-D
     logical mesh the stage search gives a stage over the whole cluster (``logical_shapes``),
     where the ILP can put the batch on one axis and the model on the other, as a data x
@@ -209,6 +216,12 @@ def _one_stage_candidates(method: AutoParallel, cluster: ClusterSpec
             for shape in two_axes:
                 found.append((f"shard {format_mesh_shape(shape)}",
                               dataclasses.replace(candidate, mesh_shape=shape)))
+            # the user's own layout: their mesh's shape, their committed inputs pinned
+            if annotations is not None and \
+                    math.prod(annotations.mesh_shape) == cluster.num_devices:
+                found.append((annotations.label, dataclasses.replace(
+                    candidate, mesh_shape=annotations.mesh_shape,
+                    pinned_inputs=annotations.pins)))
     return found
 
 
@@ -253,6 +266,20 @@ def _candidate_row(name: str, plan: Plan, budget: float) -> dict[str, Any]:
         row["note"] = (row["note"] + "; " if row["note"] else "") + (
             f"needs {plan.peak_memory_bytes / 2**30:.2f} GiB per device, over the budget")
     return row
+
+
+def _annotations_note(layout: UserLayout, rows: list[dict[str, Any]], plan: Plan) -> str:
+    """``your annotations: est. X; autopar's plan: est. Y`` (or why they were not planned)."""
+    mine = f"autopar's plan: est. {plan.est_step_time_s:.4g} s/step"
+    row = next((r for r in rows if r["name"] == layout.label), None)
+    where = (f"your annotations (the inputs committed to your "
+             f"{' x '.join(layout.axis_names)} mesh, {layout.label.split()[-1]})")
+    if row is None:
+        return f"{where}: not a candidate here, the mesh does not cover the cluster; {mine}"
+    if row.get("est_step_time_s") is None:
+        return f"{where}: not planned ({row.get('note', '')}); {mine}"
+    fits = "" if row["fits"] else ", over the memory budget"
+    return f"{where}: est. {row['est_step_time_s']:.4g} s/step{fits}; {mine}"
 
 
 def _failed_row(name: str, method: str, err: Exception) -> dict[str, Any]:

@@ -118,6 +118,11 @@ def plan(step: StepProgram, cluster: ClusterSpec, *,
         planned = _plan_pipelined(step, method, step.traced, cluster)
     else:
         planned = _plan_one_stage_with_remat(step, cluster, ilp_observer)
+    dropped = planned.traced.program.dropped_constraints
+    if dropped and not planned.plan.is_pipelined:
+        planned.plan.notes.append(
+            f"the step's {dropped} with_sharding_constraint call(s) run as plain copies: the "
+            "plan sets every layout (kept, XLA resharded around the ones it did not choose)")
     planned.plan.notes.extend(step.notes)
     return planned
 
@@ -125,8 +130,12 @@ def plan(step: StepProgram, cluster: ClusterSpec, *,
 def _plan_pipelined(step: StepProgram, method: PipeshardParallel, traced: TracedStep,
                     cluster: ClusterSpec) -> PlannedProgram:
     from autopar.compiler.planners.schedule_choice import plan_pipeline
+    from autopar.compiler.planners.stage_costs import layer_cost_cache
 
-    planned = PlannedProgram(traced, plan_pipeline(step.pipeline, method, cluster),
+    step.status.enter("pipelines")
+    cache = layer_cost_cache(method)
+    cache.status = step.status
+    planned = PlannedProgram(traced, plan_pipeline(step.pipeline, method, cluster, cache=cache),
                              step.pipeline)
     planned.plan.batch_argnums = step.batch_argnums
     dropped = step.pipeline.dropped_constraints
@@ -235,6 +244,24 @@ def _plan_rematerialised(step: StepProgram, cluster: ClusterSpec,
     return PlannedProgram(traced, plan)
 
 
+def _checked_pins(pinned: Sequence[tuple[str, Any]], traced: TracedStep,
+                  mesh: LogicalMesh) -> dict[str, Any]:
+    """``ShardParallel.pinned_inputs`` as a dict, each path an input of the step and each spec
+    of its rank over the mesh's axes (InvalidOptionError, one line, otherwise)."""
+    ranks = {io.path: len(traced.graph.tensors[io.tensor].shape) for io in traced.graph.inputs}
+    for path, spec in pinned:
+        if path not in ranks:
+            shown = ", ".join(list(ranks)[:4])
+            raise InvalidOptionError(f"pinned input {path!r} is not an input leaf of the step; "
+                                     f"its leaves are named like {shown}")
+        axes = {a for dim in spec.dims for a in dim}
+        if spec.ndim != ranks[path] or not axes <= set(mesh.axis_names):
+            raise InvalidOptionError(
+                f"pinned spec of {path!r} must have {ranks[path]} dims over the mesh axes "
+                f"{', '.join(mesh.axis_names)}; got {spec.dims}")
+    return dict(pinned)
+
+
 def mesh_shape_choices(num_devices: int) -> list[str]:
     """Valid 1-D and 2-D mesh shapes for ``num_devices`` devices, for error messages."""
     shapes = [str(num_devices)]
@@ -289,6 +316,7 @@ def _plan_one_stage(
             raise InfeasibleMemoryError(limit, floor.total, floor.dominant(), split_over=devices)
         pins = (optimizer_state_pins(traced.graph, mesh, batch_argnums)
                 if method.prefer_reduce_scatter else {})
+        pins.update(_checked_pins(method.pinned_inputs, traced, mesh))
 
         # the problem built for the fastest plan is solved again under the budget, not built
         # again (at GPT-3 175B on 1,024 devices a build is about 10 s)

@@ -12,6 +12,8 @@ from typing import Any
 
 from autopar.compiler.cost.memory_model import MemoryEstimate, memory_floor
 from autopar.compiler.graph.trace import TracedStep
+from autopar.compiler.planners.annotations import UserLayout
+from autopar.compiler.planners.status import PlanningStatus
 from autopar.ir.flatten import StepJaxpr
 from autopar.ir.pipeline_program import PipelineProgram
 from autopar.methods import Method
@@ -68,6 +70,10 @@ class StepProgram:
     # program), this the pipeline's outer program (its pipelined candidates')
     pipeline_traced: TracedStep | None = None
     memo: TraceMemo = field(default_factory=TraceMemo)
+    # the full search: the inputs committed to the user's own mesh (``annotations``)
+    annotations: UserLayout | None = None
+    # what the planner is doing, for a progress display (written, never read, by planners)
+    status: PlanningStatus = field(default_factory=PlanningStatus)
 
     @property
     def programs(self) -> tuple[Any, ...]:

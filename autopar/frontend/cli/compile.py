@@ -292,6 +292,7 @@ def plan_source(source: StepSource, method: Method, cluster: ClusterSpec, *,
                 ) -> CompileResult:
     """Trace and plan ``source`` (``plan_train_step``, as ``autopar.parallelize`` does)."""
     from autopar.compiler.graph.trace import trace_step
+    from autopar.compiler.planners.status import PlanningStatus
     from autopar.frontend.planning import bind_static_args, plan_train_step
 
     bound = bind_static_args(source.fn, source.args, source.static_argnums,
@@ -306,11 +307,12 @@ def plan_source(source: StepSource, method: Method, cluster: ClusterSpec, *,
         def observer(problem: Any, solution: Any) -> None:
             dumped.append(problem_to_json(problem, solution))
 
-    with progress.phase("tracing and planning"):
+    status = PlanningStatus()
+    with progress.phase("tracing and planning", detail=status.describe):
         planned = plan_train_step(
             bound.fn, bound.dynamic_args, method, cluster,
             batch_argnums=bound.batch_argnums, fall_back_to_shard=fall_back_to_shard,
-            saved_plan=source.saved_plan, cache=None, ilp_observer=observer,
+            saved_plan=source.saved_plan, cache=None, ilp_observer=observer, status=status,
         )
     traced, plan, pipeline = planned.traced, planned.plan, planned.pipeline
     ilp_json = dumped[-1] if dumped else None

@@ -12,12 +12,18 @@ import sys
 import textwrap
 import time
 
+import jax
 import pytest
 import repo_paths
 
+import autopar
 from autopar import __version__
+from autopar.cluster import load_cluster
+from autopar.compiler.planners.status import PlanningStatus
 from autopar.frontend.cli.main import main
+from autopar.frontend.planning import plan_train_step
 from autopar.frontend.progress import Progress
+from autopar.models import get_model
 from autopar.plan import FORMAT_VERSION, Plan
 
 ROOT = repo_paths.REPO
@@ -251,6 +257,34 @@ def test_progress_is_silent_off_a_terminal():
     with progress, progress.phase("tracing"):
         time.sleep(0.05)
     assert stream.getvalue() == ""
+
+
+def test_progress_shows_the_planners_status_after_its_delay():
+    stream = FakeTerminal()
+    status = PlanningStatus()
+    status.enter("pipelines")
+    status.expect(4)
+    status.solved(3)
+    with Progress(stream, interval_s=0.01, delay_s=0.05) as progress:
+        with progress.phase("planning", detail=status.describe):
+            time.sleep(0.02)
+            assert stream.getvalue() == ""  # a quick phase leaves the terminal alone
+            time.sleep(0.15)
+            assert "planning (" in screen(stream.getvalue())
+            assert "pipelines: 3 ILPs solved, 3 of 4 in this batch" in screen(stream.getvalue())
+    assert screen(stream.getvalue()).strip() == ""
+
+
+def test_the_planning_status_counts_every_ilp_the_stage_search_solved():
+    model = get_model("gpt", "tiny", num_layers=4).with_value_and_grad(autopar.value_and_grad)
+    state, batch = model.init_state(jax.random.key(0)), model.make_batch(jax.random.key(1))
+    status = PlanningStatus()
+    method = autopar.PipeshardParallel(num_microbatches=2)
+    plan = plan_train_step(model.train_step, (state, batch), method, load_cluster("cpu-sim"),
+                           batch_argnums=(1,), status=status).plan
+    assert status.phase == "pipelines"
+    assert status.ilps_solved == plan.planning.stage_search["ilp_solves"] > 0
+    assert "ILPs solved" in status.describe()
 
 
 # -- bad input ----------------------------------------------------------------------------------
