@@ -126,7 +126,8 @@ class FusedStep:
         (accum, sums), _ = jax.lax.scan(
             one_microbatch, ([st.accum[p] for p in pieces], first), slices)
         st.accum = dict(zip(pieces, accum, strict=True))
-        return sums
+        # the means ``microbatch_mean`` takes, from the loop's sums (integers: the last's)
+        return [(s / runner.m).astype(s.dtype) if is_averaged(s) else s for s in sums]
 
 
 def microbatch_tasks(schedule: Schedule) -> tuple[Task, ...] | None:

@@ -34,13 +34,7 @@ from autopar.plan import Plan
 from autopar.runtime.distributed import put
 from autopar.runtime.fused_step import FusedStep
 from autopar.runtime.param_copies import sum_copies
-from autopar.runtime.pipeline_state import (
-    StageDevices,
-    StepState,
-    is_averaged,
-    microbatch_mean,
-    shared_outputs,
-)
+from autopar.runtime.pipeline_state import StageDevices, StepState, microbatch_mean, shared_outputs
 from autopar.runtime.pipeline_tasks import PieceTasks, piece_tasks
 from autopar.runtime.program_calls import ProgramCall, TaskRecord, abstract_args
 from autopar.runtime.shard import partition_spec
@@ -255,11 +249,11 @@ class PipelineRunner:
         self._draw(st)
         self._split_batch(st)
 
-    def end_step(self, st: StepState, loss_sums: Sequence[Any] | None = None) -> None:
+    def end_step(self, st: StepState, loss_means: Sequence[Any] | None = None) -> None:
         """What runs after the tasks: the loss results' means and the gradients at their
-        homes (``loss_sums``: each loss result already summed over the microbatches, in its
-        stage's layout), then the segments after the pipeline."""
-        self._finish_pipeline(st, loss_sums)
+        homes (``loss_means``: each loss result already combined over the microbatches as
+        ``microbatch_mean`` does, in its stage's layout), then the segments after the pipeline."""
+        self._finish_pipeline(st, loss_means)
         for k, seg in enumerate(self.segments):
             if seg.phase == "after":
                 self._run_segment(st, k, seg)
@@ -278,11 +272,10 @@ class PipelineRunner:
     def _fetch(self, st: StepState, vid: int, stage: int, fid: int | None = None) -> Any:
         """Step value ``vid`` on ``stage`` (as loss input ``fid`` when given, else as the
         forward value whose layout it shares, ``spec_source``). A value with no layout of
-        its own that already lies on the stage's devices stays as it is: where it was made
-        (an optimizer state as the update made it), not replicated."""
+        its own on the stage's devices stays where it was made (an optimizer state as the
+        update made it), not replicated; a captured constant is read from the trace."""
         key = (vid, stage, fid)
         if key not in st.placed:
-            # a constant the step captured (a loss's closed-over array) is no step value
             value = st.env[vid] if vid in st.env else self.pp.outer.values[vid]
             source = fid if fid is not None else self.spec_source.get(vid)
             if source is None and self._on_stage(value, stage):
@@ -424,16 +417,14 @@ class PipelineRunner:
         """The stage where the loss function's ``k``-th result is averaged."""
         return self.home.get(self.pp.vg.outputs[k], self.stage_of_piece[-1])
 
-    def _finish_pipeline(self, st: StepState, loss_sums: Sequence[Any] | None = None) -> None:
+    def _finish_pipeline(self, st: StepState, loss_means: Sequence[Any] | None = None) -> None:
         """The loss function's results as the step sees them: means over microbatches, and each
         gradient summed over the pieces that read its parameter, at its home stage."""
         vg = self.pp.vg
         for k, fid in enumerate(self.pp.loss_outputs):
             out_id, stage = vg.outputs[k], self.loss_stage(k)
-            if loss_sums is not None:
-                total = loss_sums[k]
-                st.env[out_id] = (total / self.m).astype(total.dtype) if is_averaged(total) \
-                    else total
+            if loss_means is not None:
+                st.env[out_id] = loss_means[k]
                 continue
             # each microbatch's in the layout its stage made it (batch norm's statistics
             # split by channel stay split): replicating each would gather it per microbatch
