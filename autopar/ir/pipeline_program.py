@@ -205,9 +205,7 @@ def _take_microbatch_constants(outer: FlatProgram, vg: Any, micro: FlatProgram,
     for k in range(vg.params["loss"].num_consts):
         whole = _folded(outer, vg.inputs[k])
         small = _folded(micro, micro_vg.inputs[k])
-        if whole is None or small is None or whole is small or (
-                np.shape(whole) == np.shape(small)
-                and np.array_equal(np.asarray(whole), np.asarray(small))):
+        if whole is None or small is None or _same_value(whole, small):
             continue
         fresh = max(outer.avals) + 1
         outer.avals[fresh] = micro.avals[micro_vg.inputs[k]]
@@ -217,6 +215,18 @@ def _take_microbatch_constants(outer: FlatProgram, vg: Any, micro: FlatProgram,
         return vg
     outer.eqns[vg.index] = replace(vg, inputs=tuple(operands))
     return outer.eqns[vg.index]
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Whether two constants are equal in shape, dtype and every element (PRNG keys by their
+    key data)."""
+    if a is b:
+        return True
+    if np.shape(a) != np.shape(b) or getattr(a, "dtype", None) != getattr(b, "dtype", None):
+        return False
+    if jax.dtypes.issubdtype(getattr(a, "dtype", np.float32), jax.dtypes.prng_key):
+        a, b = jax.random.key_data(a), jax.random.key_data(b)
+    return bool(np.array_equal(np.asarray(a), np.asarray(b)))
 
 
 # Constants computed in the step (``jnp.full(n, batch_size)``) are folded when made by at

@@ -135,3 +135,25 @@ def test_the_models_own_sharding_constraints_are_left_out_of_the_stages_with_a_n
 
     plan = assert_pipeline_equals_serial(constrained_loss, state, batch, two_stages(), 2)
     assert any("2 with_sharding_constraint" in n for n in plan.notes), plan.notes
+
+
+def test_a_key_the_step_makes_and_the_loss_closes_over_is_compared_by_its_data():
+    # two traces make two key arrays: equal keys, which NumPy cannot compare directly
+    state, batch = inputs()
+
+    def make(value_and_grad):
+        def step(state, x):
+            key = jax.random.key(3)
+
+            def loss_fn(p, x):
+                return jnp.mean(_layers(p, x) * jax.random.normal(key, (4,)))
+
+            loss, grads = value_and_grad(loss_fn)(state["p"], x)
+            return {"p": jax.tree.map(lambda p, g: p - 0.1 * g, state["p"], grads),
+                    "o": state["o"]}, loss
+
+        return step
+
+    step = autopar.parallelize(make(autopar.value_and_grad), method=two_stages(), cache=False)
+    assert_same_run(run_steps(step, state, batch),
+                    run_steps(jax.jit(make(jax.value_and_grad)), state, batch))
