@@ -111,7 +111,8 @@ def plan_auto(step: StepProgram, cluster: ClusterSpec, ilp_observer: IlpObserver
             continue
         finally:
             phases[f"{name}_s"] = time.perf_counter() - began
-            step.status.solved()  # its ILP (two, where the first overfilled the budget)
+            if isinstance(candidate, ShardParallel):  # its ILP, counted once
+                step.status.solved()
         found[name] = planned
         rows.append(_candidate_row(name, planned.plan, budget))
     if step.pipeline is not None and within_budget("pipeshard"):
