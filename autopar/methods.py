@@ -295,6 +295,10 @@ class AutoParallel:
     to what is left, and once the budget is spent the rest are skipped: the best plan found
     is kept and its notes and planning record name what was skipped.
     ``planning_workers``: the pipelined candidates' (see ``PipeshardParallel``).
+    ``prune``: skip the pipelined candidates where a bound shows they cannot win (a one-stage
+    plan fitting the budget is estimated below the least driver time of any pipeline of two
+    or more stages; a one-stage pipeline is kept only for memory): the plan is the same;
+    False plans them anyway, for the planning record.
     """
 
     candidates: tuple[str, ...] = AUTO_CANDIDATES
@@ -309,6 +313,7 @@ class AutoParallel:
     replicas: str = "auto"
     time_budget_s: float | None = None
     planning_workers: int | None = None
+    prune: bool = True
 
     name = "auto"
 

@@ -327,7 +327,9 @@ How to read these tables:
   without `method=`): data parallelism, the intra-operator ILP (`ShardParallel`), ZeRO-2/3 and
   the pipelined stage search (the stage DP per replica count, beside the equal-layer and
   equal-operator splits) are all planned and estimated on one cost model, and the fastest plan
-  that fits is kept; *method* is the one that made it. Every candidate and its estimate is in
+  that fits is kept; *method* is the one that made it. Here with `prune=False`: the pipelines
+  are planned even where their bound shows they cannot win (the default then skips them, with
+  the same plan), as they are baselines too. Every candidate and its estimate is in
   the "Candidates" table.
 - **Planning time** is split by phase: *trace* (the whole step, and the pipeline cut: the
   step traced at the full batch and at one microbatch), *ILP* (every intra-operator ILP the

@@ -37,13 +37,14 @@ def full_search(model: ZooModel, cluster: ClusterSpec, *, microbatches: int,
                 pipeline_layers: int | str = "auto",
                 memory_budget_bytes: float | None = None) -> Searched:
     """Trace ``model``'s train step (differentiated with ``autopar.value_and_grad``) at
-    abstract shapes and plan it with ``AutoParallel`` on ``cluster``."""
+    abstract shapes and plan it with ``AutoParallel`` on ``cluster``, every candidate planned
+    (``prune=False``): the pipelined ones are the benchmark's hand-split baselines too."""
     import autopar
     from autopar.compiler.planners import dispatch
 
     marked = model.with_value_and_grad(autopar.value_and_grad)
     method = autopar.AutoParallel(num_microbatches=microbatches, layers=pipeline_layers,
-                                  memory_budget_bytes=memory_budget_bytes)
+                                  memory_budget_bytes=memory_budget_bytes, prune=False)
     start = time.perf_counter()
     step = dispatch.trace(marked.train_step, marked.abstract_inputs(), method, (1,))
     trace_s = time.perf_counter() - start

@@ -17,6 +17,7 @@ from autopar.compiler.cost.memory_model import parameter_inputs
 from autopar.compiler.graph.trace import TracedStep, build_graph, trace_step
 from autopar.compiler.inter_op.submesh import SubmeshShape
 from autopar.compiler.planners.annotations import UserLayout, user_layout
+from autopar.compiler.planners.pipeline_search import driver_floor_s
 from autopar.compiler.planners.stage_costs import logical_shapes
 from autopar.compiler.planners.step_program import IlpObserver, PlannedProgram, StepProgram
 from autopar.errors import AutoparError, BatchSizeError, NoLossFunctionError, PlanError
@@ -115,7 +116,9 @@ def plan_auto(step: StepProgram, cluster: ClusterSpec, ilp_observer: IlpObserver
                 step.status.solved()
         found[name] = planned
         rows.append(_candidate_row(name, planned.plan, budget))
-    if step.pipeline is not None and within_budget("pipeshard"):
+    pruned = step.pipeline is not None and method.prune and _cannot_win(
+        found, budget, method, cluster, rows)
+    if step.pipeline is not None and not pruned and within_budget("pipeshard"):
         pipelined = _within(method.pipeline_method(), deadline)
         began = time.perf_counter()
         try:
@@ -267,6 +270,24 @@ def _candidate_row(name: str, plan: Plan, budget: float) -> dict[str, Any]:
         row["note"] = (row["note"] + "; " if row["note"] else "") + (
             f"needs {plan.peak_memory_bytes / 2**30:.2f} GiB per device, over the budget")
     return row
+
+
+def _cannot_win(found: dict[str, PlannedProgram], budget: float, method: AutoParallel,
+                cluster: ClusterSpec, rows: list[dict[str, Any]]) -> bool:
+    """Whether a one-stage plan fitting the budget is estimated at or below the least driver
+    time of any pipeline of two or more stages (``driver_floor_s``), so that no pipeline can
+    be chosen (a one-stage pipeline is kept only for memory); if so, says why in ``rows``."""
+    fitting = [p.plan.est_step_time_s for p in found.values() if _fits_budget(p.plan, budget)]
+    floor = driver_floor_s(method.pipeline_method(), cluster)
+    if not fitting or min(fitting) > floor:
+        return False
+    rows.append({"name": "pipeshard", "method": "pipeshard", "est_step_time_s": None,
+                 "fits": False, "note": (
+                     f"not planned: any pipeline of two or more stages costs at least "
+                     f"{floor * 1e3:.3g} ms a step in driver tasks on this cluster, and a "
+                     f"one-stage plan that fits is estimated at {min(fitting) * 1e3:.3g} ms "
+                     "(AutoParallel(prune=False) plans it anyway)")})
+    return True
 
 
 def _annotations_note(layout: UserLayout, rows: list[dict[str, Any]], plan: Plan) -> str:

@@ -156,6 +156,15 @@ def replica_counts(method: PipeshardParallel, cluster: ClusterSpec) -> list[int]
     return [r for r in range(1, hosts + 1) if hosts % r == 0 and m % r == 0]
 
 
+def driver_floor_s(method: PipeshardParallel, cluster: ClusterSpec) -> float:
+    """The least host time the estimate gives any pipeline of two or more stages: each stage
+    runs at least a forward and a backward task per microbatch (``driver_counts``), ``m / r``
+    microbatches on each of ``r`` replicas' drivers, each task ``runtime.task_s``. A
+    one-stage plan estimated below it leaves such pipelines nothing to win."""
+    per_driver = method.num_microbatches // max(replica_counts(method, cluster))
+    return 2 * 2 * per_driver * cluster.runtime.task_s
+
+
 def search_pipelines(pp: PipelineProgram, method: PipeshardParallel, cluster: ClusterSpec,
                      positions: Sequence[int], cache: LayerCostCache,
                      clock: CostClock) -> list[PipelineCandidate]:

@@ -15,7 +15,7 @@ from autopar.api import local_cluster
 from autopar.cluster import RuntimeCosts, load_cluster
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.planners import dispatch
-from autopar.compiler.planners.pipeline_search import search_pipelines
+from autopar.compiler.planners.pipeline_search import driver_floor_s, search_pipelines
 from autopar.compiler.planners.pipeshard import stage_ilp_notes
 from autopar.compiler.planners.stage_costs import (
     STAGE_COST_TIME_LIMIT_S,
@@ -73,7 +73,7 @@ def test_a_replicated_step_is_estimated_alike_by_every_planner(opt):
 
 def test_the_full_search_keeps_the_fastest_candidate_and_records_them_all():
     step, args = mlp_step(optax.adam(1e-3))
-    plan = planned(step, args, autopar.AutoParallel(), local_cluster())
+    plan = planned(step, args, autopar.AutoParallel(prune=False), local_cluster())
     rows = plan.planning.candidates
     names = [r["name"] for r in rows]
     assert {"data", "shard", "zero2", "zero3", "pipeshard: stage DP", "pipeshard: equal-layer",
@@ -87,6 +87,16 @@ def test_the_full_search_keeps_the_fastest_candidate_and_records_them_all():
     # the record survives the strict JSON round trip
     again = Plan.from_json(plan.to_json())
     assert again.planning.candidates == rows and again.planning.estimate == plan.planning.estimate
+    # the default skips the pipelines by their bound: the same plan, a row saying why
+    pruned = planned(step, args, autopar.AutoParallel(), local_cluster())
+    assert (pruned.method, pruned.est_step_time_s) == (plan.method, plan.est_step_time_s)
+    skipped = [r for r in pruned.planning.candidates if r["method"] == "pipeshard"]
+    assert [r["name"] for r in skipped] == ["pipeshard"]
+    assert skipped[0]["note"].startswith("not planned: any pipeline of two or more stages")
+    floor = driver_floor_s(autopar.AutoParallel().pipeline_method(), local_cluster())
+    best_pipeline = min(r["est_step_time_s"] for r in rows if r["method"] == "pipeshard"
+                        and r.get("num_stages", 1) > 1)
+    assert floor <= best_pipeline  # the bound is one: every pipeline planned costs more
     # PipeshardParallel still means pipelining
     pipe = planned(step, args, autopar.PipeshardParallel(), local_cluster())
     assert pipe.is_pipelined and pipe.method == "pipeshard"
@@ -169,7 +179,7 @@ def test_pipelines_win_where_the_runtime_is_cheap_and_lose_where_it_is_not():
     dear = local_cluster()
     ratios = {}
     for name, cluster in (("cheap", cheap), ("dear", dear)):
-        plan = planned(step, args, autopar.AutoParallel(), cluster)
+        plan = planned(step, args, autopar.AutoParallel(prune=False), cluster)
         pipelines = [r for r in plan.planning.candidates if r["method"] == "pipeshard"]
         assert any(r["num_stages"] > 1 for r in pipelines)
         best_pipe = min(r["est_step_time_s"] for r in pipelines if r["num_stages"] > 1)
@@ -279,7 +289,7 @@ def test_a_one_stage_pipeline_is_kept_only_when_no_one_stage_plan_fits():
     params = [jnp.ones((16, 32)), jnp.ones((32, 8))]
     args = ({"params": params, "opt": opt.init(params)},
             {"x": jnp.ones((16, 16)), "y": jnp.zeros((16, 8))})
-    plan = planned(step, args, autopar.AutoParallel(), local_cluster())
+    plan = planned(step, args, autopar.AutoParallel(prune=False), local_cluster())
     rows = {r["name"]: r for r in plan.planning.candidates}
     dp = rows["pipeshard: stage DP"]
     assert dp["num_stages"] == 1 and dp["fits"] and not dp["chosen"] and not dp["eligible"]

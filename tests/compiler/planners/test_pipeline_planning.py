@@ -57,10 +57,12 @@ def test_default_method_is_the_full_search_and_falls_back_without_a_marked_loss(
     step, state, batch = uneven_mlp(widths=(16, 16, 16), batch=16)
     auto = autopar.parallelize(step)
     plan = auto.get_plan(state, batch)
-    # the full search compared every method, pipelines included, and kept the fastest
+    # the full search compared every method, pipelines included (here skipped by their bound,
+    # with a row saying so), and kept the fastest
     assert plan.planning.method_options["method"] == "auto"
     names = {c["name"] for c in plan.planning.candidates}
-    assert {"data", "shard", "zero2", "zero3", "pipeshard: stage DP"} <= names
+    assert {"data", "shard", "zero2", "zero3"} <= names
+    assert any(n == "pipeshard" or n.startswith("pipeshard: ") for n in names)
     chosen = [c for c in plan.planning.candidates if c["chosen"]]
     assert len(chosen) == 1 and chosen[0]["method"] == plan.method
     # the least estimate of the candidates that fit, a one-stage pipeline set aside when a
