@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import jax
@@ -93,7 +94,7 @@ class ZooModel:
         Runs as one jitted computation (op-by-op init compiles every random draw separately,
         which is slow on CPU); it can itself be wrapped in ``jax.jit``/``jax.eval_shape``.
         """
-        return jax.jit(self._init_state)(rng)
+        return _initial_state(self, rng)
 
     def _init_state(self, rng: jax.Array) -> State:
         params = self.family.init_params(rng, self.config)
@@ -236,3 +237,10 @@ def layer_norm(x: jax.Array, p: dict[str, jax.Array], eps: float = 1e-5) -> jax.
 def layer_norm_params(dim: int, dtype: Any) -> dict[str, jax.Array]:
     """Fresh LayerNorm parameters (scale 1, bias 0)."""
     return {"scale": jnp.ones((dim,), dtype), "bias": jnp.zeros((dim,), dtype)}
+
+
+@partial(jax.jit, static_argnums=0)
+def _initial_state(model: ZooModel, rng: jax.Array) -> State:
+    # jitted once per model (name, size, config: the static argument's hash), not once per
+    # call: a test session initialises the same few models dozens of times
+    return model._init_state(rng)

@@ -41,3 +41,12 @@ def while_loop_count(hlo_text: str) -> int:
     bodies = {c for c, found in call_sites(hlo_text)[1].items()
               if any(s.role == "body" for s in found)}
     return len(re.findall(r"=\s*\S+\s+while\(", hlo_text)) or len(bodies)
+
+
+def program_while_lines(hlo_text: str) -> list[str]:
+    """The while instructions of the program's own loops (``lax.scan``, ``fori_loop``,
+    ``while_loop``: JAX names them ``.../while``), without the loops XLA:CPU makes of one
+    operation (its scatter expander turns a scatter-add into a loop over the updates, named
+    after the scatter; the tests' XLA flags take the path that does)."""
+    return [line for line in hlo_text.splitlines() if " while(" in line
+            and re.search(r'op_name="[^"]*/while"', line)]

@@ -103,15 +103,26 @@ class ReshardingEdges:
             rows = [src_index.setdefault(s.output_specs[out], len(src_index)) for s in src_list]
             need_index: dict[ShardingSpec, int] = {}
             cols = [-1 if n is None else need_index.setdefault(n, len(need_index)) for n in needs]
-            small = np.zeros((len(src_index), len(need_index) + 1))  # last column: no need
-            for a, spec in enumerate(src_index):
-                for b, need in enumerate(need_index):
+            found = self._priced(tuple(src_index), tuple(need_index), info)[np.ix_(rows, cols)]
+            self._matrix_cache[full_key] = found
+        return found
+
+    def _priced(self, srcs: tuple[ShardingSpec, ...], needs: tuple[ShardingSpec, ...],
+                info: TensorInfo) -> np.ndarray:
+        """Seconds [src][need] (and a last column of zeros: no need) between distinct specs,
+        cached by the specs themselves: ops with different strategy lists often produce and
+        need the same few specs of a tensor type."""
+        key = ("priced", srcs, needs, info.shape, info.dtype)
+        small = self._matrix_cache.get(key)
+        if small is None:
+            small = np.zeros((len(srcs), len(needs) + 1))
+            for a, spec in enumerate(srcs):
+                for b, need in enumerate(needs):
                     move = self.cost(spec, need, info)
                     count = sum(c.count for c in move.collectives)
                     small[a, b] = move.time_s + COLLECTIVE_TIE_BREAK_S * count
-            found = small[np.ix_(rows, cols)]
-            self._matrix_cache[full_key] = found
-        return found
+            self._matrix_cache[key] = small
+        return small
 
     def edges(self, ties: Sequence[tuple[int, int]]) -> list[ProblemEdge]:
         """Every nonzero edge: operand uses, then the state ``ties`` (see ``state_ties``).

@@ -12,7 +12,7 @@ plan of the same step gets from XLA, with every iteration on a quarter of the ba
 import jax
 import numpy as np
 import pytest
-from hlo_loops import split_by_loop
+from hlo_loops import program_while_lines, split_by_loop
 
 import autopar
 from autopar.cluster import load_cluster
@@ -36,8 +36,8 @@ def compiled(**overrides):
 
 
 def while_shapes(hlo: str) -> list[str]:
-    """The carried tuple shape of every while instruction."""
-    return [line.split(" while(", 1)[0] for line in hlo.splitlines() if " while(" in line]
+    """The carried tuple shape of every while instruction of the program's own loops."""
+    return [line.split(" while(", 1)[0] for line in program_while_lines(hlo)]
 
 
 def test_weights_dominating_puts_the_megatron_all_reduces_in_the_loop_body():
