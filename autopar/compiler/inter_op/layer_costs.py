@@ -270,6 +270,35 @@ class LayerCostCache:
                 for key, cost in found:
                     self._record(key, cost)
 
+    def prefetch_whole(self, pp: PipelineProgram, jobs: Sequence[tuple[Piece, LogicalMesh, int]],
+                       time_limit_s: float, workers: int) -> None:
+        """Solve each ``(piece, mesh, split)`` whole (as ``cost`` with ``time_limit_s``
+        would), the distinct ones missing split over ``workers`` processes: the chosen
+        pipeline's stages, each one ILP of all its layers. Their train graphs are traced
+        here first (JAX stays in this process)."""
+        options = replace(self.options, time_limit_s=max(time_limit_s,
+                                                         self.options.time_limit_s))
+        missing: dict[tuple, tuple[str, LogicalMesh, int]] = {}
+        for piece, mesh, split in jobs:
+            span = _span(piece)
+            if span not in self.signatures:
+                self.signatures[span] = piece_signature(pp, piece)
+            signature = self.signatures[span]
+            key = (signature, *_mesh_key(mesh), split)
+            if key in missing or key in self.solved:
+                continue  # (one the table's limit stopped, ``cost`` solves again)
+            self._prepare(pp, piece, signature)
+            missing[key] = (signature, mesh, split)
+        if workers < 2 or len(missing) < 2:
+            return  # ``cost`` solves them as it is asked
+        tasks = list(missing.items())
+        shares = [tasks[k::workers] for k in range(min(workers, len(tasks)))]
+        found = run_shares(shares, lambda task: (task[0], self._solve_new(
+            pp, task[1][0], task[1][1], options, task[1][2])))
+        for share in found:
+            for key, cost in share:
+                self._record(key, cost)
+
     def cost(self, pp: PipelineProgram, piece: Piece, mesh: LogicalMesh,
              time_limit_s: float | None = None, *, split: int = 1) -> PieceCost:
         """``piece``'s cost and plan on ``mesh``. ``time_limit_s``: its ILP's limit when

@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 
 from autopar.cluster import ClusterSpec
+from autopar.compiler.inter_op.forked import available_cores
 from autopar.compiler.inter_op.layer_costs import LayerCostCache
 from autopar.compiler.inter_op.remat import is_remat_key, state_split_of_key
 from autopar.compiler.inter_op.stages import StagePartition, place_submeshes
@@ -76,10 +77,18 @@ def finish_pipeshard(search: PipeshardSearch, cluster_name: str | None = None) -
     pieces = [range_piece(pp, positions, a, b) for a, b in piece_ranges]
     versions = [dp_options.weight_versions(s, len(partition.stages))
                 for s in range(len(partition.stages))]
+    meshes = [submesh_mesh(group, a.submesh, a.candidate.logical_mesh_shape, placed[s])
+              for s, a in enumerate(partition.stages)]
+    # the stages' ILPs at once, over the planning workers (the stage search's are done)
+    cache.prefetch_whole(pp, [
+        (piece, meshes[layout.stage_of_piece[k]],
+         state_split_of_key(partition.stages[layout.stage_of_piece[k]].candidate.key))
+        for k, piece in enumerate(pieces)], method.time_limit_s,
+        method.planning_workers or available_cores())
     stages = []
     for s, assignment in enumerate(partition.stages):
         shape = assignment.candidate.logical_mesh_shape
-        mesh = submesh_mesh(group, assignment.submesh, shape, placed[s])
+        mesh = meshes[s]
         specs, values, compute, costs = {}, {}, 0.0, []
         for k, piece in enumerate(pieces):
             if layout.stage_of_piece[k] == s:
