@@ -5,6 +5,7 @@ program forms, the program forms read nothing of either half)."""
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,6 +108,23 @@ def test_the_top_level_is_a_short_list_and_the_compiler_is_in_rooms():
     assert loose == []
     for room in ("plan", "ir", "compiler", "runtime", "frontend", "report"):
         assert ast.get_docstring(ast.parse((PACKAGE / room / "__init__.py").read_text())), room
+
+
+def listed_modules(text: str) -> set[str]:
+    """The module paths a page lists (`autopar/...py` in backticks)."""
+    return set(re.findall(r"`(autopar/[\w/]+\.py)`", text))
+
+
+def test_every_module_is_listed_in_the_architecture_page():
+    listed = listed_modules((repo_paths.REPO / "docs" / "architecture.md").read_text())
+    modules = {f"autopar/{p.relative_to(PACKAGE).as_posix()}" for p in PACKAGE.rglob("*.py")}
+    assert sorted(modules - listed) == [], "modules missing from docs/architecture.md"
+    assert sorted(listed - modules) == [], "docs/architecture.md lists modules that do not exist"
+
+
+def test_the_listing_check_reads_paths_in_backticks_only():
+    text = "- `autopar/api.py`: the shell\n- autopar/cli.py is named bare\n`autopar/ir/flatten.py`"
+    assert listed_modules(text) == {"autopar/api.py", "autopar/ir/flatten.py"}
 
 
 # ---- the checker itself can fail: a toy package with each kind of fault --------------------
