@@ -15,6 +15,9 @@ from autopar.cluster import (
 from autopar.compiler.cost.calibration_fit import fit_runtime
 from autopar.errors import InvalidOptionError
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 
 def test_every_shipped_cluster_describes_its_runtime():
     for name in available_clusters():

@@ -9,6 +9,9 @@ import numpy as np
 import pytest
 import repo_paths
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 EXAMPLES = repo_paths.REPO / "examples"
 
 

@@ -14,6 +14,9 @@ from step_runs import assert_same_run, run_steps
 
 import autopar
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 PIPE = autopar.PipeshardParallel(num_microbatches=2, num_stages=2)
 
 

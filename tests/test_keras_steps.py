@@ -13,6 +13,9 @@ import pytest  # noqa: E402
 import autopar  # noqa: E402
 from tests.support.step_runs import assert_same_run, run_steps  # noqa: E402
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 
 def keras_parts():
     keras.utils.set_random_seed(0)

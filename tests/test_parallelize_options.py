@@ -13,6 +13,9 @@ from flax import struct
 import autopar
 from autopar.errors import InvalidOptionError
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 OPT = optax.chain(optax.clip_by_global_norm(1.0),
                   optax.adam(optax.exponential_decay(0.05, transition_steps=2, decay_rate=0.5)))
 

@@ -18,6 +18,9 @@ import autopar
 from autopar.errors import PlanError
 from autopar.frontend.cli.main import main
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 OPT = optax.sgd(0.1)
 STEP = tanh_mlp_step(OPT)
 SHARD = autopar.ShardParallel(mesh_shape=(2, 4))

@@ -10,6 +10,9 @@ import pytest
 import autopar
 from autopar.errors import InvalidOptionError, PlanError
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 OPT = optax.sgd(0.1)
 
 

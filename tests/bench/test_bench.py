@@ -20,6 +20,9 @@ from autopar.frontend.cli.main import main
 from autopar.models import get_model
 from autopar.plan import MethodName, ShardingSpec
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 SMOKE = get_suite("smoke")
 PREFIX = output_prefix(SMOKE)
 PLOTS = ("planning-vs-layers", "planning-vs-devices", "estimated-vs-measured", "baselines")

@@ -14,6 +14,9 @@ from autopar.compiler.planners import dispatch
 from autopar.errors import InvalidOptionError
 from autopar.models import get_model
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 
 def _close(a, b, rtol=1e-5, atol=1e-6):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):

@@ -27,6 +27,9 @@ import autopar
 from autopar.frontend.plan_cache import PlanCacheWarning
 from autopar.plan import Plan
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 REPO = repo_paths.REPO
 SCRIPT = repo_paths.FAULT_SCRIPTS / "plan_into_cache.py"
 HANG_GUARD_S = 180  # a passing run takes seconds; this only keeps a broken one from hanging

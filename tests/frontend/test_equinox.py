@@ -15,6 +15,9 @@ import pytest
 
 import autopar
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 eqx = pytest.importorskip("equinox")
 
 STEPS = 3

@@ -37,6 +37,9 @@ from autopar.ir.flatten import flatten_step
 from autopar.models import get_model
 from autopar.plan import FORMAT_VERSION
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 ROOT = repo_paths.REPO
 
 # ------------------------------------------------------------------ steps -----------------

@@ -11,6 +11,9 @@ import autopar
 from autopar.errors import InvalidOptionError
 from autopar.frontend.plan_cache import PlanCacheWarning
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 OPT = optax.adam(1e-2)
 
 

@@ -14,6 +14,9 @@ from jax.extend.core import jaxprs_in_params
 from autopar.errors import InvalidOptionError
 from autopar.models import get_model, llama, model_sizes
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 STEPS = 3  # serial steps on one batch
 
 

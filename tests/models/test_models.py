@@ -12,6 +12,9 @@ import pytest
 from autopar.errors import InvalidOptionError
 from autopar.models import MODEL_NAMES, ZooModel, get_model, gpt, model_sizes, moe, wide_resnet
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 NUM_STEPS = 3
 
 

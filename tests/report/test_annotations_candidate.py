@@ -21,6 +21,9 @@ from autopar.errors import InvalidOptionError
 from autopar.plan import ShardingSpec
 from autopar.report.text import CompileReport
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 OPT = optax.sgd(0.1)
 
 

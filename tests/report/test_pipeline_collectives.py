@@ -15,6 +15,9 @@ from autopar.frontend.cli.main import main
 from autopar.models import get_model
 from autopar.plan import Plan
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 MICROBATCHES = 2
 
 

@@ -28,6 +28,9 @@ from autopar.ir.schedule_orders import weight_version_counts
 from autopar.models import get_model
 from autopar.runtime.async_pipeline import AsyncPipelineRunner
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 M, CALLS = 4, 4
 CASES = [("pipedream", 2), ("pipedream", 4), ("pipedream-2bw", 2), ("pipedream-2bw", 4)]
 

@@ -19,6 +19,9 @@ import autopar
 from autopar.models import get_model
 from autopar.runtime.async_pipeline import AsyncPipelineRunner
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 CALLS = 4
 M = 4
 MODELS = {"mlp": {"num_layers": 4}, "gpt": {"num_layers": 2}}

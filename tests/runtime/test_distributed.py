@@ -33,6 +33,9 @@ from autopar.ir.pipeline_pieces import cut_pieces, piece_roles
 from autopar.ir.pipeline_program import build_pipeline_program
 from autopar.runtime.distributed import _local_cpu_devices, _size_cpu_thread_pool, host_layout
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 REPO = repo_paths.REPO
 SCRIPTS = repo_paths.DISTRIBUTED_SCRIPTS
 LAUNCH = "import sys; from autopar.frontend.cli.main import main; sys.exit(main(sys.argv[1:]))"

@@ -19,6 +19,9 @@ from autopar.runtime.hlo import count_collectives
 from autopar.runtime.pipeline import PipelineRunner
 from autopar.runtime.pipeline_hlo import step_collectives
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 STEPS = 2
 M = 4
 CASES = [("gpt", "1f1b"), ("mlp", "gpipe"), ("mlp", "zb-h1")]

@@ -23,6 +23,9 @@ from autopar.runtime.hlo import (
 )
 from autopar.runtime.hlo_calls import computation_runs
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 K = CollectiveKind
 
 # ---------------------------------------------------------------- synthetic HLO

@@ -26,6 +26,9 @@ from autopar.runtime.param_copies import plan_param_copies
 from autopar.runtime.pipeline import PipelineRunner
 from autopar.runtime.pipeline_hlo import step_collectives
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 M = 4
 STEPS = 2
 

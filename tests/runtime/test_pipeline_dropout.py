@@ -13,6 +13,9 @@ from step_runs import assert_same_run, run_steps
 import autopar
 from autopar.ir.pipeline_program import build_pipeline_program
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 OPT = optax.adam(1e-2, eps=1e-3)
 LAYERS, WIDTH, BATCH, KEEP = 4, 16, 32, 0.8
 

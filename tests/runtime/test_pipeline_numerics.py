@@ -17,6 +17,9 @@ from serial_reference import serial_run as serial_losses_and_state
 import autopar
 from autopar.models import get_model
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 STEPS = 3
 MODELS = {"gpt": {"num_layers": 4}, "mlp": {"num_layers": 4}}
 CASES = [

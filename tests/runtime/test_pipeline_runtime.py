@@ -13,6 +13,9 @@ from autopar.compiler.planners.pipeshard import plan_pipeshard
 from autopar.ir.pipeline_program import build_pipeline_program
 from autopar.runtime.pipeline import PipelineRunner
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 OPT = optax.adam(1e-2, eps=1e-3)
 
 

@@ -57,6 +57,9 @@ from autopar.ir.schedules import ScheduleName, TaskKind
 from autopar.models import get_model
 from autopar.runtime.pipeline import PipelineRunner
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 TASK_PROGRAMS = ("forward", "backward", "backward_input", "backward_weight")
 
 

@@ -14,6 +14,9 @@ from jax.sharding import PartitionSpec as P
 import autopar
 from tests.support.step_runs import assert_same_run, run_steps
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 OPT = optax.adam(0.05)
 CONSTANT = jnp.arange(1.0, 5.0)
 

@@ -37,6 +37,9 @@ from autopar.runtime.calibrate import (
     size_range,
 )
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 ALPHA, BETA, DISPATCH = 20e-6, 1e-10, 500e-6  # 20 us per round, 10 GB/s, 0.5 ms per call
 AXES = (("2x4", "x", 2), ("2x4", "y", 4), ("8", "x", 8))
 SIZES = size_range(4 << 10, 16 << 20)

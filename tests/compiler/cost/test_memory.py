@@ -24,6 +24,9 @@ from autopar.frontend.planning import plan_train_step
 from autopar.models import get_model
 from autopar.runtime.hlo import count_collectives
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 TOLERANCE = 0.15  # the model vs XLA's memory analysis, relative
 
 

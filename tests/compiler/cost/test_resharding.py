@@ -14,6 +14,9 @@ from autopar.plan import ShardingSpec
 from autopar.runtime.hlo import count_collectives
 from autopar.runtime.shard import partition_spec
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 MESH = LogicalMesh.from_cluster(load_cluster("cpu-sim"), (2, 4))
 TENSOR = TensorInfo(id=0, shape=(16, 32), dtype="float32", kind="intermediate")
 FULL = 16 * 32 * 4

@@ -16,6 +16,9 @@ from autopar.ir.program import run_eqns
 from autopar.models import get_model
 from autopar.plan import CollectiveKind
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 
 def gpt(layers=2, scan=True, **overrides):
     return get_model("gpt", "tiny", num_layers=layers, scan_layers=scan, **overrides)

@@ -11,6 +11,9 @@ from autopar.errors import TraceError
 from autopar.ir.program import TensorKind
 from autopar.models import MODEL_NAMES, get_model
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 
 def sds(*shape, dtype=jnp.float32):
     return jax.ShapeDtypeStruct(shape, dtype)

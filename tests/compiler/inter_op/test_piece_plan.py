@@ -6,10 +6,14 @@ plan names, and XLA chose the rest itself (11 all-gathers where MoE's plan has n
 import jax
 import jax.numpy as jnp
 import optax
+import pytest  # noqa: E402
 
 import autopar
 from autopar.ir.pipeline_program import build_pipeline_program
 from autopar.models import get_model
+
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
 
 
 def masked_softmax_step():

@@ -9,9 +9,13 @@ import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest  # noqa: E402
 from jax.ad_checkpoint import checkpoint_name
 
 import autopar
+
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
 
 
 def make_step(named: bool):

@@ -72,6 +72,9 @@ from autopar.plan import ShardingSpec
 from autopar.runtime.hlo import count_collectives
 from autopar.runtime.shard import ShardedProgram
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 TOLERANCE = 1.05
 # The objectives are compared, so every ILP must be solved to proof. Unloaded, the largest
 # (zoo MoE and Wide-ResNet on 2-D meshes) take about 5 s; the default 30 s limit was reached

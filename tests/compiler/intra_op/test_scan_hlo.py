@@ -23,6 +23,9 @@ from autopar.compiler.planners.shard import plan_shard_parallel
 from autopar.models import get_model
 from autopar.runtime.shard import ShardedProgram
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 STEPS = 3
 
 

@@ -16,6 +16,9 @@ from autopar.compiler.intra_op import mip
 from autopar.compiler.intra_op.ilp import evaluate, solve
 from autopar.compiler.intra_op.problem import IntraOpProblem, ProblemEdge, ProblemNode
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 
 def frustrated(n: int = 6) -> IntraOpProblem:
     """A cycle of disagreeing edges: presolve leaves it to the MIP."""

@@ -8,11 +8,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest  # noqa: E402
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import autopar
+
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
 
 LAYERS, WIDTH, BATCH = 4, 64, 32
 OPT = optax.sgd(0.1)  # Adam turns rounding in a near-zero gradient into a full step

@@ -28,6 +28,9 @@ from autopar.ir.pipeline_program import build_pipeline_program
 from autopar.models import get_model
 from autopar.plan import Plan
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 
 def mlp_step(opt, widths=(32, 64, 64, 8), batch=16):
     step = tanh_mlp_step(opt)

@@ -10,6 +10,9 @@ from autopar.errors import BatchSizeError, InvalidOptionError, MeshError, TraceE
 from autopar.models import get_model
 from autopar.runtime.hlo import count_collectives
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 
 def run_serial_and_parallel(model, step, num_steps=3):
     """The serial step's final state leaves (``serial_reference.serial_run``: the same initial

@@ -27,6 +27,9 @@ from serial_reference import serial_run
 import autopar
 from autopar.models import get_model
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 STEPS = 3
 # fraction of the learning rate parameters may differ by, as in test_shard_numerics
 PARAM_ATOL_IN_LR = {"gpt": 2e-3, "moe": 2e-3, "wresnet": 2e-2}

@@ -18,6 +18,9 @@ from autopar.cluster import load_cluster
 from autopar.compiler.planners import dispatch
 from autopar.models import get_model
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 
 def plan_on(model, method, cluster):
     marked = model.with_value_and_grad(autopar.value_and_grad)

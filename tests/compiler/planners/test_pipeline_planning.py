@@ -20,6 +20,9 @@ from autopar.ir.pipeline_program import build_pipeline_program
 from autopar.models import get_model
 from autopar.plan import Plan
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 
 def uneven_mlp(widths=(32, 32, 512, 32, 32), batch=32, vg=autopar.value_and_grad):
     """Dense layers of unequal widths: one layer holds most of the flops."""

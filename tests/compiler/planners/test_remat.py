@@ -20,6 +20,9 @@ from autopar.compiler.intra_op.problem import InfeasibleMemoryError
 from autopar.frontend.planning import plan_train_step
 from autopar.models import get_model
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 
 def marked_zoo(name, **overrides):
     return get_model(name, "tiny", **overrides).with_value_and_grad(autopar.value_and_grad)

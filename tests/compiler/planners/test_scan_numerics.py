@@ -21,6 +21,9 @@ from step_runs import assert_same_run, run_steps
 import autopar
 from autopar.models import get_model
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 STEPS = 3
 LAYERS = 2
 PARAM_ATOL_IN_LR = 2e-3  # as test_shard_numerics.py's for GPT (see ZooModel.optimizer)

@@ -26,6 +26,9 @@ from autopar.ir.scan_units import whole_unit_runs
 from autopar.ir.schedules import ScheduleName, is_async
 from autopar.models import get_model
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 STEPS = 3
 LAYERS = 4
 SCHEDULES = [s.value for s in ScheduleName if not is_async(s)]  # async: not with scans yet

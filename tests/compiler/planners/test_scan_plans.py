@@ -25,6 +25,9 @@ from autopar.ir.pipeline_program import build_pipeline_program
 from autopar.ir.scan_units import run_forward_eqns, whole_unit_runs
 from autopar.models import get_model
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 LAYERS = 4
 # GPT's shapes at which layers are worth splitting over devices and hosts, with an LM head
 # (hidden x vocab) of half a block's flops; planned at abstract shapes only

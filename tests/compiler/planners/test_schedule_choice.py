@@ -17,6 +17,9 @@ from autopar.report.async_text import async_facts, async_lines, async_timeline
 from autopar.report.swimlane import save_swimlane_png
 from autopar.report.text import format_seconds, plan_timeline
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 SYNC, ASYNC = {"1f1b", "zb-h1"}, {"pipedream", "pipedream-2bw"}
 
 

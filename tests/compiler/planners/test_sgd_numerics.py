@@ -25,6 +25,9 @@ from tanh_mlp import tanh_mlp_step
 
 import autopar
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 STEPS = 3
 WIDTHS = (32, 64, 64, 16)
 OPTIMIZERS = {"sgd": lambda: optax.sgd(0.1), "momentum": lambda: optax.sgd(0.1, momentum=0.9)}

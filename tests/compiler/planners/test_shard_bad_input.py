@@ -11,6 +11,9 @@ import autopar
 from autopar.compiler.intra_op.problem import InfeasibleMemoryError
 from autopar.frontend.cli.main import main
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 
 def mlp_step(params, batch):
     def loss(p):

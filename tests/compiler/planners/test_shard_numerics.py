@@ -18,6 +18,9 @@ import autopar
 from autopar.models import MODEL_NAMES, get_model
 from autopar.runtime.hlo import count_collectives
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 MESHES = [(1, 4), (4, 1), (2, 2), (2, 4)]
 STEPS = 3
 # Parameters after 3 Adam steps may differ by this fraction of the learning rate: see

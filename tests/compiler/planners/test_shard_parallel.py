@@ -22,6 +22,9 @@ from autopar.models import moe
 from autopar.runtime.hlo import count_collectives
 from autopar.runtime.shard import ShardedProgram
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 
 def mlp_block_loss(params, batch):
     h = jax.nn.gelu(batch["x"] @ params["w1"])

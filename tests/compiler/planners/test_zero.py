@@ -24,6 +24,9 @@ from autopar.plan import Plan
 from autopar.runtime.hlo import count_collectives, parse_collectives
 from autopar.runtime.shard import ShardedProgram
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 STEPS = 3
 # fraction of the learning rate parameters may differ by after 3 Adam steps (as in
 # test_shard_numerics; see ZooModel.optimizer)

@@ -10,6 +10,9 @@ import pytest
 from autopar.frontend.cli.main import main
 from autopar.models import MODEL_NAMES
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
 def test_report_prints_for_every_zoo_model(name, capsys):

@@ -26,6 +26,9 @@ from autopar.frontend.progress import Progress
 from autopar.models import get_model
 from autopar.plan import FORMAT_VERSION, Plan
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 ROOT = repo_paths.REPO
 EXAMPLE = f"{ROOT / 'examples' / 'mlp_step.py'}:make_step"
 

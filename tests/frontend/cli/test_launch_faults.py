@@ -20,6 +20,9 @@ from pathlib import Path
 import pytest
 import repo_paths
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 REPO = repo_paths.REPO
 SCRIPTS = repo_paths.FAULT_SCRIPTS
 HANG_GUARD_S = 120

@@ -18,6 +18,9 @@ from autopar.compiler.intra_op import mip as ilp_mip
 from autopar.compiler.intra_op.ilp import solve
 from autopar.compiler.intra_op.problem import IntraOpProblem, ProblemEdge, ProblemNode
 
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
 MIP_LOGGER = "autopar.compiler.intra_op.mip"
 
 
