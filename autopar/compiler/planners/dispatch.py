@@ -20,6 +20,7 @@ from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.trace import TracedStep, build_graph, trace_step
 from autopar.compiler.inter_op.layers import remat_layer_positions
 from autopar.compiler.planners.auto import plan_auto, trace_auto
+from autopar.compiler.planners.common import fewer_full_collections
 from autopar.compiler.planners.data import plan_data_parallel
 from autopar.compiler.planners.step_program import (
     IlpObserver,
@@ -60,7 +61,12 @@ def trace(fn: Callable, args: Sequence[Any], method: Method, batch_argnums: Sequ
     ``autopar.value_and_grad``, or a batch the microbatches do not divide), plan one stage with
     the intra-operator pass instead, saying so in the plan's notes (the full search's
     behaviour); otherwise that is the error raised."""
-    batch_argnums = tuple(batch_argnums)
+    with fewer_full_collections():  # a large model's trace keeps as much alive as its plan
+        return _trace(fn, args, method, tuple(batch_argnums), fall_back_to_shard)
+
+
+def _trace(fn: Callable, args: Sequence[Any], method: Method, batch_argnums: tuple[int, ...],
+           fall_back_to_shard: bool) -> StepProgram:
     if isinstance(method, AutoParallel):
         return trace_auto(fn, args, method, batch_argnums)
     jaxpr = trace_jaxpr(fn, args)
@@ -110,14 +116,15 @@ def plan(step: StepProgram, cluster: ClusterSpec, *,
     called with each one-stage sharding ILP solved (``autopar compile --dump-ilp``).
     """
     method = step.method
-    if isinstance(method, AutoParallel):
-        planned = plan_auto(step, cluster, ilp_observer,
-                            plan_one_stage=_plan_one_stage_with_remat,
-                            plan_pipelined=_plan_pipelined)
-    elif isinstance(method, PipeshardParallel):
-        planned = _plan_pipelined(step, method, step.traced, cluster)
-    else:
-        planned = _plan_one_stage_with_remat(step, cluster, ilp_observer)
+    with fewer_full_collections():
+        if isinstance(method, AutoParallel):
+            planned = plan_auto(step, cluster, ilp_observer,
+                                plan_one_stage=_plan_one_stage_with_remat,
+                                plan_pipelined=_plan_pipelined)
+        elif isinstance(method, PipeshardParallel):
+            planned = _plan_pipelined(step, method, step.traced, cluster)
+        else:
+            planned = _plan_one_stage_with_remat(step, cluster, ilp_observer)
     dropped = planned.traced.program.dropped_constraints
     if dropped and not planned.plan.is_pipelined:
         planned.plan.notes.append(

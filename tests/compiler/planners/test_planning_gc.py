@@ -1,0 +1,44 @@
+"""Planning runs with fewer full collections of Python's cyclic collector, and puts the
+collector's thresholds back after, whatever happens."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from autopar.cluster import load_cluster
+from autopar.compiler.planners.common import FULL_COLLECTION_EVERY, fewer_full_collections
+from autopar.compiler.planners.dispatch import plan, trace
+from autopar.errors import PlanError
+from autopar.methods import ShardParallel
+from autopar.models import get_model
+
+DEFAULT = (700, 10, 10)  # Python's own
+
+
+@pytest.fixture
+def default_thresholds():
+    saved = gc.get_threshold()
+    gc.set_threshold(*DEFAULT)
+    yield
+    gc.set_threshold(*saved)
+
+
+def test_full_collections_are_rarer_inside_and_restored_after(default_thresholds):
+    with fewer_full_collections():
+        assert gc.get_threshold() == (700, 10, FULL_COLLECTION_EVERY)
+    assert gc.get_threshold() == DEFAULT
+    with pytest.raises(PlanError), fewer_full_collections():
+        raise PlanError("no plan")
+    assert gc.get_threshold() == DEFAULT
+
+
+def test_planning_runs_with_them_and_leaves_them_as_they_were(default_thresholds):
+    model = get_model("mlp", "tiny")
+    step = trace(model.train_step, model.abstract_inputs(), ShardParallel(), (1,))
+    during = []
+    plan(step, load_cluster("cpu-sim").with_devices(1, 8),
+         ilp_observer=lambda problem, solution: during.append(gc.get_threshold()))
+    assert during and all(t == (700, 10, FULL_COLLECTION_EVERY) for t in during)
+    assert gc.get_threshold() == DEFAULT
