@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from autopar.bench.hand_baselines import hand_plans_table
+from autopar.bench.scaling_summary import device_scaling_lines
 from autopar.report.text import format_count
 
 Row = dict[str, Any]
@@ -417,6 +418,7 @@ def markdown_page(rows: Sequence[Row], info: RunInfo, plots: Sequence[Path]) -> 
         "## Collectives: predicted and in the compiled HLO (local cases)", "",
         *_collectives_table(cases), "",
         "## Planning time of the planner itself", "", *_scaling_table(points), "",
+        *device_scaling_lines(points), "",
     ]
     if plots:
         lines += ["## Plots", ""]

@@ -250,9 +250,13 @@ def paper_suite() -> Suite:
 
 
 # Planning time of GPT-2.6B's block (hidden 2560) at these depths on 64 described GPUs, and of
-# its 32 layers on 1 to 128 hosts of 8.
+# its 32 layers on 1 to 2,048 hosts of 8 (8 to 16,384 GPUs) at its batch of 1,024 sequences.
 SCALING_LAYERS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 48, 64, 96)
-SCALING_HOSTS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+SCALING_HOSTS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+# Against devices, one sequence per microbatch: the pipeline's replicas share out the
+# microbatches, so this lets the search go down to one sequence per replica (1,024 replicas),
+# as the devices grow at the same global batch.
+SCALING_DEVICE_MICROBATCHES = 1024
 
 
 # GPT-39B (Alpa's 64-GPU case: batch 1024, 128 microbatches) on 8, 32 and 128 hosts of 8.
@@ -260,11 +264,12 @@ SCALING_39B_HOSTS: tuple[int, ...] = (8, 32, 128)
 
 
 def scaling_suite() -> Suite:
-    """Planning time versus layers (1..96, 64 described GPUs) and devices (8..1024), and
+    """Planning time versus layers (1..96, 64 described GPUs) and devices (8..16,384), and
     GPT-39B's estimated step time on 64, 256 and 1,024 described GPUs."""
     by_layers = tuple(ScalingPoint(ScalingAxis.LAYERS, "gpt", "2.6B", n, V100_8_NODES, 8)
                       for n in SCALING_LAYERS)
-    by_devices = tuple(ScalingPoint(ScalingAxis.DEVICES, "gpt", "2.6B", 32, V100_8_NODES, h)
+    by_devices = tuple(ScalingPoint(ScalingAxis.DEVICES, "gpt", "2.6B", 32, V100_8_NODES, h,
+                                    microbatches=SCALING_DEVICE_MICROBATCHES)
                        for h in SCALING_HOSTS)
     gpt_39b = tuple(ScalingPoint(ScalingAxis.STEP_TIME, "gpt", "39B", 48, V100_8_NODES, h,
                                  microbatches=128, pipeline_layers=16,

@@ -167,6 +167,7 @@ class LayerCostCache:
             sync_s=sum(c.sync_s for c in costs),
             update_s=sum(c.update_s for c in costs),
             param_bytes=sum(c.param_bytes for c in costs),
+            whole_param_bytes=sum(c.whole_param_bytes for c in costs),
             ilp_gap=max(gaps) if gaps else None,
             collectives=tuple(x for c in costs for x in c.collectives),
             sync_collectives=tuple(x for c in costs for x in c.sync_collectives),

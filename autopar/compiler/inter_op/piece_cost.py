@@ -58,7 +58,8 @@ class PieceCost:
     rest communicating inside the mesh; feeding its inputs is the stage search's to price);
     ``sync_s``: seconds per step of its gradients' reduction over the mesh; ``update_s``:
     seconds per step of the step's optimizer update of its parameters (as laid out);
-    ``param_bytes``: per-device bytes of its parameters; ``fixed_bytes``: per-device bytes
+    ``param_bytes``: per-device bytes of its parameters (``whole_param_bytes``: unsplit);
+    ``fixed_bytes``: per-device bytes
     that stay (parameters, gradient accumulators, optimizer state); ``activation_bytes``: per
     in-flight microbatch (the forward's values kept for the backward); ``input_specs``: the
     spec of each piece input (forward value id -> spec); ``ilp_status``, ``ilp_gap``: how
@@ -81,6 +82,7 @@ class PieceCost:
     update_s: float = 0.0
     param_bytes: float = 0.0
     ilp_gap: float | None = None
+    whole_param_bytes: float = 0.0
     collectives: tuple[CollectiveEstimate, ...] = ()
     sync_collectives: tuple[CollectiveEstimate, ...] = ()
     value_specs: dict[int, ShardingSpec] = field(default_factory=dict)
@@ -239,6 +241,8 @@ def solve_piece(pp: PipelineProgram, piece: Piece, graph: OpGraph, paths: dict[s
         graph.tensors[by_path[f"state/p/{k}"]].nbytes / specs[v].num_shards(sizes)
         for k, v in enumerate(roles.params)
     )
+    whole_param_bytes = sum(graph.tensors[by_path[f"state/p/{k}"]].nbytes
+                            for k in range(len(roles.params)))
     # the forward's own results are kept for the backward; split like the piece's batch
     fwd = pp.forward
     kept = sum(nbytes(fwd.avals[v]) for i in piece.eqns for v in fwd.eqns[i].outputs)
@@ -264,6 +268,7 @@ def solve_piece(pp: PipelineProgram, piece: Piece, graph: OpGraph, paths: dict[s
         sync_s=sync,
         update_s=update,
         param_bytes=param_bytes,
+        whole_param_bytes=whole_param_bytes,
         ilp_gap=solution.gap,
         collectives=tuple(per_microbatch_moves),
         sync_collectives=tuple(per_step_moves),

@@ -129,13 +129,23 @@ def driver_counts(pp: PipelineProgram, pieces: Sequence[Piece], stage_of_piece: 
     return DriverCounts(tasks, small, transfers)
 
 
-def replica_allreduce_time(param_bytes: float, replicas: int, cluster: ClusterSpec) -> float:
-    """Seconds for ``replicas`` copies of a stage, each on its own group of hosts, to
-    all-reduce ``param_bytes`` of gradients per device over the links between hosts."""
-    if replicas <= 1 or param_bytes <= 0:
+def replica_allreduce_time(whole_param_bytes: float, stage_devices: int, replicas: int,
+                           cluster: ClusterSpec) -> float:
+    """Seconds that ``replicas`` copies of a stage, each on its own group of hosts, add to the
+    stage's own gradient reduction to all-reduce its ``whole_param_bytes`` of gradients
+    between them, done hierarchically as NCCL and Megatron-LM's data-parallel groups do:
+    inside the stage the gradients are reduce-scattered over its ``stage_devices`` devices
+    (rather than all-reduced: the same bytes, already priced in the stage's tail), each device
+    all-reduces its ``1 / stage_devices`` slice with the same device of every other replica
+    over the links between hosts, and the stage all-gathers the result (the other half of its
+    own all-reduce's bytes). Priced as one flat all-reduce of each device's whole gradients
+    per replica group, it would count the bytes crossing the hosts' links twice and make a
+    cluster of more hosts look slower at the same batch."""
+    if replicas <= 1 or whole_param_bytes <= 0:
         return 0.0
     link = cluster.inter_host
-    return allreduce_time(param_bytes, replicas, link.alpha, link.beta)
+    return allreduce_time(whole_param_bytes / max(stage_devices, 1), replicas, link.alpha,
+                          link.beta)
 
 
 @dataclass(frozen=True)

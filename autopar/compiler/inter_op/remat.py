@@ -57,7 +57,8 @@ def state_split_levels(shape: Sequence[int]) -> list[int]:
 class LayerSums:
     """What a stage's candidates read of its layers' costs (``PieceCost``), summed in layer
     order: ``time_s`` and ``remat_time_s`` per microbatch (the latter with the recomputed
-    forward), the bytes kept, and ``tail_s`` (the per-step gradient reduction and update)."""
+    forward), the bytes kept, ``tail_s`` (the per-step gradient reduction and update), and
+    the parameters' bytes per device (``param_bytes``) and unsplit (``whole_param_bytes``)."""
 
     time_s: float = 0.0
     remat_time_s: float = 0.0
@@ -66,6 +67,7 @@ class LayerSums:
     boundary_bytes: float = 0.0
     param_bytes: float = 0.0
     tail_s: float = 0.0
+    whole_param_bytes: float = 0.0
 
     def plus(self, c: Any) -> LayerSums:
         """These sums with one more layer's cost ``c`` added."""
@@ -75,7 +77,8 @@ class LayerSums:
                          self.activation_bytes + c.activation_bytes,
                          self.boundary_bytes + c.boundary_bytes,
                          self.param_bytes + c.param_bytes,
-                         self.tail_s + (c.sync_s + c.update_s))
+                         self.tail_s + (c.sync_s + c.update_s),
+                         self.whole_param_bytes + c.whole_param_bytes)
 
     @classmethod
     def of(cls, costs: Sequence[Any]) -> LayerSums:

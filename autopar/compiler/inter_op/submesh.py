@@ -230,7 +230,7 @@ class StageCandidate:
     gradients' reduction, the optimizer update). ``host_time``: the driver's seconds per step
     for this stage's tasks and transfers (issued one after the other by one host thread, so
     they add up over stages rather than overlap). ``param_bytes``: the stage's parameter bytes
-    per device (what replicas of the stage all-reduce).
+    per device (its gradient accumulators and stashed weights are as large).
 
     The stage DP charges ``sum(time + tail_time / m + host_time) + (m - 1) max(time +
     tail_time / m)`` (:meth:`sum_part`, :meth:`max_part`): the per-step tail spread over the

@@ -147,9 +147,10 @@ def plan_auto(step: StepProgram, cluster: ClusterSpec, ilp_observer: IlpObserver
     fitting = [(n, p) for n, p in found.items() if _fits_budget(p.plan, budget)]
     # A one-stage pipeline is the one-stage ShardParallel step cut into microbatches: what it
     # adds (each microbatch reduces its gradients, smaller programs) its stage costs do not
-    # price (docs/pipeline.md), so it is kept only for its memory, when no one-stage plan fits
+    # price (docs/pipeline.md), so it is kept only for its memory, when no one-stage plan
+    # fits; replicated with one microbatch per replica it is not cut at all
     one_stage_fits = any(n != "pipeshard" for n, _ in fitting)
-    if one_stage_fits and "pipeshard" in found and len(found["pipeshard"].plan.stages) == 1:
+    if one_stage_fits and "pipeshard" in found and _cut_one_stage(found["pipeshard"].plan):
         fitting = [(n, p) for n, p in fitting if n != "pipeshard"]
         for row in rows:
             if row.get("chosen_plan") is found["pipeshard"].plan:
@@ -307,3 +308,10 @@ def _annotations_note(layout: UserLayout, rows: list[dict[str, Any]], plan: Plan
 def _failed_row(name: str, method: str, err: Exception) -> dict[str, Any]:
     return {"name": name, "method": method, "est_step_time_s": None, "fits": False,
             "note": " ".join(str(err).split())}
+
+
+def _cut_one_stage(plan: Plan) -> bool:
+    """Whether ``plan`` is one stage whose step is cut into several microbatches (per
+    replica, where the pipeline is replicated)."""
+    replicas = plan.pipeline.replicas if plan.pipeline is not None else 1
+    return len(plan.stages) == 1 and plan.num_microbatches // replicas > 1

@@ -182,13 +182,15 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
         if (submesh, shape) not in meshes_made:
             meshes_made[(submesh, shape)] = submesh_mesh(cluster, submesh, shape)
         return meshes_made[(submesh, shape)]
-    replica_times: dict[float, float] = {}
+    replica_times: dict[tuple[float, int], float] = {}
 
-    def replica_time(param_bytes: float) -> float:
+    def replica_time(whole_param_bytes: float, devices: int) -> float:
         # the stage DP reads each range on each mesh once per schedule and replica count
-        if param_bytes not in replica_times:
-            replica_times[param_bytes] = replica_allreduce_time(param_bytes, replicas, whole)
-        return replica_times[param_bytes]
+        key = (whole_param_bytes, devices)
+        if key not in replica_times:
+            replica_times[key] = replica_allreduce_time(whole_param_bytes, devices, replicas,
+                                                        whole)
+        return replica_times[key]
 
     # each range's layer costs summed, by (mesh, split) then (start, end): the DP reads every
     # range on every mesh, and a range's sums are its one-shorter range's plus a layer (at
@@ -231,7 +233,8 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
 
             def variants(split: int, mesh=mesh, shape=shape) -> list[StageCandidate]:
                 sums = range_sums(mesh, split, start, end)
-                tail = sums.tail_s + replica_time(sums.param_bytes)
+                tail = sums.tail_s + replica_time(sums.whole_param_bytes,
+                                                   submesh.num_devices)
                 extra = transfer + sums.param_bytes / runtime.accumulate_bytes_per_s
                 return remat_candidates(sums, shape, method.remat, extra_time=extra,
                                         tail_time=tail, host_time=host,
