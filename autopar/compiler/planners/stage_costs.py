@@ -16,7 +16,7 @@ from autopar.cluster import ClusterSpec
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.inter_op.forked import available_cores
 from autopar.compiler.inter_op.layer_costs import LayerCostCache
-from autopar.compiler.inter_op.piece_cost import PieceCost
+from autopar.compiler.inter_op.piece_cost import PieceCost, nbytes
 from autopar.compiler.inter_op.pipeline_cost import (
     replica_allreduce_time,
     runs_as_one_program,
@@ -206,6 +206,17 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
                                                                 split=split))
         return found[(start, end)]
 
+    input_bytes: dict[int, float] = {}
+
+    def input_shares(mesh: LogicalMesh, split: int, start: int) -> float:
+        """Into how many shares layer ``start``'s plan on ``mesh`` splits its inputs."""
+        if start not in input_bytes:
+            roles = piece_roles(pp, layers[start])
+            input_bytes[start] = sum(nbytes(pp.forward.avals[v])
+                                     for v in (*roles.acts, *roles.micro))
+        held = cache.layer_cost(pp, layers[start], mesh, split=split).boundary_bytes
+        return max(input_bytes[start] / held, 1.0) if held > 0 else 1.0
+
     def overfills(candidates: Sequence[StageCandidate], devices: int) -> bool:
         """Whether none of a stage's candidates on ``devices`` devices fits with the most
         microbatches such a stage could hold."""
@@ -219,6 +230,10 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
         start_s = time.perf_counter()
         f = facts(start, end)
         link = cluster.inter_host if submesh.num_hosts > 1 else cluster.intra_host
+        # each device receives its own share of the activations (and sends back their
+        # cotangents) over its own link, all at once: the bytes split as the range's first
+        # layer splits its inputs on the mesh (Megatron-LM sends each tensor-parallel rank a
+        # slice; a data-parallel rank only its sequences)
         transfer = f.bytes_per_microbatch * link.beta
         host = (m * (per_task * runtime.task_s + f.puts_per_microbatch * runtime.transfer_s)
                 # each gradient sent to its home stage (the first backward's gradients are
@@ -235,7 +250,8 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
                 sums = range_sums(mesh, split, start, end)
                 tail = sums.tail_s + replica_time(sums.whole_param_bytes,
                                                    submesh.num_devices)
-                extra = transfer + sums.param_bytes / runtime.accumulate_bytes_per_s
+                shares = input_shares(mesh, split, start)
+                extra = transfer / shares + sums.param_bytes / runtime.accumulate_bytes_per_s
                 return remat_candidates(sums, shape, method.remat, extra_time=extra,
                                         tail_time=tail, host_time=host,
                                         param_bytes=sums.param_bytes, split=split)
