@@ -76,12 +76,16 @@ class DeviceSpec:
     """One accelerator type.
 
     ``peak_flops`` maps a dtype name (``"float32"``, ``"tf32"``, ``"bfloat16"``, ``"float16"``,
-    ...) to the dense peak rate in flop/s; ``memory_bytes`` is the device memory.
+    ...) to the dense peak rate in flop/s; ``memory_bytes`` is the device memory;
+    ``memory_bandwidth_bytes_per_s`` its peak bandwidth (the datasheet's), against which
+    the cost model prices the bytes each op's kernel reads and writes (0: not described, each
+    op priced by its flops alone).
     """
 
     name: str
     peak_flops: Mapping[str, float]
     memory_bytes: int
+    memory_bandwidth_bytes_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         if _FALLBACK_DTYPE not in self.peak_flops:
@@ -91,7 +95,8 @@ class DeviceSpec:
                                                 for k, v in self.peak_flops.items()})
 
     def __hash__(self) -> int:
-        return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory_bytes))
+        return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory_bytes,
+                     self.memory_bandwidth_bytes_per_s))
 
     def flops_for(self, dtype: Any) -> float:
         """Peak flop/s for ``dtype`` (a name or a numpy/JAX dtype); float32 if it is unknown."""
@@ -102,11 +107,14 @@ class DeviceSpec:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form."""
-        return {
+        out: dict[str, Any] = {
             "name": self.name,
             "peak_flops": dict(self.peak_flops),
             "memory_bytes": self.memory_bytes,
         }
+        if self.memory_bandwidth_bytes_per_s:
+            out["memory_bandwidth_bytes_per_s"] = self.memory_bandwidth_bytes_per_s
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "") -> DeviceSpec:
@@ -119,7 +127,10 @@ class DeviceSpec:
         peak = {str(k): _number(v, f"{where}peak_flops.{k}") for k, v in flops.items()}
         memory = _number(_need(data, "memory_bytes", where), f"{where}memory_bytes",
                          integer=True)
-        return cls(name=name, peak_flops=peak, memory_bytes=memory)
+        bandwidth = _number(data.get("memory_bandwidth_bytes_per_s", 0.0),
+                            f"{where}memory_bandwidth_bytes_per_s", positive=False)
+        return cls(name=name, peak_flops=peak, memory_bytes=memory,
+                   memory_bandwidth_bytes_per_s=bandwidth)
 
 
 @dataclass(frozen=True)

@@ -268,7 +268,8 @@ def check_workers(value: object) -> None:
                                  f"{value!r}")
 
 
-AUTO_CANDIDATES: tuple[str, ...] = ("data", "shard", "zero2", "zero3", "pipeshard")
+# the full search's candidates are the plan's method names, in that order
+AUTO_CANDIDATES: tuple[str, ...] = tuple(name.value for name in MethodName)
 
 
 @dataclass(frozen=True)
@@ -404,7 +405,8 @@ def pinned(data: int, tensor: int = 1, pipeline: int = 1, *, num_microbatches: i
 METHOD_TYPES: tuple[type, ...] = (
     DataParallel, ShardParallel, PipeshardParallel, Zero2Parallel, Zero3Parallel, AutoParallel
 )
-METHOD_NAMES: tuple[str, ...] = ("data", "shard", "pipeshard", "zero2", "zero3", "auto")
+# what the CLI and ``method_from_name`` accept: every plan method, and the full search
+METHOD_NAMES: tuple[str, ...] = (*AUTO_CANDIDATES, "auto")
 
 
 def method_from_name(name: str, mesh_shape: tuple[int, ...] | None = None, **options) -> Method:

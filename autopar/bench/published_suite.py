@@ -24,25 +24,25 @@ from autopar.bench.published import (
     plan_pinned,
     tflops,
 )
+from autopar.compiler.intra_op.problem import STOPPED_STATUSES
 from autopar.plan import Plan
 
 PREFIX = "bench-published"
-STOPPED = ("time_limit", "no_solution", "solver_error")
 
 
 def stopped_ilps(plan: Plan) -> int:
     """ILPs of a plan (its own and the stage search's, over every candidate the full search
     planned) that stopped before proving their answer."""
     count = 0
-    if plan.solver and plan.solver.get("status") in STOPPED:
+    if plan.solver and plan.solver.get("status") in STOPPED_STATUSES:
         count += 1
     search = plan.planning.stage_search or {}
     statuses = search.get("ilp_statuses") or {}
-    count += sum(int(n) for status, n in statuses.items() if status in STOPPED)
+    count += sum(int(n) for status, n in statuses.items() if status in STOPPED_STATUSES)
     for row in plan.planning.candidates:
-        count += row.get("ilp_status") in STOPPED and not row.get("chosen")
+        count += row.get("ilp_status") in STOPPED_STATUSES and not row.get("chosen")
         for status, n in (row.get("ilp_statuses") or {}).items():
-            if status in STOPPED:
+            if status in STOPPED_STATUSES:
                 count += int(n)
     return count
 

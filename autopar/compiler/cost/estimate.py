@@ -9,6 +9,7 @@ from collections.abc import Callable, Collection, Iterable
 from autopar.cluster import RuntimeCosts
 from autopar.compiler.cost.collectives import collective_time
 from autopar.compiler.cost.mesh import LogicalMesh
+from autopar.compiler.graph.fusion import kernel_bytes
 from autopar.compiler.graph.opgraph import OpGraph, OpNode
 from autopar.plan import CollectiveEstimate, CollectiveKind
 
@@ -45,13 +46,25 @@ def summarize_collectives(
     ]
 
 
+def roofline_time_s(flops: float, nbytes: float, mesh: LogicalMesh, dtype: str) -> float:
+    """Seconds of a kernel that does ``flops`` and moves ``nbytes`` on one device: the slower
+    of its flops at the device's peak for ``dtype`` times its efficiency and its bytes at the
+    device's memory bandwidth (flops alone where the cluster does not describe it)."""
+    seconds = flops / (mesh.device.flops_for(dtype) * mesh.compute_efficiency)
+    bandwidth = mesh.device.memory_bandwidth_bytes_per_s
+    return max(seconds, nbytes / bandwidth) if bandwidth > 0 else seconds
+
+
 def node_compute_time_s(graph: OpGraph, node: OpNode, mesh: LogicalMesh, parts: int) -> float:
-    """Seconds of one node's flops split ``parts`` ways, at the rate of its result's dtype (as
-    the intra-operator strategies price a node: ``StrategyContext.compute_time``)."""
-    if not node.flops:
-        return 0.0
+    """Seconds of one node split ``parts`` ways: its flops at the rate of its result's dtype
+    and its kernel's bytes (``graph.fusion``) at the memory bandwidth, the slower (as the
+    intra-operator strategies price a node: ``StrategyContext.compute_time``)."""
     dtype = graph.tensors[node.outputs[0]].dtype if node.outputs else "float32"
-    return node.flops / max(parts, 1) / (mesh.device.flops_for(dtype) * mesh.compute_efficiency)
+    nbytes = kernel_bytes(graph, node) if mesh.device.memory_bandwidth_bytes_per_s else 0.0
+    if not node.flops and not nbytes:
+        return 0.0
+    share = max(parts, 1)
+    return roofline_time_s(node.flops / share, nbytes / share, mesh, dtype)
 
 
 def split_compute_time_s(graph: OpGraph, mesh: LogicalMesh,

@@ -128,6 +128,11 @@ class OpGraph:
                 users[t].append(node.id)
         return users
 
+    @cached_property
+    def output_tensors(self) -> frozenset[int]:
+        """Ids of the tensors the graph returns."""
+        return frozenset(io.tensor for io in self.outputs)
+
     @property
     def num_nodes(self) -> int:
         return len(self.nodes)

@@ -29,6 +29,7 @@ from autopar.compiler.inter_op.piece_cost import (
 from autopar.compiler.inter_op.remat import state_split_levels
 from autopar.compiler.inter_op.repeats import RepeatGrid, find_repeats
 from autopar.compiler.inter_op.step_parts import StepWork, step_work
+from autopar.compiler.intra_op.problem import IlpStatus
 from autopar.compiler.intra_op.sharding_ilp import IntraOpOptions, MeshCaches
 from autopar.ir.pipeline_pieces import Piece, PieceRoles, PieceSlicer, piece_roles
 from autopar.ir.pipeline_program import PipelineProgram
@@ -163,7 +164,7 @@ class LayerCostCache:
             input_specs={v: s for c in costs for v, s in c.input_specs.items()
                          if v not in inside},
             ilp_status=(stopped[0] if stopped else max(
-                costs, key=lambda c: c.ilp_status != "trivial")).ilp_status,
+                costs, key=lambda c: c.ilp_status != IlpStatus.TRIVIAL)).ilp_status,
             sync_s=sum(c.sync_s for c in costs),
             update_s=sum(c.update_s for c in costs),
             param_bytes=sum(c.param_bytes for c in costs),

@@ -36,6 +36,7 @@ from autopar.compiler.graph.trace import build_graph
 from autopar.compiler.inter_op.piece_plan import forward_value_specs, piece_collectives
 from autopar.compiler.inter_op.step_parts import StepWork, amortise, gradient_nodes
 from autopar.compiler.intra_op.ilp import restrict, solve
+from autopar.compiler.intra_op.problem import STOPPED_STATUSES
 from autopar.compiler.intra_op.sharding_ilp import (
     IntraOpOptions,
     MeshCaches,
@@ -178,7 +179,7 @@ def optimizer_state_per_parameter(pp: PipelineProgram) -> float:
 
 def stopped_early(cost: PieceCost) -> bool:
     """Whether a piece's ILP ended at its time limit (or without a plan of its own)."""
-    return cost.ilp_status in ("time_limit", "no_solution", "solver_error")
+    return cost.ilp_status in STOPPED_STATUSES
 
 
 def solve_status(cost: PieceCost) -> str:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.compiler.cost.mesh import LogicalMesh
+from autopar.compiler.graph.fusion import kernel_bytes
 from autopar.compiler.graph.opgraph import SCAN_EXIT, OpGraph
 from autopar.compiler.graph.trace import build_graph
 from autopar.compiler.intra_op.sharding_ilp import ProblemParts
@@ -39,16 +40,23 @@ class StepWork:
     """Work of the step outside the loss forward and its backward, from the traced step:
     ``update_flops``: per dtype, flops of the equations after the gradients (the optimizer
     update, a gradient norm) per parameter element; ``before_flops``: per dtype, flops of
-    the equations before the loss function (batch preprocessing), per step."""
+    the equations before the loss function (batch preprocessing), per step;
+    ``update_bytes``: what the update's kernels read and write per parameter element
+    (``graph.fusion``: Adam reads a parameter, its gradient and two moments and writes
+    three)."""
 
     update_flops: dict[str, float]
     before_flops: dict[str, float]
     param_elements: float
+    update_bytes: float = 0.0
 
     def update_seconds(self, elements: float, mesh: LogicalMesh) -> float:
-        """Seconds of the update of ``elements`` parameter elements on one device of ``mesh``."""
-        return math.fsum(per * elements / _rate(mesh, dtype)
-                         for dtype, per in self.update_flops.items())
+        """Seconds of the update of ``elements`` parameter elements on one device of
+        ``mesh``: its flops, or its bytes at the memory bandwidth where that is slower."""
+        seconds = math.fsum(per * elements / _rate(mesh, dtype)
+                            for dtype, per in self.update_flops.items())
+        bandwidth = mesh.device.memory_bandwidth_bytes_per_s
+        return max(seconds, self.update_bytes * elements / bandwidth) if bandwidth else seconds
 
     def before_seconds(self, mesh: LogicalMesh, parts: int) -> float:
         """Seconds of the preprocessing, split ``parts`` ways (the batch's devices)."""
@@ -68,6 +76,7 @@ def step_work(pp: PipelineProgram) -> StepWork:
     after = set(pp.vg.outputs)
     update: Counter[str] = Counter()
     before: Counter[str] = Counter()
+    moved = 0.0
     for node in graph.nodes:
         if node.id == pp.vg_index:
             continue
@@ -75,12 +84,14 @@ def step_work(pp: PipelineProgram) -> StepWork:
         if any(t in after for t in node.inputs):
             after.update(node.outputs)
             update[dtype] += node.flops
+            moved += kernel_bytes(graph, node)
         else:
             before[dtype] += node.flops
     elements = float(sum(math.prod(outer.avals[pp.operand_of[f]].shape)
                          for f in pp.diff_inputs))
     per = {d: f / elements for d, f in update.items() if f} if elements else {}
-    return StepWork(per, {d: f for d, f in before.items() if f}, elements)
+    return StepWork(per, {d: f for d, f in before.items() if f}, elements,
+                    moved / elements if elements else 0.0)
 
 
 def gradient_nodes(graph: OpGraph) -> tuple[dict[int, int], set[int]]:

@@ -28,6 +28,7 @@ from autopar.compiler.intra_op.mip import (
 from autopar.compiler.intra_op.presolve import ReducedProblem, complete_choices, local_search
 from autopar.compiler.intra_op.presolve import presolve as reduce_problem
 from autopar.compiler.intra_op.problem import (
+    IlpStatus,
     InfeasibleMemoryError,
     IntraOpProblem,
     IntraOpSolution,
@@ -45,8 +46,8 @@ LP_ROUNDING_MIN_GAP = 1e-4
 # "no_solution": it stopped with none (the greedy plan is used); "solver_error": it failed
 # (logged as a warning; the greedy plan is used). Planners name the last two in the plan's
 # notes: a greedy plan is a valid plan, not an optimal one.
-SOLUTION_STATUS = {"optimal": "optimal", "feasible": "time_limit", "none": "no_solution",
-                   "error": "solver_error"}
+SOLUTION_STATUS = {"optimal": IlpStatus.OPTIMAL, "feasible": IlpStatus.TIME_LIMIT,
+                   "none": IlpStatus.NO_SOLUTION, "error": IlpStatus.SOLVER_ERROR}
 WARM_START = True  # hand the greedy plan to the solver (a switch for measurements)
 # Problems whose edges would pair more strategies than this are first bounded by dual ascent
 # (``dual_bound``): past it the MIP's LP alone takes HiGHS seconds to minutes.
@@ -167,13 +168,13 @@ def solve(problem: IntraOpProblem, *, solver: str = "auto", time_limit_s: float 
     if budget is not None and (need := min_peak_memory(problem)) > budget:
         raise InfeasibleMemoryError(budget, need)
     if all(len(nd.costs) == 1 for nd in problem.nodes):
-        return IntraOpSolution([0] * n, evaluate(problem, [0] * n), "trivial", True, 0.0,
-                               "trivial", 0, 0, time.perf_counter() - t0, 0.0)
+        return IntraOpSolution([0] * n, evaluate(problem, [0] * n), IlpStatus.TRIVIAL, True,
+                               0.0, "trivial", 0, 0, time.perf_counter() - t0, 0.0)
     r = reduce_problem(problem, presolve)
     if not r.cost:  # presolve decided every node exactly
         choices = complete_choices(r, n, {})
-        return IntraOpSolution(choices, evaluate(problem, choices), "optimal", True, 0.0,
-                               "presolve", 0, 0, time.perf_counter() - t0, 0.0)
+        return IntraOpSolution(choices, evaluate(problem, choices), IlpStatus.OPTIMAL, True,
+                               0.0, "presolve", 0, 0, time.perf_counter() - t0, 0.0)
     if dual_bound and presolve and _pair_count(r) > DUAL_BOUND_MIN_PAIRS:
         return _solve_bounded(problem, r, solver=name, time_limit_s=time_limit_s,
                               relative_gap=relative_gap, started=t0, start=start)
@@ -200,9 +201,10 @@ def solve(problem: IntraOpProblem, *, solver: str = "auto", time_limit_s: float 
             if value - lower <= relative_gap * abs(value):
                 t1 = time.perf_counter()
                 return IntraOpSolution(
-                    plan, value, "optimal", True, max(0.0, value - lower) / abs(value) if value
-                    else 0.0, "highs-lp", model.num_columns, model.num_rows, t1 - t0, 0.0,
-                    len(r.cost), sum(len(a) for a in r.adj.values()) // 2)
+                    plan, value, IlpStatus.OPTIMAL, True,
+                    max(0.0, value - lower) / abs(value) if value else 0.0, "highs-lp",
+                    model.num_columns, model.num_rows, t1 - t0, 0.0, len(r.cost),
+                    sum(len(a) for a in r.adj.values()) // 2)
             plans.append(plan)
     t1 = time.perf_counter()
     result = run_mip(model, name, max(time_limit_s - (t1 - t0), 0.05), relative_gap)
@@ -274,9 +276,9 @@ def _solve_bounded(problem: IntraOpProblem, r: ReducedProblem, *, solver: str,
                                start=_bound_seed(r, start))
     if bound.plan is not None and bound.gap() <= relative_gap:
         choices = complete_choices(r, n, bound.plan)
-        return IntraOpSolution(choices, evaluate(problem, choices), "optimal", True, bound.gap(),
-                               "dual-ascent", 0, 0, time.perf_counter() - started, 0.0,
-                               len(r.cost), edges)
+        return IntraOpSolution(choices, evaluate(problem, choices), IlpStatus.OPTIMAL, True,
+                               bound.gap(), "dual-ascent", 0, 0,
+                               time.perf_counter() - started, 0.0, len(r.cost), edges)
     restricted, kept = restrict(problem, bound.keep)
     sub_start = None
     if bound.plan is not None:

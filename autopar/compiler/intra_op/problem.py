@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from autopar.errors import AutoparError, PlanError
@@ -84,13 +85,31 @@ class IntraOpProblem:
         return cls.from_dict(json.loads(text))
 
 
+class IlpStatus(StrEnum):
+    """How an intra-operator ILP ended: ``OPTIMAL`` (proven, or within the relative gap it was
+    given), ``TIME_LIMIT`` (stopped at its limit with a plan: the better of it and the greedy
+    plan), ``NO_SOLUTION`` (stopped with none: the greedy plan), ``SOLVER_ERROR`` (the solver
+    failed: the greedy plan), ``TRIVIAL`` (one choice per node: nothing to solve)."""
+
+    OPTIMAL = "optimal"
+    TIME_LIMIT = "time_limit"
+    NO_SOLUTION = "no_solution"
+    SOLVER_ERROR = "solver_error"
+    TRIVIAL = "trivial"
+
+
+# The endings that did not prove their plan: planners name them in the plan's notes.
+STOPPED_STATUSES = frozenset({IlpStatus.TIME_LIMIT, IlpStatus.NO_SOLUTION,
+                              IlpStatus.SOLVER_ERROR})
+
+
 @dataclass
 class IntraOpSolution:
     """A chosen strategy per node and how the solver got there."""
 
     choices: list[int]
     objective: float
-    status: str  # "optimal" | "time_limit" (feasible, not proven optimal) | "trivial"
+    status: IlpStatus
     proven_optimal: bool
     gap: float | None
     solver: str  # "highs" | "cbc" | "presolve" (solved exactly without a MIP) | "trivial"

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autopar.compiler.cost.mesh import LogicalMesh
+from autopar.compiler.graph.fusion import kernel_bytes
 from autopar.compiler.graph.op_costs import ELEMENTWISE
 from autopar.compiler.graph.opgraph import OpGraph, OpNode, TensorInfo
 from autopar.compiler.intra_op.strategies import strategies_for
@@ -225,6 +226,9 @@ class DecisionVariables:
         splits one and keeps the other whole, tying their updates would force one to reshard.
         Likewise two layers whose kernels are pinned differently are not the same layer."""
         key = node_signature(self.graph, node)
+        if self.mesh.device.memory_bandwidth_bytes_per_s:
+            # its time depends on what its kernel moves, which its neighbours decide
+            key = (*key, kernel_bytes(self.graph, node))
         tags = tuple((k, self.input_tags[t]) for k, t in enumerate(node.inputs)
                      if t in self.input_tags)
         self.signatures[node.id] = (*key, tags) if tags else key

@@ -39,6 +39,7 @@ from autopar.errors import (
 from autopar.ir.flatten import trace_jaxpr
 from autopar.ir.pipeline_program import build_pipeline_program
 from autopar.methods import (
+    METHOD_TYPES,
     AutoParallel,
     DataParallel,
     Method,
@@ -361,9 +362,8 @@ def _plan_one_stage(
                          **common)
     else:
         raise InvalidOptionError(
-            f"unknown method {type(method).__name__}; valid methods: DataParallel, "
-            "ShardParallel, Zero2Parallel, Zero3Parallel, PipeshardParallel"
-        )
+            f"unknown method {type(method).__name__}; valid methods: "
+            + ", ".join(t.__name__ for t in METHOD_TYPES if t is not AutoParallel))
     plan.planning.method_options = {"method": method.name.value,
                                     "mesh_shape": list(mesh.shape)}
     stage = plan.stages[0]

@@ -9,6 +9,7 @@ from autopar.compiler.cost.estimate import summarize_collectives
 from autopar.compiler.cost.memory_model import estimate_memory, resharded_operand_bytes
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.trace import TracedStep
+from autopar.compiler.intra_op.problem import IlpStatus
 from autopar.compiler.intra_op.sharding_ilp import (
     LEAST_MEMORY,
     IntraOpOptions,
@@ -90,7 +91,7 @@ def plan_shard_parallel(
                 f"mesh axis '{axis}' (size {size}) splits no tensor: no dimension it divides "
                 "was worth splitting, so its devices hold replicas"
             )
-    if solution.status == "no_solution":
+    if solution.status == IlpStatus.NO_SOLUTION:
         notes.append(f"the ILP solver ({solution.solver}) found no plan within its time limit: "
                      "the greedy plan is used, not proven optimal")
     elif solution.status == "solver_error":
@@ -99,7 +100,7 @@ def plan_shard_parallel(
     elif solution.status == LEAST_MEMORY:
         notes.append("the memory rows of the ILP admitted no plan within the memory budget; "
                      "the least-memory plan, which the memory model finds within it, is used")
-    elif not solution.proven_optimal and solution.status != "trivial":
+    elif not solution.proven_optimal and solution.status != IlpStatus.TRIVIAL:
         notes.append(f"ILP stopped at its time limit ({solution.status}): not proven optimal")
     return whole_mesh_plan(
         MethodName.SHARD,

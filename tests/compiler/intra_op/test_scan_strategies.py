@@ -6,6 +6,7 @@ communication and resharding count every iteration, and a scanned GPT is planned
 import jax
 import jax.numpy as jnp
 import pytest
+from cluster_variants import flops_only
 from jax import lax
 from strategy_helpers import sds
 
@@ -22,7 +23,9 @@ from autopar.models import get_model
 
 
 def mesh(shape=(2, 4), cluster="cpu-sim"):
-    return LogicalMesh.from_cluster(load_cluster(cluster), shape)
+    """Priced on flops only: a scan's and its unrolled layers' bytes under the roofline are
+    compared in tests/compiler/graph/test_fusion.py."""
+    return LogicalMesh.from_cluster(flops_only(load_cluster(cluster)), shape)
 
 
 def rnn_like(c, xs, w):

@@ -14,6 +14,7 @@ import functools
 import jax
 import numpy as np
 import pytest
+from cluster_variants import flops_only
 
 import autopar
 from autopar.cluster import load_cluster
@@ -93,8 +94,10 @@ def test_a_piece_of_whole_units_costs_what_the_unrolled_layers_cost():
     """The whole forward as one piece on 2 devices: the scanned piece's cost graph holds the
     layers as one scan region, the unrolled one every layer; each layer's gradient is
     reduced once per step in both (the reduction's maker lies inside the region's body,
-    behind its exit and the split of the stacked gradient into the layers' slices)."""
-    cluster = load_cluster("aws-p3.16xlarge")
+    behind its exit and the split of the stacked gradient into the layers' slices). Flops
+    only: the roofline's bytes of a scan and of its unrolled layers are compared in
+    tests/compiler/graph/test_fusion.py."""
+    cluster = flops_only(load_cluster("aws-p3.16xlarge"))
     mesh = submesh_mesh(cluster, SubmeshShape(1, 2), (2,))
     method = autopar.PipeshardParallel(num_microbatches=8)
     costs = {}

@@ -79,7 +79,7 @@ def test_plans_for_a_described_cluster(capsys):
          "unknown model 'gtp'; valid models: mlp, gpt, moe, wresnet"),
         (["compile", "--size", "huge"], "unknown size 'huge'"),
         (["compile", "--method", "magic"],
-         "unknown method 'magic'; valid methods: data, shard, pipeshard"),
+         "unknown method 'magic'; valid methods: data, shard, zero2, zero3, pipeshard, auto"),
         (["compile", "--cluster", "nope"], "unknown cluster 'nope'; valid clusters:"),
         (["compile", "--devices", "8", "--mesh", "3x3", "--method", "data"], "covers 9 devices"),
         (["compile", "--devices", "8", "--mesh", "2x4"], "--mesh applies to --method shard/data"),

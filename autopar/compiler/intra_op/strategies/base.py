@@ -16,7 +16,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from autopar.compiler.cost.collectives import estimate_collective
+from autopar.compiler.cost.estimate import roofline_time_s
 from autopar.compiler.cost.mesh import LogicalMesh
+from autopar.compiler.graph.fusion import kernel_bytes
 from autopar.compiler.graph.opgraph import OpGraph, OpNode, TensorInfo
 from autopar.plan import CollectiveEstimate, CollectiveKind, ShardingSpec
 
@@ -76,11 +78,13 @@ class StrategyContext:
         return tuple(self.mesh.axis_index(a) for a in axes)
 
     def compute_time(self, flops: float, parallel_axes: Sequence[str]) -> float:
-        """Seconds for ``flops`` split evenly over the devices of ``parallel_axes`` (devices on
-        other axes repeat the same work, so they do not shorten it)."""
-        share = flops / self.axes_size(parallel_axes)
-        rate = self.mesh.device.flops_for(self.dominant_dtype) * self.mesh.compute_efficiency
-        return share / rate
+        """Seconds for ``flops`` of this node, and its kernel's bytes (``graph.fusion``), split
+        evenly over the devices of ``parallel_axes`` (devices on other axes repeat the same
+        work, so they do not shorten it): the slower of the two (``roofline_time_s``)."""
+        parts = self.axes_size(parallel_axes)
+        nbytes = (kernel_bytes(self.graph, self.node)
+                  if self.mesh.device.memory_bandwidth_bytes_per_s else 0.0)
+        return roofline_time_s(flops / parts, nbytes / parts, self.mesh, self.dominant_dtype)
 
     @property
     def dominant_dtype(self) -> str:
