@@ -14,6 +14,7 @@ import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from autopar.compiler.cost.collectives import estimate_collective
 from autopar.compiler.cost.estimate import roofline_time_s
@@ -82,9 +83,16 @@ class StrategyContext:
         evenly over the devices of ``parallel_axes`` (devices on other axes repeat the same
         work, so they do not shorten it): the slower of the two (``roofline_time_s``)."""
         parts = self.axes_size(parallel_axes)
-        nbytes = (kernel_bytes(self.graph, self.node)
-                  if self.mesh.device.memory_bandwidth_bytes_per_s else 0.0)
-        return roofline_time_s(flops / parts, nbytes / parts, self.mesh, self.dominant_dtype)
+        return roofline_time_s(flops / parts, self.kernel_bytes / parts, self.mesh,
+                               self.dominant_dtype)
+
+    @cached_property
+    def kernel_bytes(self) -> float:
+        """What the node's kernel reads and writes (``graph.fusion``), where the mesh's
+        device has a memory bandwidth to price it at (else 0)."""
+        if not self.mesh.device.memory_bandwidth_bytes_per_s:
+            return 0.0
+        return kernel_bytes(self.graph, self.node)
 
     @property
     def dominant_dtype(self) -> str:
