@@ -11,9 +11,11 @@ kernel made it, when it is an input of the graph (parameters, the batch, constan
 is an output of the graph, or when a library kernel reads it; any other value lives inside
 fused kernels and costs nothing, however many fused ops read it (XLA duplicates a cheap
 producer into each consumer's kernel, fuses siblings into one multi-output kernel, and runs a
-softmax's reductions as one kernel). A reshape is a view of its operand; a broadcast or an
-iota is recomputed inside the kernel that reads it. Counting a value read by several fused
-ops as written and read again priced GPT-350M on a V100 at half the throughput Alpa measured.
+softmax's reductions as one kernel). A reshape, a slice and a scan iteration's slice of its
+``xs`` are views read in place; a broadcast or an iota is recomputed inside the kernel that
+reads it; a gather reads only its rows; a scan's stacked results are written once. Counting
+a value read by several fused ops as written and read again priced GPT-350M on a V100 at half
+the throughput Alpa measured.
 """
 
 from __future__ import annotations
