@@ -44,3 +44,29 @@ def odd_train_step():
 
     params, batch = odd_args()
     return train_step, {"params": params, "opt": opt.init(params)}, batch
+
+
+def stack_layer(h, w):
+    """One layer of a stack: the row-split second kernel wants ``h`` split on its last dim,
+    the residual whole."""
+    return h + jnp.tanh(h @ w["a"]) @ w["b"]
+
+
+def unrolled_stack(h, w):
+    """Four ``stack_layer`` layers, each sliced out of the stacked weights by hand."""
+    for i in range(4):
+        h = stack_layer(h, {"a": w["a"][i], "b": w["b"][i]})
+    return jnp.sum(h * h)
+
+
+def scanned_stack(h, w):
+    """The same four layers as one ``lax.scan`` over the stacked weights."""
+    h, _ = jax.lax.scan(lambda h, w: (stack_layer(h, w), None), h, w)
+    return jnp.sum(h * h)
+
+
+def stack_args():
+    """Abstract inputs of the stacks: a batch of 8 of width 256, four layers' weights."""
+    sds = jax.ShapeDtypeStruct
+    return (sds((8, 256), jnp.float32), {"a": sds((4, 256, 1024), jnp.float32),
+                                         "b": sds((4, 1024, 256), jnp.float32)})

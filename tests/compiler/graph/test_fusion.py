@@ -8,6 +8,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import pytest
+from scan_steps import scanned_stack, stack_args, unrolled_stack
 
 from autopar.cluster import DeviceSpec, load_cluster
 from autopar.compiler.cost.estimate import node_compute_time_s, roofline_time_s
@@ -98,23 +99,9 @@ def test_the_ilps_strategies_price_an_op_on_the_same_roofline():
 
 
 def test_a_scanned_stack_moves_the_bytes_its_unrolled_layers_move():
-    def layer(h, w):
-        return h + jnp.tanh(h @ w["a"]) @ w["b"]
-
-    def unrolled(h, w):
-        for i in range(4):
-            h = layer(h, {"a": w["a"][i], "b": w["b"][i]})
-        return jnp.sum(h * h)
-
-    def scanned(h, w):
-        h, _ = jax.lax.scan(lambda h, w: (layer(h, w), None), h, w)
-        return jnp.sum(h * h)
-
-    args = (jax.ShapeDtypeStruct((8, 256), jnp.float32),
-            {"a": jax.ShapeDtypeStruct((4, 256, 1024), jnp.float32),
-             "b": jax.ShapeDtypeStruct((4, 1024, 256), jnp.float32)})
+    args = stack_args()
     moved = []
-    for fn in (unrolled, scanned):
+    for fn in (unrolled_stack, scanned_stack):
         graph = trace_step(jax.grad(fn, argnums=(0, 1)), args).graph
         moved.append(sum(kernel_bytes(graph, n) for n in graph.nodes))
     # a layer's slice of the stacked weights is read in place by its matmuls either way

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import pytest
 from cluster_variants import flops_only
 from jax import lax
+from scan_steps import scanned_stack, stack_args, unrolled_stack
 from strategy_helpers import sds
 
 import autopar
@@ -94,20 +95,7 @@ def test_a_scanned_stack_costs_what_the_unrolled_stack_costs():
     cost, its body's collectives counted once per iteration. (Both differentiate the input
     too: a scan's transpose computes the carry's cotangent on every iteration, where the
     unrolled stack skips the first layer's when the input needs no gradient.)"""
-    def layer(h, w):
-        # the row-split second kernel wants h split on its last dim, the residual whole
-        return h + jnp.tanh(h @ w["a"]) @ w["b"]
-
-    def unrolled(h, w):
-        for i in range(4):
-            h = layer(h, {"a": w["a"][i], "b": w["b"][i]})
-        return jnp.sum(h * h)
-
-    def scanned(h, w):
-        h, _ = lax.scan(lambda h, w: (layer(h, w), None), h, w)
-        return jnp.sum(h * h)
-
-    args = (sds(8, 256), {"a": sds(4, 256, 1024), "b": sds(4, 1024, 256)})
+    unrolled, scanned, args = unrolled_stack, scanned_stack, stack_args()
     costs = []
     for fn in (unrolled, scanned):
         graph = trace_step(jax.grad(fn, argnums=(0, 1)), args).graph
