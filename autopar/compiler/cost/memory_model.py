@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -265,13 +267,42 @@ def estimate_memory(
 
 
 def memory_floor(graph: OpGraph, *, batch_argnums: Iterable[int],
-                 num_devices: int) -> MemoryEstimate:
-    """The memory of ``graph`` with every tensor split ``num_devices`` ways: no plan on that
-    many devices holds less of any tensor, so (up to the memory-greedy order, which the
-    shares set) none peaks below this. What a planner checks before building an ILP that
-    cannot fit; the plan's own figure is ``estimate_memory`` of its layouts."""
-    shards = dict.fromkeys(graph.tensors, max(1, int(num_devices)))
+                 num_devices: int | None = None,
+                 mesh_shape: Sequence[int] | None = None) -> MemoryEstimate:
+    """The memory of ``graph`` with every tensor split ``num_devices`` ways, or with
+    ``mesh_shape`` as many ways as a layout on a mesh of that shape can split it
+    (``most_shards``): no plan there holds less of any tensor, so (up to the memory-greedy
+    order, which the shares set) none peaks below this. What a planner checks before
+    building an ILP that cannot fit; the plan's own figure is ``estimate_memory`` of its
+    layouts."""
+    if mesh_shape is not None:
+        ways: dict[tuple[int, ...], int] = {}
+        shards = {}
+        for t, info in graph.tensors.items():
+            shape = tuple(info.shape)
+            if shape not in ways:
+                ways[shape] = most_shards(shape, mesh_shape)
+            shards[t] = ways[shape]
+    else:
+        shards = dict.fromkeys(graph.tensors, max(1, int(num_devices or 1)))
     return estimate_memory(graph, batch_argnums=batch_argnums, shards=shards)
+
+
+def most_shards(shape: Sequence[int], mesh_shape: Sequence[int]) -> int:
+    """The most ways a layout on a mesh of ``mesh_shape`` splits a tensor of ``shape``: each
+    mesh axis on at most one dimension, every dimension divisible by the product of its
+    axes (the layouts the sharding ILP's strategies take). On a 315 x 8 mesh a dimension
+    of 20,480 takes only the 8-way axis, so GPT 529.6B's parameters split at most 8 ways."""
+    axes = [a for a in mesh_shape if a > 1]
+    best = 1
+    for assignment in itertools.product(range(-1, len(shape)), repeat=len(axes)):
+        per_dim = [1] * len(shape)
+        for size, dim in zip(axes, assignment, strict=True):
+            if dim >= 0:
+                per_dim[dim] *= size
+        if all(d % k == 0 for d, k in zip(shape, per_dim, strict=True)):
+            best = max(best, math.prod(per_dim))
+    return best
 
 
 def resharded_operand_bytes(

@@ -44,6 +44,14 @@ class RepeatGrid:
     def num_blocks(self) -> int:
         return (self.end - self.start) // self.period
 
+    def whole_blocks(self, num_eqns: int) -> int:
+        """How many blocks a forward of ``num_eqns`` equations holds: the grid's, and one
+        more where the equations outside it (before and after) make a block's length: the
+        grid's phase, set by the layer cuts, can leave one block in two parts at its ends
+        (GPT 529.6B's 105 layers are a grid of 104 and two parts)."""
+        outside = self.start + num_eqns - self.end
+        return self.num_blocks + (1 if outside >= self.period else 0)
+
     def cuts_within(self, a: int, b: int) -> list[int]:
         """The block boundaries strictly inside equations ``[a, b)``."""
         first = self.start + max(0, -(-(a + 1 - self.start) // self.period)) * self.period

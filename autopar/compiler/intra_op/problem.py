@@ -137,22 +137,26 @@ class InfeasibleMemoryError(AutoparError, ValueError):
     """No choice of strategies fits the per-device memory budget.
 
     ``min_peak_bytes``: the least memory a plan needs, or with ``split_over`` (a device count)
-    a floor under it: the step with every tensor split over that many devices, which was over
-    the budget before any ILP was built."""
+    a floor under it: the step with every tensor split as many ways as a mesh of that many
+    devices (of ``mesh_shape``) can split it, which was over the budget before any ILP was
+    built."""
 
     def __init__(self, budget: float, min_peak_bytes: float, dominant: str = "",
-                 split_over: int | None = None):
+                 split_over: int | None = None, mesh_shape: tuple[int, ...] = ()):
         self.budget = budget
         self.min_peak_bytes = min_peak_bytes
         self.dominant = dominant
         self.split_over = split_over
+        self.mesh_shape = tuple(mesh_shape)
         have, need = _fmt_bytes(budget), _fmt_bytes(min_peak_bytes)
         if have == need:  # rounding hid the difference: show exact bytes
             have, need = f"{budget:.0f} bytes", f"{min_peak_bytes:.0f} bytes"
         most = f", most of it {dominant}" if dominant else ""
         if split_over is not None:
+            mesh = "x".join(map(str, self.mesh_shape)) or str(split_over)
             text = (f"no sharding plan fits in {have} per device; with every tensor split over "
-                    f"all {split_over} devices the step still needs {need}{most}")
+                    f"all {split_over} devices as far as its dimensions divide (mesh {mesh}), "
+                    f"the step still needs {need}{most}")
         else:
             text = (f"no sharding plan fits in {have} per device; the smallest per-device "
                     f"memory any plan needs is {need}{most}")

@@ -194,9 +194,11 @@ def _plan_one_stage_with_remat(step: StepProgram, cluster: ClusterSpec,
 
 
 def _state_over_budget(step: StepProgram, cluster: ClusterSpec, budget: float) -> bool:
-    """Whether the step's state, inputs and updated state alone, split over all the devices,
-    exceed ``budget``: recomputing layers saves activations only, so it cannot fit either."""
-    floor = step.memo.memory_floor(step.traced, step.batch_argnums, cluster.num_devices)
+    """Whether the step's state, inputs and updated state alone, split as far as the method's
+    mesh splits them, exceed ``budget``: recomputing layers saves activations only, so it
+    cannot fit either (and is not traced)."""
+    mesh = logical_mesh_for(cluster, getattr(step.method, "mesh_shape", None))
+    floor = step.memo.memory_floor(step.traced, step.batch_argnums, tuple(mesh.shape))
     return floor.total - floor.activations > budget
 
 
@@ -315,13 +317,15 @@ def _plan_one_stage(
 
         budget = method.memory_budget_bytes
         limit = float(budget if budget is not None else cluster.device.memory_bytes)
-        # no plan holds less of a tensor than its share over every device: a step whose floor
-        # is over the budget is answered before its ILP is built (at published sizes the
-        # build, and the memory-constrained solve after it, take minutes)
+        # no plan holds less of a tensor than the most its shape can be split on the mesh: a
+        # step whose floor is over the budget is answered before its ILP is built (at
+        # published sizes the build, and the memory-constrained solve after it, take minutes;
+        # GPT 529.6B on a 315 x 8 mesh splits its parameters 8 ways at most)
         devices = len(mesh.device_ids)
-        floor = (memo or TraceMemo()).memory_floor(traced, batch_argnums, devices)
+        floor = (memo or TraceMemo()).memory_floor(traced, batch_argnums, tuple(mesh.shape))
         if floor.total > limit:
-            raise InfeasibleMemoryError(limit, floor.total, floor.dominant(), split_over=devices)
+            raise InfeasibleMemoryError(limit, floor.total, floor.dominant(), split_over=devices,
+                                        mesh_shape=tuple(mesh.shape))
         pins = (optimizer_state_pins(traced.graph, mesh, batch_argnums)
                 if method.prefer_reduce_scatter else {})
         pins.update(_checked_pins(method.pinned_inputs, traced, mesh))

@@ -9,6 +9,7 @@ it keeps.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -205,7 +206,62 @@ def search_pipelines(pp: PipelineProgram, method: PipeshardParallel, cluster: Cl
             found.append(split)
     if not found and last_error is not None:
         raise last_error
+    if method.stages == "auto" and method.schedule != ScheduleName.INTERLEAVED_1F1B:
+        best = min((c.estimate.total_s for c in found), default=math.inf)
+        found.extend(deep_equal_splits(pp, method, cluster, cache, num_layers, clock,
+                                       beat=best))
     return sorted(found, key=lambda c: c.estimate.total_s)
+
+
+def deep_stage_counts(blocks: int, num_layers: int, num_hosts: int,
+                      num_devices: int) -> list[int]:
+    """Stage counts beyond the stage DP's ``num_layers`` layers that split the forward's
+    ``blocks`` repeated blocks and the devices (whole hosts per stage on several hosts) into
+    equal parts."""
+    units = num_hosts if num_hosts > 1 else num_devices
+    return [p for p in range(num_layers + 1, blocks + 1)
+            if blocks % p == 0 and units % p == 0]
+
+
+def deep_equal_splits(pp: PipelineProgram, method: PipeshardParallel, cluster: ClusterSpec,
+                      cache: LayerCostCache, num_layers: int,
+                      clock: CostClock | None = None, *,
+                      beat: float = math.inf) -> list[PipelineCandidate]:
+    """Pipelines of more stages than the stage DP has layers, which it cannot build: for
+    each count of :func:`deep_stage_counts`, the forward clustered into that many layers, one
+    per stage, on equal submeshes (Megatron-LM's deep pipelines: GPT 529.6B's 105 layers in
+    35 stages of 9 hosts), each with its whole-step estimate. The stage DP's layers stay few
+    (``layers.DEFAULT_MAX_LAYERS``): its time grows with their square, these with their
+    count. A split is estimated only where its bound is below ``beat`` (the best pipeline
+    found so far): the step takes at least each stage's microbatches back to back and then
+    its tail, and simulating a schedule of 105 stages and 280 microbatches takes seconds."""
+    grid = cache.grid
+    if grid is None or pp.layer_scans:
+        return []
+    blocks = grid.whole_blocks(len(pp.forward.eqns))
+    counts = deep_stage_counts(blocks, num_layers, cluster.num_hosts, cluster.num_devices)
+    if not counts:
+        return []
+    graph = build_graph(pp.forward)
+    options = stage_dp_options(method, cluster)
+    m = method.num_microbatches
+    out = []
+    for count in counts:
+        try:
+            positions = layer_positions(pp, graph, count, cluster.num_devices)
+            table = stage_cost_table(pp, positions, method, cluster, cache, clock,
+                                     prefetch_on=())
+            split = uniform_stages(table, count, cluster.num_hosts, cluster.devices_per_host,
+                                   options)
+        except PlanError:  # no submesh of that size, or nothing fits
+            continue
+        if max(m * st.candidate.time + st.candidate.tail_time for st in split.stages) >= beat:
+            continue
+        estimate = _estimate(pp, split, positions, method.schedule, m, 1, cluster, cache)
+        out.append(PipelineCandidate("equal-block", split, tuple(positions), 1, m, cluster,
+                                     estimate, note=f"{count} stages of {blocks // count} "
+                                     f"of the {blocks} repeated blocks"))
+    return out
 
 
 def hand_splits(pp: PipelineProgram, method: PipeshardParallel, cluster: ClusterSpec,

@@ -15,7 +15,7 @@ from memory_checks import assert_serial_numbers, xla_bytes
 
 import autopar
 from autopar.cluster import ClusterSpec, load_cluster
-from autopar.compiler.cost.memory_model import memory_floor
+from autopar.compiler.cost.memory_model import memory_floor, most_shards
 from autopar.compiler.graph.trace import trace_step
 from autopar.compiler.inter_op.remat import state_split_of_key
 from autopar.compiler.intra_op.problem import InfeasibleMemoryError
@@ -111,8 +111,10 @@ def test_impossible_budget_names_the_least_and_what_dominates(batch_size, domina
     message = str(info.value)
     assert "\n" not in message and isinstance(info.value, autopar.AutoparError)
     assert "no sharding plan fits in 1000 B per device" in message
-    # far below the floor (every tensor split over all 8 devices): answered before any ILP
-    assert "with every tensor split over all 8 devices the step still needs" in message
+    # far below the floor (every tensor split over all 8 devices as far as it divides):
+    # answered before any ILP
+    assert ("with every tensor split over all 8 devices as far as its dimensions divide "
+            "(mesh 8), the step still needs") in message
     assert message.endswith(f"most of it {dominant}")
     assert info.value.min_peak_bytes > 1000 and info.value.split_over == 8
 
@@ -125,15 +127,35 @@ def test_the_memory_floor_is_under_every_plan(name):
     model, state, batch = zoo_inputs(name)
     traced = trace_step(model.train_step, (state, batch))
     base = load_cluster("cpu-sim")
-    floor = memory_floor(traced.graph, batch_argnums=(1,), num_devices=8).total
-    peaks = [plan_traced(traced, method, base).peak_memory_bytes for method in (
-        autopar.ShardParallel(mesh_shape=(8,)), autopar.ShardParallel(mesh_shape=(2, 4)),
-        autopar.DataParallel(), autopar.Zero3Parallel())]
+    everywhere = memory_floor(traced.graph, batch_argnums=(1,), num_devices=8).total
+    # on a mesh: each tensor split as far as its dimensions divide the mesh's axes
+    floor = {shape: memory_floor(traced.graph, batch_argnums=(1,), mesh_shape=shape).total
+             for shape in ((8,), (2, 4))}
+    peaks = {shape: [plan_traced(traced, method, base).peak_memory_bytes for method in methods]
+             for shape, methods in (
+                 ((8,), (autopar.ShardParallel(mesh_shape=(8,)), autopar.DataParallel(),
+                         autopar.Zero3Parallel())),
+                 ((2, 4), (autopar.ShardParallel(mesh_shape=(2, 4)),)))}
     with pytest.raises(InfeasibleMemoryError) as least:
-        plan_traced(traced, autopar.ShardParallel(memory_budget_bytes=floor), base)
+        plan_traced(traced, autopar.ShardParallel(memory_budget_bytes=floor[(8,)]), base)
     assert least.value.split_over is None  # at the floor the ILP ran and found its least
-    peaks.append(least.value.min_peak_bytes)
-    assert 0 < floor <= min(peaks), (floor, peaks)
+    peaks[(8,)].append(least.value.min_peak_bytes)
+    for shape, found in peaks.items():
+        assert 0 < everywhere <= floor[shape] <= min(found), (shape, floor, found)
+
+
+@pytest.mark.parametrize("shape, mesh, ways", [
+    ((20480, 81920), (315, 8), 8),          # GPT 529.6B's weights on Megatron's mesh
+    ((2520, 2048, 20480), (315, 8), 2520),  # its activations: the batch takes both axes
+    ((12, 12), (8,), 1),
+    ((6,), (2, 4), 2),
+    ((4, 4), (2, 4), 8),
+    ((8,), (2, 4), 8),
+    ((3, 5), (2, 4), 1),
+    ((), (2, 4), 1),
+])
+def test_most_shards_is_the_most_a_layout_on_the_mesh_splits(shape, mesh, ways):
+    assert most_shards(shape, mesh) == ways
 
 
 def test_device_memory_is_the_default_budget():
@@ -166,7 +188,7 @@ def test_gpt_too_big_for_one_device_is_pipelined_to_fit():
     whole = plan_traced(traced, autopar.DataParallel(), base).peak_memory_bytes
     device = dataclasses.replace(base.device, memory_bytes=int(0.6 * whole))
     cluster = ClusterSpec.from_dict(base.to_dict() | {"device": device.to_dict()})
-    method = autopar.PipeshardParallel(num_microbatches=4, remat="auto")
+    method = autopar.PipeshardParallel(num_microbatches=2, remat="auto")
     saved = plan_train_step(model.train_step, (state, batch), method, cluster,
                             batch_argnums=(1,)).plan
     assert all(s.peak_memory_bytes <= device.memory_bytes for s in saved.stages)
@@ -217,8 +239,8 @@ def test_stages_the_fastest_layouts_overfill_split_their_parameters():
 
 @pytest.mark.parametrize("name", ["gpt", "mlp"])
 def test_remat_layers_equals_serial_and_holds_less(name):
-    model = get_model(name, "tiny", num_layers=4).with_value_and_grad(autopar.value_and_grad)
-    options = dict(num_microbatches=4, stages="uniform", num_stages=2, layers=4)
+    model = get_model(name, "tiny", num_layers=2).with_value_and_grad(autopar.value_and_grad)
+    options = dict(num_microbatches=4, stages="uniform", num_stages=2, layers=2)
     plain = autopar.PipeshardParallel(**options)
     remat = autopar.PipeshardParallel(**options, remat="layers")
     step = autopar.parallelize(model.train_step, method=remat, cache=False)

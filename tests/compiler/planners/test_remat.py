@@ -148,11 +148,43 @@ def test_auto_remat_is_not_tried_when_the_state_alone_is_over_the_budget():
     assert any("state alone does not fit" in note for note in data.notes), data.notes
     # split eight ways the state is a sixteenth of a budget of half of it, so a budget of a
     # hundredth of the state is below the floor of any plan with or without recomputation
-    with pytest.raises(InfeasibleMemoryError, match="split over all 8 devices") as refused:
+    with pytest.raises(InfeasibleMemoryError, match="split over all 8 devices as far") as refused:
         plan_train_step(*args, autopar.ShardParallel(remat="auto",
                                                      memory_budget_bytes=state_bytes / 100),
                         base, batch_argnums=(1,))
     assert refused.value.split_over == 8
+
+
+def test_auto_remat_is_not_tried_where_the_mesh_cannot_split_the_state(monkeypatch):
+    """The state floor that decides it is the mesh's own: parameters whose dimensions an
+    8-way axis does not divide are whole on every device of it, however many devices there
+    are (GPT 529.6B on a 315 x 8 mesh: split 8 ways at most, 829 GiB per device). Split over
+    every device, the state would fit the budget; on the mesh it cannot, so the step is not
+    traced again with recomputation."""
+    from autopar.compiler.cost.memory_model import memory_floor
+    from autopar.compiler.planners import dispatch
+
+    model = marked_zoo("mlp", input_dim=12, hidden_size=12, output_dim=12)
+    state, batch = model.init_state(jax.random.key(0)), model.make_batch(jax.random.key(1))
+    traced = trace_step(model.train_step, (state, batch))
+    every = memory_floor(traced.graph, batch_argnums=(1,), num_devices=8)
+    on_mesh = memory_floor(traced.graph, batch_argnums=(1,), mesh_shape=(8,))
+    state_every = every.total - every.activations
+    state_on_mesh = on_mesh.total - on_mesh.activations
+    assert state_on_mesh > 2 * state_every  # 12 x 12 weights: no dimension divides by 8
+    budget = (state_every + state_on_mesh) / 2
+    tried = []
+    traced_again = dispatch._plan_rematerialised
+    monkeypatch.setattr(dispatch, "_plan_rematerialised",
+                        lambda *a, **k: tried.append(a) or traced_again(*a, **k))
+    with pytest.raises(InfeasibleMemoryError, match=r"as far as its dimensions divide "
+                                                    r"\(mesh 8\)") as refused:
+        plan_train_step(model.train_step, (state, batch),
+                        autopar.ShardParallel(remat="auto", memory_budget_bytes=budget),
+                        load_cluster("cpu-sim"), batch_argnums=(1,))
+    assert refused.value.split_over == 8 and refused.value.mesh_shape == (8,)
+    assert refused.value.min_peak_bytes >= on_mesh.total > budget
+    assert not tried
 
 
 @pytest.mark.parametrize("method, traces", [
