@@ -36,6 +36,18 @@ class NoLossFunctionError(PlanError):
     """Pipelining needs the loss function marked by autopar.value_and_grad / autopar.grad."""
 
 
+class CannotWinError(PlanError):
+    """A full-search candidate left unfinished: its fastest plan is over the memory budget and
+    already estimated no faster than a plan that fits (what is left, a memory-constrained
+    solve or recomputation, only makes it slower). ``estimate_s`` and ``peak_bytes``: that
+    fastest plan's."""
+
+    def __init__(self, message: str, estimate_s: float, peak_bytes: float):
+        super().__init__(message)
+        self.estimate_s = estimate_s
+        self.peak_bytes = peak_bytes
+
+
 class DistributedError(AutoparError):
     """A multi-process run could not start or went on without a peer (coordinator not
     reachable, bad process id or address, a process gone)."""

@@ -2,6 +2,7 @@
 one stage): the serial numbers, one logged program per step whose collectives are
 the step's, one timed record per step."""
 
+import functools
 import re
 
 import jax
@@ -27,14 +28,21 @@ M = 4
 CASES = [("gpt", "1f1b"), ("mlp", "gpipe"), ("mlp", "zb-h1")]
 
 
-@pytest.mark.parametrize("name, schedule", CASES, ids=[f"{n}-{s}" for n, s in CASES])
-def test_one_stage_pipeline_as_one_program_has_the_serial_numbers(name, schedule):
+@functools.cache
+def one_stage(name, schedule):
+    """A zoo model's inputs, its pipeline program and one-stage plan (M microbatches, 2
+    layers): GPT's with 1F1B is read by two tests, built once per process."""
     model = get_zoo(name)
     state, batch = model.init_state(jax.random.key(0)), model.make_batch(jax.random.key(10))
     method = autopar.PipeshardParallel(num_microbatches=M, schedule=schedule, num_stages=1,
                                        stages="uniform", layers=2)
     pp = build_pipeline_program(model.train_step, (state, batch), (1,), M)
-    plan = plan_pipeshard(pp, method, local_cluster())
+    return model, state, batch, pp, plan_pipeshard(pp, method, local_cluster())
+
+
+@pytest.mark.parametrize("name, schedule", CASES, ids=[f"{n}-{s}" for n, s in CASES])
+def test_one_stage_pipeline_as_one_program_has_the_serial_numbers(name, schedule):
+    model, state, batch, pp, plan = one_stage(name, schedule)
     assert len(plan.stages) == 1
     runner = PipelineRunner.from_plan(pp, plan, jax.devices(), fuse=True)
     assert isinstance(runner.fused, FusedStep)
@@ -84,12 +92,8 @@ def test_later_microbatches_run_as_one_loop_that_emits_what_the_unrolled_step_do
     """The microbatches after the first run as one loop (``runtime.fused_step``): the step's
     program holds a while loop of M - 1 iterations, its results are the unrolled program's,
     and its collectives counted per run are the unrolled program's too."""
-    model = get_zoo("gpt")
-    state, batch = model.init_state(jax.random.key(0)), model.make_batch(jax.random.key(10))
-    method = autopar.PipeshardParallel(num_microbatches=M, num_stages=1, stages="uniform",
-                                       layers=2)
-    pp = build_pipeline_program(model.train_step, (state, batch), (1,), M)
-    plan = plan_pipeshard(pp, method, local_cluster())
+    # 1F1B is PipeshardParallel's default schedule
+    _, state, batch, pp, plan = one_stage("gpt", "1f1b")
     flat = jax.tree_util.tree_leaves((state, batch))
     looped = PipelineRunner.from_plan(pp, plan, jax.devices())
     unrolled = PipelineRunner.from_plan(pp, plan, jax.devices())

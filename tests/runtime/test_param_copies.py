@@ -5,6 +5,8 @@ still gives the serial step's numbers; its forwards' residuals leave the paramet
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,20 +35,29 @@ M = 4
 STEPS = 2
 
 
-@pytest.mark.parametrize("name, sizes, stages, fuse", [
-    ("gpt", {"batch_size": 64, "num_layers": 2}, 1, True),
-    ("gpt", {"batch_size": 64, "num_layers": 2}, 1, False),
-    ("mlp", {"batch_size": 2048, "num_layers": 4}, 2, False),
-], ids=["one-stage-one-program", "one-stage-task-by-task", "two-stages"])
-def test_a_pipeline_reduces_data_parallel_gradients_once_per_step(name, sizes, stages, fuse):
+@functools.cache
+def planned(name, sizes, stages):
+    """The model's inputs, pipeline program and uniform plan on ``2 * stages`` devices (the
+    two one-stage cases run the same plan, fused and task by task: planned once)."""
     # batches large enough that each 2-device stage plan splits them (data parallel)
+    sizes = dict(sizes)
     model = get_model(name, "tiny", **sizes).with_value_and_grad(autopar.value_and_grad)
     devices = jax.devices()[:2 * stages]
     state, batch = model.init_state(jax.random.key(0)), model.make_batch(jax.random.key(10))
     method = autopar.PipeshardParallel(num_microbatches=M, num_stages=stages,
                                        stages="uniform", layers=sizes["num_layers"])
     pp = build_pipeline_program(model.train_step, (state, batch), (1,), M)
-    plan = plan_pipeshard(pp, method, local_cluster(devices))
+    return model, state, batch, pp, plan_pipeshard(pp, method, local_cluster(devices))
+
+
+@pytest.mark.parametrize("name, sizes, stages, fuse", [
+    ("gpt", {"batch_size": 64, "num_layers": 2}, 1, True),
+    ("gpt", {"batch_size": 64, "num_layers": 2}, 1, False),
+    ("mlp", {"batch_size": 2048, "num_layers": 4}, 2, False),
+], ids=["one-stage-one-program", "one-stage-task-by-task", "two-stages"])
+def test_a_pipeline_reduces_data_parallel_gradients_once_per_step(name, sizes, stages, fuse):
+    model, state, batch, pp, plan = planned(name, tuple(sorted(sizes.items())), stages)
+    devices = jax.devices()[:2 * stages]
     assert [s.logical_mesh_shape for s in plan.stages] == [(2,)] * stages
     runner = PipelineRunner.from_plan(pp, plan, devices, fuse=fuse)
     # every parameter meets the split batch, so every one is read as copies

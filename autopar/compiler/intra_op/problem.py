@@ -153,10 +153,10 @@ class InfeasibleMemoryError(AutoparError, ValueError):
             have, need = f"{budget:.0f} bytes", f"{min_peak_bytes:.0f} bytes"
         most = f", most of it {dominant}" if dominant else ""
         if split_over is not None:
-            mesh = "x".join(map(str, self.mesh_shape)) or str(split_over)
+            divide = (f" as far as its dimensions divide (mesh "
+                      f"{'x'.join(map(str, self.mesh_shape))})," if self.mesh_shape else "")
             text = (f"no sharding plan fits in {have} per device; with every tensor split over "
-                    f"all {split_over} devices as far as its dimensions divide (mesh {mesh}), "
-                    f"the step still needs {need}{most}")
+                    f"all {split_over} devices{divide} the step still needs {need}{most}")
         else:
             text = (f"no sharding plan fits in {have} per device; the smallest per-device "
                     f"memory any plan needs is {need}{most}")

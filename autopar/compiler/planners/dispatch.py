@@ -31,6 +31,7 @@ from autopar.compiler.planners.step_program import (
 from autopar.compiler.planners.zero import optimizer_state_pins, plan_zero
 from autopar.errors import (
     BatchSizeError,
+    CannotWinError,
     InvalidOptionError,
     MeshError,
     NoLossFunctionError,
@@ -162,9 +163,12 @@ def _plan_pipelined(step: StepProgram, method: PipeshardParallel, traced: Traced
 
 def _plan_one_stage_with_remat(step: StepProgram, cluster: ClusterSpec,
                                ilp_observer: IlpObserver | None,
-                               budget: float | None = None) -> PlannedProgram:
+                               budget: float | None = None,
+                               beat: float | None = None) -> PlannedProgram:
     """``budget``: the memory that decides ``remat="auto"`` (default: the method's budget,
-    else the device's memory)."""
+    else the device's memory). ``beat``: the estimate of a plan that fits, found already
+    (the full search's): where the fastest plan does not fit and is estimated no faster,
+    ``CannotWinError`` rather than the memory-constrained solve or the recomputation."""
     from autopar.compiler.intra_op.problem import InfeasibleMemoryError
 
     method = step.method
@@ -173,13 +177,14 @@ def _plan_one_stage_with_remat(step: StepProgram, cluster: ClusterSpec,
     if remat != "layers":
         try:
             planned = PlannedProgram(step.traced, _plan_one_stage(
-                step.traced, method, cluster, step.batch_argnums, ilp_observer, step.memo))
+                step.traced, method, cluster, step.batch_argnums, ilp_observer, step.memo,
+                beat))
         except InfeasibleMemoryError as err:
             if remat == "none" or step.fn is None or _state_over_budget(step, cluster, err.budget):
                 raise
             # "auto": no plan without recomputation fits, which is what it is for
             try:
-                return _plan_rematerialised(step, cluster, None, ilp_observer)
+                return _plan_rematerialised(step, cluster, None, ilp_observer, beat)
             except InvalidOptionError:  # no layers to recompute: the memory is the answer
                 pass
             raise
@@ -189,16 +194,35 @@ def _plan_one_stage_with_remat(step: StepProgram, cluster: ClusterSpec,
             planned.plan.notes.append("remat='auto' left off: the state alone does not fit, "
                                       "and recomputing layers saves activations only")
             return planned
-        planned = _plan_rematerialised(step, cluster, planned, ilp_observer)
+        if planned is not None:
+            _check_can_win(planned.plan, beat)
+        planned = _plan_rematerialised(step, cluster, planned, ilp_observer, beat)
     return planned
+
+
+def _check_can_win(fastest: Plan, beat: float | None, estimate_s: float | None = None) -> None:
+    """``CannotWinError`` when ``fastest``, a plan over the memory budget, is estimated
+    (``estimate_s``, default its own) no faster than ``beat``: a plan that fits, solved under
+    the budget or with recomputation (the step plus its recomputed forward), is no faster
+    than the fastest."""
+    estimate_s = fastest.est_step_time_s if estimate_s is None else estimate_s
+    if beat is not None and estimate_s >= beat:
+        raise CannotWinError(
+            f"not solved under the memory budget: its fastest plan needs "
+            f"{fastest.peak_memory_bytes / 2**30:.2f} GiB and is estimated at "
+            f"{estimate_s:.4g} s, no faster than a plan that fits ({beat:.4g} s)",
+            estimate_s, fastest.peak_memory_bytes)
 
 
 def _state_over_budget(step: StepProgram, cluster: ClusterSpec, budget: float) -> bool:
     """Whether the step's state, inputs and updated state alone, split as far as the method's
     mesh splits them, exceed ``budget``: recomputing layers saves activations only, so it
     cannot fit either (and is not traced)."""
+    floor = step.memo.memory_floor(step.traced, step.batch_argnums, cluster.num_devices)
+    if floor.total - floor.activations > budget:
+        return True
     mesh = logical_mesh_for(cluster, getattr(step.method, "mesh_shape", None))
-    floor = step.memo.memory_floor(step.traced, step.batch_argnums, tuple(mesh.shape))
+    floor = step.memo.mesh_memory_floor(step.traced, step.batch_argnums, tuple(mesh.shape))
     return floor.total - floor.activations > budget
 
 
@@ -217,7 +241,8 @@ def _fits(plan: Plan, method: Method, cluster: ClusterSpec, budget: float | None
 
 def _plan_rematerialised(step: StepProgram, cluster: ClusterSpec,
                          planned: PlannedProgram | None,
-                         ilp_observer: IlpObserver | None) -> PlannedProgram:
+                         ilp_observer: IlpObserver | None,
+                         beat: float | None = None) -> PlannedProgram:
     """Trace again with the loss function's layers under ``jax.checkpoint`` and plan that;
     for ``remat="auto"`` keep it only if it needs less memory than ``planned``."""
     if step.fn is None:
@@ -243,7 +268,7 @@ def _plan_rematerialised(step: StepProgram, cluster: ClusterSpec,
         return planned
     traced, positions = step.memo.remat
     plan = _plan_one_stage(traced, step.method, cluster, step.batch_argnums, ilp_observer,
-                           step.memo)
+                           step.memo, beat)
     if planned is not None and plan.peak_memory_bytes >= planned.plan.peak_memory_bytes:
         planned.plan.notes.append(
             "remat='auto' tried the layers under jax.checkpoint: no memory saved")
@@ -301,10 +326,11 @@ def _plan_one_stage(
     batch_argnums: tuple[int, ...],
     ilp_observer: IlpObserver | None,
     memo: TraceMemo | None = None,
+    beat: float | None = None,
 ) -> Plan:
     """One stage over the whole cluster with ``method`` (data, shard, ZeRO); records the
-    planning time and the method's options in the plan. ``memo``: the step's shared traces
-    and memory floors."""
+    planning time and the method's options in the plan. ``memo``: the step's shared traces,
+    memory floors and sharding problems. ``beat``: see ``_plan_one_stage_with_remat``."""
     start = time.perf_counter()
     mesh = logical_mesh_for(cluster, method.mesh_shape)
     common = dict(batch_argnums=batch_argnums, cluster_name=cluster.name,
@@ -322,7 +348,11 @@ def _plan_one_stage(
         # published sizes the build, and the memory-constrained solve after it, take minutes;
         # GPT 529.6B on a 315 x 8 mesh splits its parameters 8 ways at most)
         devices = len(mesh.device_ids)
-        floor = (memo or TraceMemo()).memory_floor(traced, batch_argnums, tuple(mesh.shape))
+        memo = memo or TraceMemo()
+        floor = memo.memory_floor(traced, batch_argnums, devices)
+        if floor.total > limit:
+            raise InfeasibleMemoryError(limit, floor.total, floor.dominant(), split_over=devices)
+        floor = memo.mesh_memory_floor(traced, batch_argnums, tuple(mesh.shape))
         if floor.total > limit:
             raise InfeasibleMemoryError(limit, floor.total, floor.dominant(), split_over=devices,
                                         mesh_shape=tuple(mesh.shape))
@@ -330,9 +360,14 @@ def _plan_one_stage(
                 if method.prefer_reduce_scatter else {})
         pins.update(_checked_pins(method.pinned_inputs, traced, mesh))
 
+        # what the fastest plan and its problem depend on (not the budget, nor the time limit
+        # the full search cuts as its time budget runs out)
+        key = (id(traced.graph), tuple(mesh.shape), method.solver,
+               method.prefer_reduce_scatter, method.pinned_inputs)
         # the problem built for the fastest plan is solved again under the budget, not built
-        # again (at GPT-3 175B on 1,024 devices a build is about 10 s)
-        built: dict = {}
+        # again (at GPT-3 175B on 1,024 devices a build is about 10 s), also when the full
+        # search comes back to it (``beat``)
+        built = memo.problems.setdefault(key, {})
 
         def solve_within(budget: float | None) -> Plan:
             options = IntraOpOptions(memory_budget_bytes=budget, solver=method.solver,
@@ -344,8 +379,13 @@ def _plan_one_stage(
         # the memory rows make the ILP slower, so they are added only when the unconstrained
         # plan does not fit the budget (the device's memory unless one is given): the
         # unconstrained optimum, when it fits, is the constrained one
-        plan = solve_within(None)
+        if key not in memo.fastest:
+            memo.fastest[key] = solve_within(None)
+        plan = memo.fastest[key]
         if plan.peak_memory_bytes > limit:
+            # its estimate as the step's (below: the runtime's call added)
+            _check_can_win(plan, beat,
+                           plan.stages[0].est_time_s + one_call_time_s(cluster.runtime))
             fastest = plan
             try:
                 plan = solve_within(limit)

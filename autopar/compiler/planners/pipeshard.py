@@ -64,7 +64,8 @@ def plan_pipeshard(pp: PipelineProgram, method: PipeshardParallel, cluster: Clus
 def finish_pipeshard(search: PipeshardSearch, cluster_name: str | None = None) -> Plan:
     """The plan of ``search``'s best pipeline: each stage's pieces solved whole on the
     stage's logical mesh (one ILP, not its blocks': where two blocks' layouts disagree the
-    runtime would reshard what no cost priced), whose input shardings the runtime places."""
+    runtime would reshard what no cost priced; where they agree, the blocks' plans are
+    kept: ``LayerCostCache.seamless_cost``), whose input shardings the runtime places."""
     started = time.perf_counter()
     pp, method, cluster, cache = search.pp, search.method, search.cluster, search.cache
     found, best, graph = search.found, search.best, search.graph
@@ -79,12 +80,15 @@ def finish_pipeshard(search: PipeshardSearch, cluster_name: str | None = None) -
                 for s in range(len(partition.stages))]
     meshes = [submesh_mesh(group, a.submesh, a.candidate.logical_mesh_shape, placed[s])
               for s, a in enumerate(partition.stages)]
-    # the stages' ILPs at once, over the planning workers (the stage search's are done)
-    cache.prefetch_whole(pp, [
-        (piece, meshes[layout.stage_of_piece[k]],
-         state_split_of_key(partition.stages[layout.stage_of_piece[k]].candidate.key))
-        for k, piece in enumerate(pieces)], method.time_limit_s,
-        method.planning_workers or available_cores())
+    jobs = [(piece, meshes[layout.stage_of_piece[k]],
+             state_split_of_key(partition.stages[layout.stage_of_piece[k]].candidate.key))
+            for k, piece in enumerate(pieces)]
+    # a piece whose blocks' plans agree at their seams runs them: the plan its estimate
+    # priced; the others' ILPs at once, over the planning workers (the search's are done)
+    seamless = [cache.seamless_cost(pp, *job) for job in jobs]
+    cache.prefetch_whole(pp, [job for job, found in zip(jobs, seamless, strict=True)
+                              if found is None], method.time_limit_s,
+                         method.planning_workers or available_cores())
     stages = []
     for s, assignment in enumerate(partition.stages):
         shape = assignment.candidate.logical_mesh_shape
@@ -93,8 +97,9 @@ def finish_pipeshard(search: PipeshardSearch, cluster_name: str | None = None) -
         for k, piece in enumerate(pieces):
             if layout.stage_of_piece[k] == s:
                 # at the method's time limit: this plan is what runs
-                cost = cache.cost(pp, piece, mesh, time_limit_s=method.time_limit_s,
-                                  split=state_split_of_key(assignment.candidate.key))
+                cost = seamless[k] or cache.cost(
+                    pp, piece, mesh, time_limit_s=method.time_limit_s,
+                    split=state_split_of_key(assignment.candidate.key))
                 specs.update(cost.input_specs)
                 values.update(cost.value_specs)
                 compute += cost.compute_s
@@ -143,6 +148,11 @@ def finish_pipeshard(search: PipeshardSearch, cluster_name: str | None = None) -
         notes.append(f"the pipeline runs as {best.replicas} data-parallel replicas, each on "
                      f"{hosts} host(s) with {m} of the {method.num_microbatches} microbatches; "
                      "the replicas all-reduce each stage's gradients between hosts")
+    composed = sum(found is not None for found in seamless)
+    if composed:
+        notes.append(f"{composed} of {len(pieces)} stage pieces run their repeated blocks' "
+                     "plans, which agree where one block passes values to the next (the plans "
+                     "the stage search priced them by); the rest were solved whole")
     notes.extend(stage_ilp_notes(cache))
     estimate = best.estimate
     return Plan(

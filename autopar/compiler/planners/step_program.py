@@ -27,21 +27,36 @@ class TraceMemo:
     """Traces of one step that every candidate planned from it shares: the step again with its
     loss function's layers under ``jax.checkpoint`` (``remat``: the traced step and the layer
     positions, or the error that tracing raised), which the full search's one-stage candidates
-    would otherwise each trace anew. ``memory_floors``: per (graph, mesh shape), the memory
-    of the step with every tensor split as far as a layout on that mesh splits it
-    (``memory_floor``). ``jaxpr``: the step traced once
+    would otherwise each trace anew. ``memory_floors``: per (graph, device count or mesh
+    shape), the memory of the step with every tensor split over that many devices, or as
+    far as a layout on that mesh splits it (``memory_floor``). ``jaxpr``: the step traced once
     at its arguments' shapes (``flatten.trace_jaxpr``), which each form of it (plain,
     pipeline cut, rematerialised) walks rather than tracing the user's code again."""
 
     jaxpr: StepJaxpr | None = None
     remat: tuple[TracedStep, tuple[int, ...]] | Exception | None = None
-    memory_floors: dict[tuple[int, tuple[int, ...]], MemoryEstimate] = field(default_factory=dict)
+    memory_floors: dict[tuple, MemoryEstimate] = field(default_factory=dict)
+    # sharding problems built without a budget (``solve_intra_op``'s ``built``) and the
+    # fastest one-stage plans, by (graph, mesh, ILP options): the full search comes back to a
+    # candidate whose fastest plan did not fit once it knows what fits (``CannotWinError``)
+    problems: dict[tuple, Any] = field(default_factory=dict)
+    fastest: dict[tuple, Plan] = field(default_factory=dict)
 
     def memory_floor(self, traced: TracedStep, batch_argnums: tuple[int, ...],
-                     mesh_shape: tuple[int, ...]) -> MemoryEstimate:
-        """``memory_floor`` of ``traced``'s graph on a mesh of ``mesh_shape``, computed
-        once."""
-        key = (id(traced.graph), tuple(mesh_shape))
+                     num_devices: int) -> MemoryEstimate:
+        """``memory_floor`` of ``traced``'s graph with every tensor split over
+        ``num_devices`` devices, computed once (the meshes of as many devices share it)."""
+        key = (id(traced.graph), "devices", (num_devices,))
+        if key not in self.memory_floors:
+            self.memory_floors[key] = memory_floor(traced.graph, batch_argnums=batch_argnums,
+                                                   num_devices=num_devices)
+        return self.memory_floors[key]
+
+    def mesh_memory_floor(self, traced: TracedStep, batch_argnums: tuple[int, ...],
+                          mesh_shape: tuple[int, ...]) -> MemoryEstimate:
+        """``memory_floor`` of ``traced``'s graph with each tensor split as far as a mesh of
+        ``mesh_shape`` splits it (at or above ``memory_floor``'s), computed once."""
+        key = (id(traced.graph), "mesh", tuple(mesh_shape))
         if key not in self.memory_floors:
             self.memory_floors[key] = memory_floor(traced.graph, batch_argnums=batch_argnums,
                                                    mesh_shape=mesh_shape)

@@ -111,10 +111,8 @@ def test_impossible_budget_names_the_least_and_what_dominates(batch_size, domina
     message = str(info.value)
     assert "\n" not in message and isinstance(info.value, autopar.AutoparError)
     assert "no sharding plan fits in 1000 B per device" in message
-    # far below the floor (every tensor split over all 8 devices as far as it divides):
-    # answered before any ILP
-    assert ("with every tensor split over all 8 devices as far as its dimensions divide "
-            "(mesh 8), the step still needs") in message
+    # far below the floor (every tensor split over all 8 devices): answered before any ILP
+    assert "with every tensor split over all 8 devices the step still needs" in message
     assert message.endswith(f"most of it {dominant}")
     assert info.value.min_peak_bytes > 1000 and info.value.split_over == 8
 
@@ -175,7 +173,11 @@ def test_device_memory_is_the_default_budget():
 
 
 def gpt_pipeline_model():
-    return get_model("gpt", "tiny", num_layers=4).with_value_and_grad(autopar.value_and_grad)
+    """Two layers: the plans below are what four layers get (one stage on all eight devices:
+    rematerialised at 0.6 of the data-parallel peak, its memory-lean layouts split 8 ways at
+    0.8 of the free plan's), and the parallel step's XLA compile, most of these tests' time,
+    takes half as long."""
+    return get_model("gpt", "tiny", num_layers=2).with_value_and_grad(autopar.value_and_grad)
 
 
 def test_gpt_too_big_for_one_device_is_pipelined_to_fit():

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 import autopar
 from autopar.cluster import load_cluster
 from autopar.compiler.graph.trace import build_graph
@@ -47,9 +49,20 @@ def cost_table_builds(num_layers: int, monkeypatch, workers: int = 1
     return cache.ilp_solves, builds, entries
 
 
-def test_identical_layers_and_meshes_are_solved_once(monkeypatch):
-    num_layers = 8
-    solves, builds, _ = cost_table_builds(num_layers, monkeypatch)
+NUM_LAYERS = 8
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    """``cost_table_builds`` of the 8-block GPT in this process alone: what both tests below
+    read (built once for the two)."""
+    with pytest.MonkeyPatch.context() as patch:
+        return cost_table_builds(NUM_LAYERS, patch, workers=1)
+
+
+def test_identical_layers_and_meshes_are_solved_once(one_process):
+    num_layers = NUM_LAYERS
+    solves, builds, _ = one_process
     # no (layer structure, mesh) pair is built twice, and the cache counts every build
     assert len(builds) == len(set(builds)) == solves > 0
     structures = {b[0] for b in builds}
@@ -60,11 +73,11 @@ def test_identical_layers_and_meshes_are_solved_once(monkeypatch):
     assert len(structures) <= 5 and solves <= num_layers * len(meshes) * 5 / 8
 
 
-def test_layer_ilps_split_over_processes_give_the_same_table(monkeypatch):
+def test_layer_ilps_split_over_processes_give_the_same_table(one_process, monkeypatch):
     """Two processes (the parent and a forked child) solve the layer ILPs: the same solves,
     the same candidates for every entry, and the parent built only its share."""
-    serial_solves, serial_builds, serial = cost_table_builds(8, monkeypatch, workers=1)
-    solves, builds, split = cost_table_builds(8, monkeypatch, workers=2)
+    serial_solves, serial_builds, serial = one_process
+    solves, builds, split = cost_table_builds(NUM_LAYERS, monkeypatch, workers=2)
     assert solves == serial_solves
     assert 0 < len(builds) < len(serial_builds)  # the child built the rest
     assert split == serial

@@ -62,9 +62,11 @@ def test_solve_through_the_bound_matches_brute_force(monkeypatch, solver: str) -
 
 def test_large_problems_take_the_bound_and_agree_with_the_mip() -> None:
     # spec-shaped problems (resharding metric between specs) too big for brute force: the
-    # bounded path and the MIP alone reach the same optimum
+    # bounded path and the MIP alone reach the same optimum. At 100 nodes seed 1 takes the
+    # bound's pruning and then the MIP, seed 2 is closed by the bound alone (seen); at 160
+    # nodes the plain MIP of seed 2 took 7.6 s of the test's 8.
     for seed in (1, 2):
-        problem = spec_problem(seed, 160, 8)
+        problem = spec_problem(seed, 100, 8)
         r = reduce_problem(problem, True)
         assert ilp._pair_count(r) > 0
         plain = solve(problem, solver="highs", dual_bound=False)

@@ -44,19 +44,25 @@ def shard(mesh_shape, **options):
 def test_infeasible_budget_names_the_smallest_memory_and_that_memory_is_enough():
     params, batch = mlp_inputs()
     params_bytes = 2 * 64 * 128 * 4
-    # far below: answered from the floor (every tensor split over all four devices as far as
-    # its dimensions divide), before any ILP is built; the floor holds at least the
-    # parameters' quarter each
+    # far below: answered from the floor (every tensor split over all four devices), before
+    # any ILP is built; the floor holds at least the parameters' quarter each
     with pytest.raises(InfeasibleMemoryError) as err:
         shard((4,), memory_budget_bytes=1024).get_plan(params, batch)
     assert isinstance(err.value, autopar.AutoparError)
     message = str(err.value)
     assert "\n" not in message
     assert re.search(r"no sharding plan fits in 1\.00 KiB per device; with every tensor split "
-                     r"over all 4 devices as far as its dimensions divide \(mesh 4\), the "
-                     r"step still needs [\d.]+ KiB", message), message
+                     r"over all 4 devices the step still needs [\d.]+ KiB", message), message
     floor = err.value.min_peak_bytes
     assert err.value.split_over == 4 and params_bytes / 4 <= floor
+    # at it, the mesh's own floor answers: each tensor split as far as its dimensions divide
+    # the mesh, above the first (some of the step's tensors have no dimension four divides)
+    with pytest.raises(InfeasibleMemoryError) as err:
+        shard((4,), memory_budget_bytes=floor).get_plan(params, batch)
+    assert "as far as its dimensions divide (mesh 4), the step still needs" in str(err.value)
+    assert err.value.split_over == 4 and err.value.mesh_shape == (4,)
+    assert floor < err.value.min_peak_bytes
+    floor = err.value.min_peak_bytes
     # at the floor the ILP runs: its least-memory plan states the smallest memory any plan
     # needs, at or above the floor; the memory model is conservative (it counts a merged
     # variable's tensors as live together) but far below holding every tensor of the step whole
