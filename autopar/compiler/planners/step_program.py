@@ -6,11 +6,12 @@ them without importing ``dispatch`` back.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from autopar.compiler.cost.memory_model import MemoryEstimate, memory_floor
+from autopar.compiler.cost.memory_model import MemoryEstimate, memory_floor, mesh_memory_floor
 from autopar.compiler.graph.trace import TracedStep
 from autopar.compiler.planners.annotations import UserLayout
 from autopar.compiler.planners.status import PlanningStatus
@@ -54,12 +55,14 @@ class TraceMemo:
 
     def mesh_memory_floor(self, traced: TracedStep, batch_argnums: tuple[int, ...],
                           mesh_shape: tuple[int, ...]) -> MemoryEstimate:
-        """``memory_floor`` of ``traced``'s graph with each tensor split as far as a mesh of
-        ``mesh_shape`` splits it (at or above ``memory_floor``'s), computed once."""
+        """``mesh_memory_floor`` of ``traced``'s graph on a mesh of ``mesh_shape`` (at or
+        above ``memory_floor``'s on as many devices, which it reads), computed once."""
         key = (id(traced.graph), "mesh", tuple(mesh_shape))
         if key not in self.memory_floors:
-            self.memory_floors[key] = memory_floor(traced.graph, batch_argnums=batch_argnums,
-                                                   mesh_shape=mesh_shape)
+            everywhere = self.memory_floor(traced, batch_argnums, math.prod(mesh_shape))
+            self.memory_floors[key] = mesh_memory_floor(
+                traced.graph, batch_argnums=batch_argnums, mesh_shape=mesh_shape,
+                everywhere=everywhere)
         return self.memory_floors[key]
 
 

@@ -15,7 +15,7 @@ from memory_checks import assert_serial_numbers, xla_bytes
 
 import autopar
 from autopar.cluster import ClusterSpec, load_cluster
-from autopar.compiler.cost.memory_model import memory_floor, most_shards
+from autopar.compiler.cost.memory_model import memory_floor, mesh_memory_floor, most_shards
 from autopar.compiler.graph.trace import trace_step
 from autopar.compiler.inter_op.remat import state_split_of_key
 from autopar.compiler.intra_op.problem import InfeasibleMemoryError
@@ -127,7 +127,7 @@ def test_the_memory_floor_is_under_every_plan(name):
     base = load_cluster("cpu-sim")
     everywhere = memory_floor(traced.graph, batch_argnums=(1,), num_devices=8).total
     # on a mesh: each tensor split as far as its dimensions divide the mesh's axes
-    floor = {shape: memory_floor(traced.graph, batch_argnums=(1,), mesh_shape=shape).total
+    floor = {shape: mesh_memory_floor(traced.graph, batch_argnums=(1,), mesh_shape=shape).total
              for shape in ((8,), (2, 4))}
     peaks = {shape: [plan_traced(traced, method, base).peak_memory_bytes for method in methods]
              for shape, methods in (
