@@ -362,7 +362,7 @@ def _plan_one_stage(
 
         # what the fastest plan and its problem depend on (not the budget, nor the time limit
         # the full search cuts as its time budget runs out)
-        key = (id(traced.graph), tuple(mesh.shape), method.solver,
+        key = (id(traced.graph), cluster, tuple(mesh.shape), method.solver,
                method.prefer_reduce_scatter, method.pinned_inputs)
         # the problem built for the fastest plan is solved again under the budget, not built
         # again (at GPT-3 175B on 1,024 devices a build is about 10 s), also when the full
@@ -399,11 +399,16 @@ def _plan_one_stage(
                     else f"the device's {limit / 2**30:.1f} GiB")
             plan.notes.append(f"the fastest plan did not fit {what}; solved again with it as "
                               "the per-device memory budget")
-    elif isinstance(method, DataParallel):
-        plan = plan_data_parallel(traced, mesh, **common)
-    elif isinstance(method, Zero2Parallel | Zero3Parallel):
-        plan = plan_zero(traced, mesh, stage=2 if isinstance(method, Zero2Parallel) else 3,
-                         **common)
+    elif isinstance(method, DataParallel | Zero2Parallel | Zero3Parallel):
+        # planned once per step and mesh: the full search comes back to one that did not fit
+        memo = memo or TraceMemo()
+        key = (id(traced.graph), cluster, type(method).__name__, tuple(mesh.shape))
+        if key not in memo.fastest:
+            memo.fastest[key] = (
+                plan_data_parallel(traced, mesh, **common) if isinstance(method, DataParallel)
+                else plan_zero(traced, mesh, stage=2 if isinstance(method, Zero2Parallel)
+                               else 3, **common))
+        plan = memo.fastest[key]
     else:
         raise InvalidOptionError(
             f"unknown method {type(method).__name__}; valid methods: "
