@@ -11,7 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from autopar.compiler.cost.memory_model import MemoryEstimate, memory_floor, mesh_memory_floor
+from autopar.compiler.cost.memory_floor import memory_floor, mesh_memory_floor
+from autopar.compiler.cost.memory_model import MemoryEstimate
 from autopar.compiler.graph.trace import TracedStep
 from autopar.compiler.planners.annotations import UserLayout
 from autopar.compiler.planners.status import PlanningStatus

@@ -15,7 +15,7 @@ from memory_checks import assert_serial_numbers, xla_bytes
 
 import autopar
 from autopar.cluster import ClusterSpec, load_cluster
-from autopar.compiler.cost.memory_model import memory_floor, mesh_memory_floor, most_shards
+from autopar.compiler.cost.memory_floor import memory_floor, mesh_memory_floor, most_shards
 from autopar.compiler.graph.trace import trace_step
 from autopar.compiler.inter_op.remat import state_split_of_key
 from autopar.compiler.intra_op.problem import InfeasibleMemoryError

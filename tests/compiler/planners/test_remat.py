@@ -161,7 +161,7 @@ def test_auto_remat_is_not_tried_where_the_mesh_cannot_split_the_state(monkeypat
     are (GPT 529.6B on a 315 x 8 mesh: split 8 ways at most, 829 GiB per device). Split over
     every device, the state would fit the budget; on the mesh it cannot, so the step is not
     traced again with recomputation."""
-    from autopar.compiler.cost.memory_model import held_floor, memory_floor
+    from autopar.compiler.cost.memory_floor import held_floor, memory_floor
     from autopar.compiler.planners import dispatch
 
     model = marked_zoo("mlp", input_dim=12, hidden_size=12, output_dim=12)
