@@ -76,8 +76,8 @@ def plan_auto(step: StepProgram, cluster: ClusterSpec, ilp_observer: IlpObserver
     plan fitting the memory budget kept. Its planning record lists every candidate (the
     pipelined ones each stage partition the stage search compared) with its estimate.
 
-    ``plan_one_stage(step, cluster, ilp_observer, budget, beat)`` and ``plan_pipelined(step, method,
-    traced, cluster)`` plan one candidate: passed in rather than imported, since they are
+    ``plan_one_stage(step, cluster, ilp_observer, budget, beat)`` and ``plan_pipelined(step,
+    method, traced, cluster)`` plan one candidate: passed in rather than imported, since they are
     ``dispatch``'s, the one place that dispatches on the method's type, which imports this
     module."""
     method = step.method
@@ -95,10 +95,13 @@ def plan_auto(step: StepProgram, cluster: ClusterSpec, ilp_observer: IlpObserver
         if deadline is None or time.perf_counter() < deadline or not found:
             return True
         skipped.append(name)
-        rows.append({"name": name, "method": name.split(" ")[0], "est_step_time_s": None,
-                     "fits": False, "note": f"skipped: the time budget "
-                     f"({method.time_budget_s:g} s) was spent"})
+        rows.append(skipped_row(name))
         return False
+
+    def skipped_row(name: str) -> dict[str, Any]:
+        return {"name": name, "method": name.split(" ")[0], "est_step_time_s": None,
+                "fits": False,
+                "note": f"skipped: the time budget ({method.time_budget_s:g} s) was spent"}
 
     # one-stage candidates whose fastest plan is over the budget, by their row: solved under
     # the budget (or rematerialised) only once the pipelines are planned, and only where that
@@ -111,17 +114,17 @@ def plan_auto(step: StepProgram, cluster: ClusterSpec, ilp_observer: IlpObserver
         single = StepProgram(step.traced, candidate, step.batch_argnums, fn=step.fn,
                              args=step.args, memo=step.memo)
         began = time.perf_counter()
+        deferring = False
         try:
             planned = plan_one_stage(single, cluster, ilp_observer, budget, beat)
         except CannotWinError as err:
-            if beat == DEFER:
-                return None
-            return _failed_row(name, name, err)
+            deferring = beat == DEFER
+            return None if deferring else _failed_row(name, name, err)
         except AutoparError as err:
             return _failed_row(name, name, err)
         finally:
             phases[f"{name}_s"] = phases.get(f"{name}_s", 0.0) + time.perf_counter() - began
-            if isinstance(candidate, ShardParallel):  # its ILP, counted once
+            if isinstance(candidate, ShardParallel) and not deferring:  # its ILP, counted once
                 step.status.solved()
         found[name] = planned
         return _candidate_row(name, planned.plan, budget)
@@ -173,9 +176,7 @@ def plan_auto(step: StepProgram, cluster: ClusterSpec, ilp_observer: IlpObserver
         fits = [p.plan.est_step_time_s for p in found.values() if _fits_budget(p.plan, budget)]
         if fits and deadline is not None and time.perf_counter() >= deadline:
             skipped.append(name)
-            rows[index] = {"name": name, "method": name.split(" ")[0], "est_step_time_s": None,
-                           "fits": False, "note": f"skipped: the time budget "
-                           f"({method.time_budget_s:g} s) was spent"}
+            rows[index] = skipped_row(name)
             continue
         rows[index] = plan_single(name, _within(candidate, deadline),
                                   min(fits) if fits else None)
