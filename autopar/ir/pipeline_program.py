@@ -18,6 +18,7 @@ Cutting the forward into pieces, and what each piece's inputs and outputs are to
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -76,6 +77,33 @@ class PipelineProgram:
     def boundary_positions(self) -> list[int]:
         """Cut positions after each ``mark_pipeline_boundary`` in the forward."""
         return [e.index + 1 for e in self.forward.eqns if e.name == PIPELINE_BOUNDARY]
+
+    # facts of the step outside the loss, read for the segments of every partition the
+    # pipeline search estimates (GPT 1T's update has ~20,000 equations): computed once
+    @functools.cached_property
+    def after_gradients(self) -> frozenset[int]:
+        """The step's equations that depend on the loss function's results."""
+        reached = set(self.vg.outputs)
+        dependent = set()
+        for e in self.outer.eqns[self.vg_index + 1:]:
+            if any(i in reached for i in e.inputs):
+                reached.update(e.outputs)
+                dependent.add(e.index)
+        return frozenset(dependent)
+
+    @functools.cached_property
+    def outer_readers(self) -> dict[int, tuple[int, ...]]:
+        """For each value of the step, the equations reading it, in order."""
+        readers: dict[int, list[int]] = {}
+        for e in self.outer.eqns:
+            for v in e.inputs:
+                readers.setdefault(v, []).append(e.index)
+        return {v: tuple(r) for v, r in readers.items()}
+
+    @functools.cached_property
+    def outer_producers(self) -> dict[int, int]:
+        """For each value an equation of the step makes, that equation."""
+        return {v: e.index for e in self.outer.eqns for v in e.outputs}
 
     def grad_outputs(self) -> dict[int, int]:
         """Step value id of each differentiated forward input's gradient."""

@@ -6,15 +6,14 @@ runs the same grouping, made here.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from autopar.ir.pipeline_pieces import Piece, input_consumers
 from autopar.ir.pipeline_program import PipelineProgram
-from autopar.ir.program import FlatProgram, TensorKind
+from autopar.ir.program import TensorKind
 
 
 @dataclass(frozen=True)
@@ -54,7 +53,7 @@ def plan_segments(
         stage = stage_of_piece[consumers.get(fid, [0])[0]]
         wanted[oid] = min(wanted.get(oid, stage), stage)
 
-    after = _depends_on_outputs(outer, pp.vg_index)
+    after = pp.after_gradients
     eqn_home: dict[int, int] = {}
     skipped = {pp.vg_index, *pp.input_splits}  # run by the driver itself
     for e in outer.eqns:  # after the gradients: follow the operand bytes
@@ -68,10 +67,7 @@ def plan_segments(
             eqn_home[e.index] = max(sorted(weight), key=lambda s: weight[s])
             for v in e.outputs:
                 home[v] = eqn_home[e.index]
-    readers: dict[int, list[int]] = {}
-    for e in outer.eqns:
-        for v in e.inputs:
-            readers.setdefault(v, []).append(e.index)
+    readers = pp.outer_readers
     out_ids = set(outer.out_ids)
     for e in reversed(outer.eqns):  # the rest: where their first consumer is
         if e.index in skipped or e.index in eqn_home:
@@ -89,19 +85,10 @@ def plan_segments(
     return _group(pp, eqn_home, after), home
 
 
-def _depends_on_outputs(program: FlatProgram, index: int) -> set[int]:
-    reached = set(program.eqns[index].outputs)
-    dependent = set()
-    for e in program.eqns[index + 1 :]:
-        if any(i in reached for i in e.inputs):
-            reached.update(e.outputs)
-            dependent.add(e.index)
-    return dependent
-
-
-def _group(pp: PipelineProgram, eqn_home: dict[int, int], after: set[int]) -> list[Segment]:
+def _group(pp: PipelineProgram, eqn_home: dict[int, int], after: frozenset[int]
+           ) -> list[Segment]:
     outer = pp.outer
-    made_by: dict[int, int] = {v: e.index for e in outer.eqns for v in e.outputs}
+    made_by = pp.outer_producers
     level: dict[int, int] = {}
     skipped = {pp.vg_index, *pp.input_splits}  # the driver runs them: their results are given
     for e in outer.eqns:
@@ -144,4 +131,4 @@ def _group(pp: PipelineProgram, eqn_home: dict[int, int], after: set[int]) -> li
 
 
 def _nbytes(aval: Any) -> float:
-    return float(np.prod(aval.shape, dtype=np.float64)) * aval.dtype.itemsize
+    return float(math.prod(aval.shape)) * aval.dtype.itemsize

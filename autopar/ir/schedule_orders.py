@@ -90,12 +90,16 @@ def make_schedule(
 
     Raises InvalidOptionError as :func:`check_schedule_options` does.
     """
-    schedule = _build(
-        check_schedule_options(name, num_stages, num_microbatches, num_chunks),
-        num_stages,
-        num_microbatches,
-        num_chunks,
-    )
+    checked = check_schedule_options(name, num_stages, num_microbatches, num_chunks)
+    return _validated(checked, num_stages, num_microbatches, num_chunks)
+
+
+# A schedule is immutable and its validation walks every task's dependencies: the pipeline
+# search estimates many partitions with the same stage and microbatch counts (GPT 1T on
+# 3,072 GPUs: 14 estimates of 64 stages x 512 microbatches, each validated twice, took 13 s)
+@functools.lru_cache(maxsize=16)
+def _validated(name: ScheduleName, p: int, m: int, v: int) -> Schedule:
+    schedule = _build(name, p, m, v)
     schedule.validate()
     return schedule
 

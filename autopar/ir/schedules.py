@@ -15,6 +15,7 @@ With ``v`` chunks per stage (interleaved 1F1B) the model is cut into ``p * v`` p
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -80,6 +81,21 @@ class Task:
         return f"{text}.{self.chunk}" if self.chunk else text
 
 
+def _needs(kind: TaskKind, microbatch: int, piece: int, last_piece: int
+           ) -> tuple[tuple[TaskKind, int, int], ...]:
+    """The (kind, microbatch, piece) of each task that must finish before this one starts: a
+    forward after the previous piece's, a backward after its own forward and the next
+    piece's backward, a weight gradient after its own backward."""
+    if kind is TaskKind.F:
+        return ((TaskKind.F, microbatch, piece - 1),) if piece > 0 else ()
+    if kind is TaskKind.B:
+        own_forward = (TaskKind.F, microbatch, piece)
+        if piece == last_piece:
+            return (own_forward,)
+        return ((TaskKind.B, microbatch, piece + 1), own_forward)
+    return ((TaskKind.B, microbatch, piece),)
+
+
 @dataclass(frozen=True)
 class Schedule:
     """Per-stage ordered task lists: ``m`` microbatches through ``p`` stages of ``v`` chunks."""
@@ -107,16 +123,9 @@ class Schedule:
 
     def dependencies(self, task: Task) -> tuple[Task, ...]:
         """Tasks that must finish before ``task`` may start (on any stage)."""
-        piece = task.piece(self.num_stages)
-        i = task.microbatch
-        if task.kind is TaskKind.F:
-            return (self.task_at(TaskKind.F, i, piece - 1),) if piece > 0 else ()
-        if task.kind is TaskKind.B:
-            own_forward = self.task_at(TaskKind.F, i, piece)
-            if piece == self.num_pieces - 1:
-                return (own_forward,)
-            return (self.task_at(TaskKind.B, i, piece + 1), own_forward)
-        return (self.task_at(TaskKind.B, i, piece),)
+        needed = _needs(task.kind, task.microbatch, task.piece(self.num_stages),
+                        self.num_pieces - 1)
+        return tuple(self.task_at(*key) for key in needed)
 
     def expected_tasks(self) -> set[Task]:
         """Every task the schedule must contain exactly once."""
@@ -143,29 +152,49 @@ class Schedule:
                 if task in seen:
                     raise PlanError(f"task {task} appears twice in schedule '{self.name}'")
                 seen.add(task)
-        expected = self.expected_tasks()
-        if seen != expected:
+        # distinct tasks, each of a kind, microbatch and piece the schedule has, are all of
+        # them when they are as many (the full comparison, and the dependency walk below, run
+        # only to say what is wrong: a 64-stage, 512-microbatch schedule has 98,304 tasks)
+        kinds = {TaskKind.F, TaskKind.B} | ({TaskKind.W} if self.splits_backward else set())
+        valid = all(t.kind in kinds and 0 <= t.microbatch < self.num_microbatches
+                    and 0 <= t.chunk < self.num_chunks for t in seen)
+        if not valid or len(seen) != len(kinds) * self.num_microbatches * self.num_pieces:
+            expected = self.expected_tasks()
             missing, extra = sorted(expected - seen), sorted(seen - expected)
             raise PlanError(
                 f"schedule '{self.name}' misses {len(missing)} tasks (first {missing[:1]}) and "
                 f"has {len(extra)} unexpected (first {extra[:1]})"
             )
-        for stage_tasks in self.tasks:
-            position = {task: k for k, task in enumerate(stage_tasks)}
-            for k, task in enumerate(stage_tasks):
-                for dep in self.dependencies(task):
-                    if dep.stage == task.stage and position[dep] > k:
-                        raise PlanError(f"on stage {task.stage}, {task} comes before {dep}")
-        self.global_order()  # raises on deadlock
+        try:
+            self.global_order()
+        except PlanError:
+            # a task listed after one of its own stage that needs it deadlocks too: name it
+            for stage_tasks in self.tasks:
+                position = {task: k for k, task in enumerate(stage_tasks)}
+                for k, task in enumerate(stage_tasks):
+                    for dep in self.dependencies(task):
+                        if dep.stage == task.stage and position[dep] > k:
+                            raise PlanError(
+                                f"on stage {task.stage}, {task} comes before {dep}") from None
+            raise
 
     def global_order(self) -> tuple[Task, ...]:
         """One order of all tasks that respects every dependency and every stage's list order.
 
         Raises PlanError when none exists (the stages would wait on each other forever).
         """
+        return self._global_order
+
+    @functools.cached_property
+    def _global_order(self) -> tuple[Task, ...]:
+        # computed once: the schedule is immutable (a frozen dataclass without slots keeps
+        # the cached value in its instance dict)
         next_index = [0] * self.num_stages
-        done: set[Task] = set()
+        # done tasks as (kind, microbatch, piece): the dependencies of ``dependencies``
+        # without making a Task for each (the pipeline search orders schedules of 10^5 tasks)
+        done: set[tuple[TaskKind, int, int]] = set()
         order: list[Task] = []
+        p, last = self.num_stages, self.num_pieces - 1
         progress = True
         while progress:
             progress = False
@@ -173,9 +202,10 @@ class Schedule:
                 # Run as far as this stage can go before looking at the next stage.
                 while next_index[stage] < len(stage_tasks):
                     task = stage_tasks[next_index[stage]]
-                    if not all(dep in done for dep in self.dependencies(task)):
+                    key = (task.kind, task.microbatch, task.chunk * p + stage)
+                    if not all(dep in done for dep in _needs(*key, last)):
                         break
-                    done.add(task)
+                    done.add(key)
                     order.append(task)
                     next_index[stage] += 1
                     progress = True

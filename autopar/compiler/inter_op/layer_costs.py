@@ -26,7 +26,7 @@ from autopar.compiler.inter_op.piece_cost import (
     solve_status,
     stopped_early,
 )
-from autopar.compiler.inter_op.remat import state_split_levels
+from autopar.compiler.inter_op.remat import LayerSums, state_split_levels
 from autopar.compiler.inter_op.repeats import RepeatGrid, find_repeats
 from autopar.compiler.inter_op.step_parts import StepWork, step_work
 from autopar.compiler.intra_op.problem import IlpStatus
@@ -96,6 +96,10 @@ class LayerCostCache:
     composed: dict[tuple, PieceCost] = field(default_factory=dict)
     # told of every ILP solved, for a progress display (``planners.status.PlanningStatus``)
     status: SolveObserver | None = None
+    # each layer range's costs summed, by (layer cuts, mesh, split) then (start, end): every
+    # stage cost table on the same cuts reads them (one per schedule and replica count: GPT
+    # 1T's search reads 16 tables of about 20,000 ranges and meshes each)
+    summed: dict[tuple, dict[tuple[int, int], LayerSums]] = field(default_factory=dict)
 
     def use_layers(self, pp: PipelineProgram, positions: Sequence[int]) -> None:
         """Look for the forward's repeated block once, its boundaries placed as ``positions``
@@ -104,6 +108,12 @@ class LayerCostCache:
         if not self.grid_found:
             self.grid = None if pp.layer_scans else find_repeats(pp.forward, positions)
             self.grid_found = True
+
+    def range_sums(self, positions: Sequence[int], mesh: LogicalMesh,
+                   split: int) -> dict[tuple[int, int], LayerSums]:
+        """The sums of layer ranges' costs on ``mesh`` at ``split``, by (start, end), for the
+        layers cut at ``positions``: filled by the stage cost tables that read them."""
+        return self.summed.setdefault((tuple(positions), *_mesh_key(mesh), split), {})
 
     def units(self, pp: PipelineProgram, piece: Piece) -> list[Piece]:
         """``piece`` cut at the repeated block's boundaries inside it (``[piece]`` if none)."""
@@ -343,6 +353,7 @@ class LayerCostCache:
             if key in self.solved and stopped_early(self.solved[key][0]):
                 del self.solved[key]
                 self.renamed = {k: v for k, v in self.renamed.items() if k[0] != key}
+                self.summed.clear()  # sums that read the stopped solve
         if key not in self.solved:
             self._prepare(pp, piece, signature)
             self._record(key, self._solve_new(pp, signature, mesh, options, split))

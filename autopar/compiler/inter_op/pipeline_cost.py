@@ -90,7 +90,7 @@ def driver_counts(pp: PipelineProgram, pieces: Sequence[Piece], stage_of_piece: 
     if runs_as_one_program(schedule, stages):
         return DriverCounts(0, 0, 0, calls=1)
     sched = make_schedule(schedule, stages, m, num_chunks)
-    tasks = len(sched.global_order())
+    tasks = sum(len(stage_tasks) for stage_tasks in sched.tasks)
     loss_inputs = set(pp.operand_of)
     small = transfers = 0
     fetched: set[tuple[int, int]] = set()

@@ -212,6 +212,8 @@ def place_submeshes(
 
 
 def _non_negative(value: Any, what: str) -> float:
+    if type(value) is float and 0.0 <= value < math.inf:
+        return value  # the common case, without the ABC check (the stage DP makes ~10^6)
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
     if not ok or not math.isfinite(value) or value < 0:
         raise InvalidOptionError(f"{what} must be a finite non-negative number, got {value!r}")

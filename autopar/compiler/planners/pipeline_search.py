@@ -25,6 +25,7 @@ from autopar.compiler.inter_op.pipeline_cost import (
     driver_counts,
     estimate_pipeline,
 )
+from autopar.compiler.inter_op.repeats import RepeatGrid
 from autopar.compiler.inter_op.stages import (
     StageCostTable,
     StageDPOptions,
@@ -39,7 +40,7 @@ from autopar.compiler.planners.stage_costs import (
     CostClock,
     check_stage_mesh,
     layer_cost_cache,
-    range_piece,
+    range_pieces,
     stage_cost_table,
     stage_dp_options,
     submesh_mesh,
@@ -82,16 +83,26 @@ def stage_baselines(pp: PipelineProgram, method: PipeshardParallel, cluster: Clu
     found = {"dp": best}
     if p > 1:
         found["equal-layer"] = uniform_stages(table, p, hosts, per_host, options)
-        ops = operator_positions(pp, p)
+        ops = operator_positions(pp, p, cache.grid)
         ops_table = stage_cost_table(pp, ops, method, cluster, cache, prefetch_on=())
         found["equal-operator"] = uniform_stages(ops_table, p, hosts, per_host, options)
     return found
 
 
-def operator_positions(pp: PipelineProgram, num_stages: int) -> list[int]:
-    """Cuts of the loss forward into ``num_stages`` pieces of equal operator counts."""
+def operator_positions(pp: PipelineProgram, num_stages: int,
+                       grid: RepeatGrid | None = None) -> list[int]:
+    """Cuts of the loss forward into ``num_stages`` pieces of equal operator counts; with the
+    forward's repeated blocks (``grid``), each moved to the nearest block boundary, as a hand
+    split would never cut a transformer block (where that keeps every piece): cut inside
+    blocks, every stage's edges are pieces of a block no other candidate has, each its own
+    ILPs (GPT 1T: a third of the search's)."""
     n = len(pp.forward.eqns)
-    return [round(k * n / num_stages) for k in range(1, num_stages)]
+    cuts = [round(k * n / num_stages) for k in range(1, num_stages)]
+    if grid is None:
+        return cuts
+    snapped = [grid.nearest_cut(c) for c in cuts]
+    rising = all(0 < a < b < n for a, b in zip(snapped, [*snapped[1:], n], strict=True))
+    return snapped if rising else cuts
 
 
 @dataclass
@@ -131,7 +142,7 @@ def _estimate(pp: PipelineProgram, partition: StagePartition, positions: Sequenc
     """The whole-step estimate of ``partition`` (``pipeline_cost.estimate_pipeline``): the
     driver counted on its real pieces, the preprocessing on the first stage's devices."""
     owner, ranges = piece_owners(len(partition.stages), chunks, partition, positions)
-    pieces = [range_piece(pp, positions, a, b) for a, b in ranges]
+    pieces = range_pieces(pp, positions, ranges)
     counts = driver_counts(pp, pieces, owner, schedule, m, chunks)
     first = partition.stages[0]
     mesh = submesh_mesh(cluster, first.submesh, first.candidate.logical_mesh_shape)
@@ -276,7 +287,7 @@ def hand_splits(pp: PipelineProgram, method: PipeshardParallel, cluster: Cluster
     for count in hand_split_counts(dp_stages):
         try:
             layer_split = uniform_stages(table, count, hosts, per_host, options)
-            ops = operator_positions(pp, count)
+            ops = operator_positions(pp, count, cache.grid)
             # the same count of equal stages: on the equal-layer split's submesh
             ops_table = stage_cost_table(pp, ops, method, cluster, cache, clock,
                                          prefetch_on=(layer_split.stages[0].submesh,))

@@ -27,7 +27,7 @@ from autopar.compiler.planners.pipeline_search import (
     search_pipeshard,
 )
 from autopar.compiler.planners.stage_costs import (
-    range_piece,
+    range_pieces,
     stage_collectives,
     stage_dp_options,
     submesh_mesh,
@@ -75,7 +75,7 @@ def finish_pipeshard(search: PipeshardSearch, cluster_name: str | None = None) -
     dp_options = stage_dp_options(method, group, m)
     placed = place_submeshes(list(partition.submeshes), hosts, per_host)
     layout, piece_ranges = _layout(method, partition, positions, chunks, best.replicas)
-    pieces = [range_piece(pp, positions, a, b) for a, b in piece_ranges]
+    pieces = range_pieces(pp, positions, piece_ranges)
     versions = [dp_options.weight_versions(s, len(partition.stages))
                 for s in range(len(partition.stages))]
     meshes = [submesh_mesh(group, a.submesh, a.candidate.logical_mesh_shape, placed[s])

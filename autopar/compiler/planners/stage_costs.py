@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autopar.cluster import ClusterSpec
 from autopar.compiler.cost.mesh import LogicalMesh
@@ -39,17 +39,18 @@ from autopar.methods import PipeshardParallel
 from autopar.plan import CollectiveEstimate
 
 
-def _span(positions: Sequence[int], n: int, start: int, end: int) -> tuple[int, int]:
-    cuts = [0, *positions, n]
-    return cuts[start], cuts[end]
-
-
 def range_piece(pp: PipelineProgram, positions: Sequence[int], start: int, end: int) -> Piece:
     """Layers ``[start, end)`` as one piece."""
-    n = len(pp.forward.eqns)
-    a, b = _span(positions, n, start, end)
-    pieces = cut_pieces(pp.forward, [p for p in (a, b) if 0 < p < n])
-    return next(p for p in pieces if p.eqns and p.eqns[0] == a)
+    return range_pieces(pp, positions, [(start, end)])[0]
+
+
+def range_pieces(pp: PipelineProgram, positions: Sequence[int],
+                 ranges: Sequence[tuple[int, int]]) -> list[Piece]:
+    """The pieces of consecutive layer ranges ``ranges`` (``[start, end)`` each, in order),
+    numbered as they come: the layers cut once (a piece per range cut the whole forward each
+    time: 8 s of GPT 1T's search)."""
+    layers = LayerRanges(pp.forward, cut_pieces(pp.forward, positions))
+    return [replace(layers.piece(a, b), index=k) for k, (a, b) in enumerate(ranges)]
 
 
 def logical_shapes(submesh: SubmeshShape) -> list[tuple[int, ...]]:
@@ -192,13 +193,16 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
                                                         whole)
         return replica_times[key]
 
-    # each range's layer costs summed, by (mesh, split) then (start, end): the DP reads every
-    # range on every mesh, and a range's sums are its one-shorter range's plus a layer (at
-    # GPT-3 175B on 1,024 GPUs the DP's tables read about 100,000 ranges, each summed anew)
+    # each range's layer costs summed, by (mesh, split) then (start, end) (kept in the cache
+    # for every table on these cuts): the DP reads every range on every mesh, and a range's
+    # sums are its one-shorter range's plus a layer (at GPT-3 175B on 1,024 GPUs the DP's
+    # tables read about 100,000 ranges, each summed anew)
     summed: dict[tuple[int, int], dict[tuple[int, int], LayerSums]] = {}
 
     def range_sums(mesh: LogicalMesh, split: int, start: int, end: int) -> LayerSums:
-        found = summed.setdefault((id(mesh), split), {})
+        found = summed.get((id(mesh), split))
+        if found is None:
+            found = summed[(id(mesh), split)] = cache.range_sums(positions, mesh, split)
         if (start, end) not in found:
             shorter = LayerSums() if end - 1 == start else range_sums(mesh, split, start,
                                                                       end - 1)
@@ -207,15 +211,20 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
         return found[(start, end)]
 
     input_bytes: dict[int, float] = {}
+    shares_of: dict[tuple[int, int, int], float] = {}
 
     def input_shares(mesh: LogicalMesh, split: int, start: int) -> float:
         """Into how many shares layer ``start``'s plan on ``mesh`` splits its inputs."""
+        key = (id(mesh), split, start)
+        if key in shares_of:  # read for every range starting there
+            return shares_of[key]
         if start not in input_bytes:
             roles = piece_roles(pp, layers[start])
             input_bytes[start] = sum(nbytes(pp.forward.avals[v])
                                      for v in (*roles.acts, *roles.micro))
         held = cache.layer_cost(pp, layers[start], mesh, split=split).boundary_bytes
-        return max(input_bytes[start] / held, 1.0) if held > 0 else 1.0
+        shares_of[key] = max(input_bytes[start] / held, 1.0) if held > 0 else 1.0
+        return shares_of[key]
 
     def overfills(candidates: Sequence[StageCandidate], devices: int) -> bool:
         """Whether none of a stage's candidates on ``devices`` devices fits with the most

@@ -13,7 +13,9 @@ from tanh_mlp import tanh_mlp_step
 import autopar
 from autopar.api import local_cluster
 from autopar.cluster import RuntimeCosts, load_cluster
+from autopar.compiler.cost.memory_floor import memory_floor
 from autopar.compiler.cost.mesh import LogicalMesh
+from autopar.compiler.graph.trace import trace_step
 from autopar.compiler.planners import dispatch
 from autopar.compiler.planners.pipeline_search import driver_floor_s, search_pipelines
 from autopar.compiler.planners.pipeshard import stage_ilp_notes
@@ -111,7 +113,6 @@ def test_the_one_stage_candidates_include_a_2d_mesh_where_data_x_tensor_wins():
     The full search tries ShardParallel on the 2-D meshes too, and its plan is at least as
     good as that expert plan under the same cost model."""
     from autopar.bench.hand_baselines import applicable_hand_plans, plan_hand
-    from autopar.compiler.graph.trace import trace_step
 
     model = get_model("gpt", "tiny", hidden_size=256, num_layers=2, seq_len=32,
                                      batch_size=16, vocab_size=512)
@@ -152,6 +153,24 @@ def test_methods_that_keep_the_state_whole_are_not_planned_over_the_budget():
                                       f"device needs {kept / 2**30:.2f} GiB, over the budget")
     assert rows["zero3"]["fits"] and rows["zero3"]["chosen"]
     assert plan.peak_memory_bytes <= budget
+
+
+def test_zero3_is_not_planned_below_the_memory_floor():
+    """No layout holds less than every tensor split over all the devices (``memory_floor``):
+    ZeRO-3, which cannot recompute, is answered by that floor rather than estimated (at
+    Megatron's 1T row its estimate took 5 s to say it needs 11,278 GiB)."""
+    step, args = mlp_step(optax.adam(1e-3), widths=(64, 256, 256, 8), batch=4096)
+    floor = memory_floor(trace_step(step, args).graph, batch_argnums=(1,),
+                         num_devices=8).total
+    zero3 = planned(step, args, autopar.Zero3Parallel(), local_cluster())
+    assert zero3.peak_memory_bytes >= floor  # the floor is a floor
+    budget = floor * 0.9
+    with pytest.raises(PlanError) as info:
+        planned(step, args, autopar.AutoParallel(candidates=("zero3",),
+                                                 memory_budget_bytes=budget), local_cluster())
+    assert str(info.value) == (
+        "the full search planned no candidate: zero3: not planned: with every tensor split "
+        f"over all 8 devices the step still needs {floor / 2**30:.2f} GiB, over the budget")
 
 
 def test_one_axis_shard_parallel_is_not_a_candidate_over_several_hosts():
