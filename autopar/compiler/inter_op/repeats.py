@@ -52,14 +52,6 @@ class RepeatGrid:
         outside = self.start + num_eqns - self.end
         return self.num_blocks + (1 if outside >= self.period else 0)
 
-    def nearest_cut(self, position: int) -> int:
-        """The block boundary nearest to equation ``position`` where it falls within half a
-        block of the grid, else ``position``."""
-        if not self.start - self.period // 2 <= position <= self.end + self.period // 2:
-            return position
-        blocks = round((position - self.start) / self.period)
-        return self.start + min(max(blocks, 0), self.num_blocks) * self.period
-
     def cuts_within(self, a: int, b: int) -> list[int]:
         """The block boundaries strictly inside equations ``[a, b)``."""
         first = self.start + max(0, -(-(a + 1 - self.start) // self.period)) * self.period

@@ -154,7 +154,8 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
                      cluster: ClusterSpec, cache: LayerCostCache,
                      clock: CostClock | None = None, *, num_microbatches: int | None = None,
                      replicas: int = 1, whole: ClusterSpec | None = None,
-                     prefetch_on: Sequence[SubmeshShape] | None = None) -> StageCostTable:
+                     prefetch_on: Sequence[SubmeshShape] | None = None,
+                     stage_layers: int | None = None) -> StageCostTable:
     """Candidates for every layer range and submesh: per logical mesh shape, the sum of the
     layers' ILP costs (filled lazily: the DP reads every entry, baselines only a few), with
     what the runtime adds per microbatch (the accumulation of the gradients, the transfers in
@@ -165,7 +166,10 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
     whose meshes every layer is solved now, over the method's ``planning_workers`` (default:
     every submesh when the stage DP will read the table whole, i.e. stages="auto" and not
     interleaved; none for uniform or manual stages, which read their own entries, solved
-    when read; ``()`` for a baseline reading a few)."""
+    when read; ``()`` for a baseline reading a few). ``stage_layers``: the most layers one
+    stage of the reader holds (a uniform split: its layers per stage), whose more split
+    plans the prefetch solves only where such a run of layers overfills a device (default:
+    where the whole model on the mesh does, as the stage DP may read any range)."""
     layers = cut_pieces(pp.forward, positions)
     cache.use_layers(pp, positions)
     m = num_microbatches or method.num_microbatches
@@ -285,11 +289,14 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
     submeshes = submesh_shapes(cluster.num_hosts, cluster.devices_per_host)
 
     def overfilled(mesh: LogicalMesh, costs: list[PieceCost]) -> bool:
-        # the whole model on the mesh with its layers' plans ``costs`` overfills it: the DP
-        # reads that entry, whose candidates then ask for every layer's more split plans
-        return overfills(remat_candidates(LayerSums.of(costs), tuple(mesh.shape),
-                                          method.remat),
-                         len(mesh.device_ids))
+        # the whole model (or a stage's run of layers) on the mesh with its layers' plans
+        # ``costs`` overfills it: the reader reads that entry, whose candidates then ask for
+        # every layer's more split plans
+        run = len(costs) if stage_layers is None else min(stage_layers, len(costs))
+        return any(overfills(remat_candidates(LayerSums.of(costs[k:k + run]),
+                                              tuple(mesh.shape), method.remat),
+                             len(mesh.device_ids))
+                   for k in range(len(costs) - run + 1))
 
     start_s = time.perf_counter()
     workers = method.planning_workers or available_cores()
