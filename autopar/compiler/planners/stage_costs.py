@@ -344,8 +344,10 @@ STAGE_COST_RELATIVE_GAP = 1e-3
 # The stage search solves one ILP per distinct layer and mesh. Large ones are bounded by dual
 # ascent first (intra_op/dual_bound), which proves most of them within the gap in about a
 # second; the limit is there so that none is decided by it (at 1 s, 30 of the Alpa 15B row's
-# ILPs stopped on it under load), the chosen stages' own solves included.
-STAGE_COST_TIME_LIMIT_S = 10.0
+# ILPs stopped on it under load), the chosen stages' own solves included. At 10 s, two of
+# Megatron 76.1B's block ILPs on its largest meshes (6-10 s each alone) stopped on it once
+# both processes took those meshes at the same time: the method's own 30 s is the limit.
+STAGE_COST_TIME_LIMIT_S = 30.0
 
 
 def _intra_options(method: PipeshardParallel) -> IntraOpOptions:
