@@ -1,5 +1,6 @@
 """Running independent solves on every core: the stage search's layer ILPs, split over forked
-children.
+children (``run_pulled``), and the full search's one-stage candidates beside its pipeline
+search (``start_beside``).
 
 The layer ILPs are pure Python and HiGHS, hold no devices and never call JAX, so a forked child
 can solve tasks from the parent's memory as it stands (graphs traced, caches filled) without
@@ -16,6 +17,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import signal
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -78,7 +80,38 @@ def run_pulled(tasks: Sequence[Task], solve: Callable[[Task], Answer],
     return [answers[k] if k in answers else solve(t) for k, t in enumerate(tasks)]
 
 
-def _fork(work: Callable[[], dict[int, Answer]]) -> tuple[int, int]:
+class Beside:
+    """A forked child computing one answer while this process goes on (``start_beside``)."""
+
+    def __init__(self, pid: int, read_fd: int) -> None:
+        self.pid, self._fd = pid, read_fd
+
+    def join(self) -> Any:
+        """The child's answer, waited for (None if it failed). The child writes it once done,
+        blocking until it is read here, so nothing is buffered meanwhile."""
+        with os.fdopen(self._fd, "rb") as pipe:
+            data = pipe.read()
+        os.waitpid(self.pid, 0)
+        status, payload = pickle.loads(data) if data else ("failed", None)
+        return payload if status == "ok" else None
+
+    def cancel(self) -> None:
+        """End the child without its answer (this process failed before it needed it)."""
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.close(self._fd)
+        os.waitpid(self.pid, 0)
+
+
+def start_beside(work: Callable[[], Answer]) -> Beside:
+    """``work()`` in a forked child, beside what this process does next; ``join`` for its
+    answer. ``work`` must not call JAX (see the module's note) and its answer must pickle."""
+    return Beside(*_fork(work))
+
+
+def _fork(work: Callable[[], Any]) -> tuple[int, int]:
     """A child running ``work``: its pid and the read end of the pipe its answers come on."""
     read_fd, write_fd = os.pipe()
     with warnings.catch_warnings():

@@ -16,7 +16,14 @@ from autopar.cluster import ClusterSpec, format_mesh_shape
 from autopar.compiler.cost.memory_model import parameter_inputs
 from autopar.compiler.graph.trace import TracedStep, build_graph, trace_step
 from autopar.compiler.inter_op.submesh import SubmeshShape
+from autopar.compiler.planners import one_stage_beside
 from autopar.compiler.planners.annotations import UserLayout, user_layout
+from autopar.compiler.planners.candidate_rows import (
+    annotations_note,
+    candidate_row,
+    failed_row,
+    fits_budget,
+)
 from autopar.compiler.planners.pipeline_search import driver_floor_s
 from autopar.compiler.planners.stage_costs import logical_shapes
 from autopar.compiler.planners.step_program import IlpObserver, PlannedProgram, StepProgram
@@ -119,16 +126,18 @@ def plan_auto(step: StepProgram, cluster: ClusterSpec, ilp_observer: IlpObserver
             planned = plan_one_stage(single, cluster, ilp_observer, budget, beat)
         except CannotWinError as err:
             deferring = beat == DEFER
-            return None if deferring else _failed_row(name, name, err)
+            return None if deferring else failed_row(name, name, err)
         except AutoparError as err:
-            return _failed_row(name, name, err)
+            return failed_row(name, name, err)
         finally:
             phases[f"{name}_s"] = phases.get(f"{name}_s", 0.0) + time.perf_counter() - began
             if isinstance(candidate, ShardParallel) and not deferring:  # its ILP, counted once
                 step.status.solved()
         found[name] = planned
-        return _candidate_row(name, planned.plan, budget)
+        return candidate_row(name, planned.plan, budget)
 
+    beside = one_stage_beside.plans_beside(step, method, cluster, ilp_observer, deadline)
+    singles: list[tuple[str, Method, int]] = []  # planned beside the pipelines, by row
     for name, candidate in _one_stage_candidates(method, cluster, step.annotations):
         if not within_budget(name):
             continue
@@ -145,20 +154,24 @@ def plan_auto(step: StepProgram, cluster: ClusterSpec, ilp_observer: IlpObserver
                              f"{floor / 2**30:.2f} GiB, over the budget")})
             continue
         candidate = _within(candidate, deadline)
+        if beside and one_stage_beside.is_shard(candidate):
+            singles.append((name, candidate, len(rows)))
+            rows.append({"name": name, "method": name.split(" ")[0]})  # filled in below
+            continue
         row = plan_single(name, candidate, DEFER)
         if row is None:
             deferred.append((name, candidate, len(rows)))
             row = {"name": name, "method": name.split(" ")[0]}  # filled in below
         rows.append(row)
-    pruned = step.pipeline is not None and method.prune and _cannot_win(
-        found, budget, method, cluster, rows)
-    if step.pipeline is not None and not pruned and within_budget("pipeshard"):
+    ilp_notes: list[str] = []
+
+    def plan_pipelines() -> None:
         pipelined = _within(method.pipeline_method(), deadline)
         began = time.perf_counter()
         try:
             found["pipeshard"] = plan_pipelined(step, pipelined, step.pipeline_traced, cluster)
         except AutoparError as err:
-            rows.append(_failed_row("pipeshard", "pipeshard", err))
+            rows.append(failed_row("pipeshard", "pipeshard", err))
         finally:
             phases["pipeshard_s"] = time.perf_counter() - began
         if "pipeshard" in found:
@@ -170,23 +183,65 @@ def plan_auto(step: StepProgram, cluster: ClusterSpec, ilp_observer: IlpObserver
             if inner and search:
                 inner[0]["ilp_statuses"] = dict(search.get("ilp_statuses", {}))
                 inner[0]["ilp_solves"] = int(search.get("ilp_solves", 0))
-            ilp_notes = [n for n in planned.plan.notes if "stage-cost ILPs" in n]
+            ilp_notes.extend(n for n in planned.plan.notes if "stage-cost ILPs" in n)
             for row in inner:
                 row = dict(row, name=f"pipeshard: {row['name']}")
                 if row.pop("chosen", False):
                     note = row.get("note", "")
-                    row.update(_candidate_row(row["name"], planned.plan, budget))
+                    row.update(candidate_row(row["name"], planned.plan, budget))
                     row["note"] = "; ".join(n for n in (note, row["note"]) if n)
                 rows.append(row)
+
+    child = None
+    if singles:
+        one_stage_beside.trace_first(step, [c for _, c, _ in singles], cluster, budget)
+
+        def plan_one(name: str, candidate: Method) -> tuple[Any, Any, float]:
+            row = plan_single(name, candidate, DEFER)
+            return row, found.get(name), phases.get(f"{name}_s", 0.0)
+
+        child = one_stage_beside.start(step, [(n, c) for n, c, _ in singles], plan_one)
+    pruned = step.pipeline is not None and method.prune and _cannot_win(
+        found, budget, method, cluster, rows)
+    try:
+        if step.pipeline is not None and not pruned and within_budget("pipeshard"):
+            plan_pipelines()
+    except BaseException:
+        if child is not None:
+            child.cancel()
+        raise
+    if child is not None:
+        answer = child.join()
+        outcomes, fastest, floors = answer if answer is not None else ([], {}, {})
+        step.memo.fastest.update(fastest)
+        step.memo.memory_floors.update(floors)
+        done = {o.name: o for o in outcomes}
+        for name, candidate, index in singles:
+            outcome = done.get(name)
+            if outcome is None or outcome.in_parent:  # the child failed, or had to trace
+                row = plan_single(name, candidate, DEFER)
+            else:
+                row = outcome.row
+                phases[f"{name}_s"] = outcome.seconds
+                planned = one_stage_beside.program_of(step, outcome)
+                if planned is not None:
+                    found[name] = planned
+                if row is not None:
+                    step.status.solved()
+            if row is None:
+                deferred.append((name, candidate, index))
+            else:
+                rows[index] = row
+
     for name, candidate, index in deferred:
-        fits = [p.plan.est_step_time_s for p in found.values() if _fits_budget(p.plan, budget)]
+        fits = [p.plan.est_step_time_s for p in found.values() if fits_budget(p.plan, budget)]
         if fits and deadline is not None and time.perf_counter() >= deadline:
             skipped.append(name)
             rows[index] = skipped_row(name)
             continue
         rows[index] = plan_single(name, _within(candidate, deadline),
                                   min(fits) if fits else None)
-    fitting = [(n, p) for n, p in found.items() if _fits_budget(p.plan, budget)]
+    fitting = [(n, p) for n, p in found.items() if fits_budget(p.plan, budget)]
     # A one-stage pipeline is the one-stage ShardParallel step cut into microbatches: what it
     # adds (each microbatch reduces its gradients, smaller programs) its stage costs do not
     # price (docs/pipeline.md), so it is kept only for its memory, when no one-stage plan
@@ -225,7 +280,7 @@ def plan_auto(step: StepProgram, cluster: ClusterSpec, ilp_observer: IlpObserver
                     f"{runner_up['est_step_time_s'] / plan.est_step_time_s:.2f}x)")
     plan.notes.insert(0, summary)
     if step.annotations is not None:
-        plan.notes.insert(1, _annotations_note(step.annotations, rows, plan))
+        plan.notes.insert(1, annotations_note(step.annotations, rows, plan))
     if skipped:
         plan.notes.insert(1, f"the time budget ({method.time_budget_s:g} s) was spent before "
                              f"{', '.join(skipped)}: not planned")
@@ -306,33 +361,12 @@ def _within(method: Method, deadline: float | None) -> Method:
     return dataclasses.replace(method, time_limit_s=min(method.time_limit_s, left))
 
 
-def _fits_budget(plan: Plan, budget: float) -> bool:
-    return plan.peak_memory_bytes <= budget
-
-
-def _candidate_row(name: str, plan: Plan, budget: float) -> dict[str, Any]:
-    row: dict[str, Any] = {
-        "name": name, "method": plan.method.value, "est_step_time_s": plan.est_step_time_s,
-        "peak_memory_bytes": plan.peak_memory_bytes,
-        "fits": _fits_budget(plan, budget), "num_stages": len(plan.stages),
-        "estimate": dict(plan.planning.estimate),
-        "note": "rematerialised" if plan.remat_positions is not None else "",
-        "chosen_plan": plan,
-    }
-    if plan.solver is not None:  # a one-stage ILP's end: optimal, time_limit, ...
-        row["ilp_status"] = plan.solver.get("status")
-    if not row["fits"]:
-        row["note"] = (row["note"] + "; " if row["note"] else "") + (
-            f"needs {plan.peak_memory_bytes / 2**30:.2f} GiB per device, over the budget")
-    return row
-
-
 def _cannot_win(found: dict[str, PlannedProgram], budget: float, method: AutoParallel,
                 cluster: ClusterSpec, rows: list[dict[str, Any]]) -> bool:
     """Whether a one-stage plan fitting the budget is estimated at or below the least driver
     time of any pipeline of two or more stages (``driver_floor_s``), so that no pipeline can
     be chosen (a one-stage pipeline is kept only for memory); if so, says why in ``rows``."""
-    fitting = [p.plan.est_step_time_s for p in found.values() if _fits_budget(p.plan, budget)]
+    fitting = [p.plan.est_step_time_s for p in found.values() if fits_budget(p.plan, budget)]
     floor = driver_floor_s(method.pipeline_method(), cluster)
     if not fitting or min(fitting) > floor:
         return False
@@ -343,25 +377,6 @@ def _cannot_win(found: dict[str, PlannedProgram], budget: float, method: AutoPar
                      f"one-stage plan that fits is estimated at {min(fitting) * 1e3:.3g} ms "
                      "(AutoParallel(prune=False) plans it anyway)")})
     return True
-
-
-def _annotations_note(layout: UserLayout, rows: list[dict[str, Any]], plan: Plan) -> str:
-    """``your annotations: est. X; autopar's plan: est. Y`` (or why they were not planned)."""
-    mine = f"autopar's plan: est. {plan.est_step_time_s:.4g} s/step"
-    row = next((r for r in rows if r["name"] == layout.label), None)
-    where = (f"your annotations (the inputs committed to your "
-             f"{' x '.join(layout.axis_names)} mesh, {layout.label.split()[-1]})")
-    if row is None:
-        return f"{where}: not a candidate here, the mesh does not cover the cluster; {mine}"
-    if row.get("est_step_time_s") is None:
-        return f"{where}: not planned ({row.get('note', '')}); {mine}"
-    fits = "" if row["fits"] else ", over the memory budget"
-    return f"{where}: est. {row['est_step_time_s']:.4g} s/step{fits}; {mine}"
-
-
-def _failed_row(name: str, method: str, err: Exception) -> dict[str, Any]:
-    return {"name": name, "method": method, "est_step_time_s": None, "fits": False,
-            "note": " ".join(str(err).split())}
 
 
 def _cut_one_stage(plan: Plan) -> bool:

@@ -18,7 +18,6 @@ from autopar.cluster import ClusterSpec, format_mesh_shape
 from autopar.compiler.cost.estimate import one_call_time_s
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.trace import TracedStep, build_graph, trace_step
-from autopar.compiler.inter_op.layers import remat_layer_positions
 from autopar.compiler.planners.auto import plan_auto, trace_auto
 from autopar.compiler.planners.common import fewer_full_collections
 from autopar.compiler.planners.data import plan_data_parallel
@@ -248,25 +247,15 @@ def _plan_rematerialised(step: StepProgram, cluster: ClusterSpec,
     if step.fn is None:
         raise InvalidOptionError("remat needs the step itself to trace it again; this step "
                                  "was given as a traced program only")
-    if step.memo.remat is None:
-        if step.memo.jaxpr is None:
-            step.memo.jaxpr = trace_jaxpr(step.fn, step.args)
-        jaxpr = step.memo.jaxpr
-        try:
-            pp = build_pipeline_program(step.fn, step.args, step.batch_argnums, 1, jaxpr=jaxpr)
-            positions = remat_layer_positions(pp, build_graph(pp.forward))
-            step.memo.remat = (trace_step(step.fn, step.args, remat_positions=positions,
-                                          jaxpr=jaxpr), tuple(positions))
-        except NoLossFunctionError as err:
-            step.memo.remat = err
-    if isinstance(step.memo.remat, Exception):
+    remat = step.rematerialised()
+    if isinstance(remat, Exception):
         if planned is None:
             raise InvalidOptionError(f"remat='layers' needs the step's gradient from "
                                      f"autopar.value_and_grad or autopar.grad: "
-                                     f"{step.memo.remat}") from None
+                                     f"{remat}") from None
         planned.plan.notes.append("remat='auto' left off: the step has no autopar.value_and_grad")
         return planned
-    traced, positions = step.memo.remat
+    traced, positions = remat
     plan = _plan_one_stage(traced, step.method, cluster, step.batch_argnums, ilp_observer,
                            step.memo, beat)
     if planned is not None and plan.peak_memory_bytes >= planned.plan.peak_memory_bytes:

@@ -13,15 +13,22 @@ from typing import Any
 
 from autopar.compiler.cost.memory_floor import memory_floor, mesh_memory_floor
 from autopar.compiler.cost.memory_model import MemoryEstimate
-from autopar.compiler.graph.trace import TracedStep
+from autopar.compiler.graph.trace import TracedStep, build_graph, trace_step
+from autopar.compiler.inter_op.layers import remat_layer_positions
 from autopar.compiler.planners.annotations import UserLayout
 from autopar.compiler.planners.status import PlanningStatus
-from autopar.ir.flatten import StepJaxpr
-from autopar.ir.pipeline_program import PipelineProgram
+from autopar.errors import NoLossFunctionError
+from autopar.ir.flatten import StepJaxpr, trace_jaxpr
+from autopar.ir.pipeline_program import PipelineProgram, build_pipeline_program
 from autopar.methods import Method
 from autopar.plan import Plan
 
 IlpObserver = Callable[[Any, Any], None]
+
+
+class TraceNeeded(Exception):  # noqa: N818 - a signal between planners, never the user's
+    """A planner needed to trace the step again where it must not (``TraceMemo.may_trace``:
+    a forked child, where JAX is not called); the caller plans that candidate itself."""
 
 
 @dataclass
@@ -43,6 +50,8 @@ class TraceMemo:
     # candidate whose fastest plan did not fit once it knows what fits (``CannotWinError``)
     problems: dict[tuple, Any] = field(default_factory=dict)
     fastest: dict[tuple, Plan] = field(default_factory=dict)
+    # False in a forked child: a trace it would need raises ``TraceNeeded`` instead
+    may_trace: bool = True
 
     def memory_floor(self, traced: TracedStep, batch_argnums: tuple[int, ...],
                      num_devices: int) -> MemoryEstimate:
@@ -94,6 +103,26 @@ class StepProgram:
     annotations: UserLayout | None = None
     # what the planner is doing, for a progress display (written, never read, by planners)
     status: PlanningStatus = field(default_factory=PlanningStatus)
+
+    def rematerialised(self) -> tuple[TracedStep, tuple[int, ...]] | Exception:
+        """The step traced again with its loss function's layers under ``jax.checkpoint``,
+        and their positions (or the error that says it has no layers to recompute): traced
+        once, on first use (``TraceMemo.remat``)."""
+        memo = self.memo
+        if memo.remat is None:
+            if not memo.may_trace or self.fn is None:
+                raise TraceNeeded("the rematerialised step is not traced here")
+            if memo.jaxpr is None:
+                memo.jaxpr = trace_jaxpr(self.fn, self.args)
+            try:
+                pp = build_pipeline_program(self.fn, self.args, self.batch_argnums, 1,
+                                            jaxpr=memo.jaxpr)
+                positions = remat_layer_positions(pp, build_graph(pp.forward))
+                memo.remat = (trace_step(self.fn, self.args, remat_positions=positions,
+                                         jaxpr=memo.jaxpr), tuple(positions))
+            except NoLossFunctionError as err:
+                memo.remat = err
+        return memo.remat
 
     @property
     def programs(self) -> tuple[Any, ...]:
