@@ -4,7 +4,7 @@ targets for that the published suite does not plan (abstract shapes, described c
 - ``175b``: Megatron's GPT-3 175B shape (96 layers, hidden 12,288, 96 heads, sequence 2,048,
   vocabulary 51,200, batch 1,536, bf16) on 1,024 A100s (128 DGX nodes), 192 microbatches
   (microbatch size 1 on 8 data-parallel replicas).
-- ``405b``: the zoo's Llama-3 405B shape (batch 2,048 sequences of 8,192) on 16,384 H100s
+- ``405b``: the zoo's Llama-3 405B shape (batch 2,048 sequences of 8,192, bf16) on 16,384 H100s
   (2,048 nodes of 8), 16 microbatches (size 1 on 128 data-parallel replicas).
 
 Each is ``AutoParallel(num_microbatches=m, schedule="auto")`` as ``autopar bench --suite
@@ -41,7 +41,7 @@ def case(name: str) -> tuple[ZooModel, ClusterSpec, int]:
                           num_layers=96, num_heads=96, vocab_size=51200, dtype="bfloat16")
         return model, replace(load_cluster("a100-80gb-x8"), num_hosts=128), 192
     if name == "405b":
-        model = get_model("llama", "405B", batch_size=2048)
+        model = get_model("llama", "405B", batch_size=2048, dtype="bfloat16")
         return model, replace(load_cluster("h100-80gb-x8"), num_hosts=2048), 16
     raise ValueError(f"unknown case {name!r}; valid cases: {', '.join(CASES)}")
 
