@@ -96,13 +96,20 @@ class Beside:
         return payload if status == "ok" else None
 
     def cancel(self) -> None:
-        """End the child without its answer (this process failed before it needed it)."""
+        """End the child without its answer (this process failed, or was interrupted, before
+        it had it); safe after a ``join`` that did not finish."""
         try:
             os.kill(self.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        os.close(self._fd)
-        os.waitpid(self.pid, 0)
+        try:
+            os.close(self._fd)
+        except OSError:  # closed by the interrupted join
+            pass
+        try:
+            os.waitpid(self.pid, 0)
+        except ChildProcessError:  # reaped by the interrupted join
+            pass
 
 
 def start_beside(work: Callable[[], Answer]) -> Beside:

@@ -206,12 +206,12 @@ def plan_auto(step: StepProgram, cluster: ClusterSpec, ilp_observer: IlpObserver
     try:
         if step.pipeline is not None and not pruned and within_budget("pipeshard"):
             plan_pipelines()
-    except BaseException:
+        answer = child.join() if child is not None else None
+    except BaseException:  # an error, or Ctrl-C: the child is ended, not left behind
         if child is not None:
             child.cancel()
         raise
     if child is not None:
-        answer = child.join()
         outcomes, fastest, floors = answer if answer is not None else ([], {}, {})
         step.memo.fastest.update(fastest)
         step.memo.memory_floors.update(floors)

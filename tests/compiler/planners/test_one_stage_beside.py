@@ -149,3 +149,25 @@ def test_which_searches_plan_beside(monkeypatch):
     assert not beside(method, observer=lambda *a: None)
     assert not beside(method, deadline=1e9)
     assert not beside(dataclasses.replace(method, prune=True))
+
+
+def test_the_child_is_ended_when_waiting_for_it_is_interrupted(monkeypatch):
+    """Ctrl-C while the pipelines' planner waits for the child: the child is ended too."""
+    children = []
+    real = forked.start_beside
+
+    def kept(work):
+        child = real(work)
+        children.append(child)
+        return child
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(one_stage_beside, "start_beside", kept)
+    monkeypatch.setattr(forked.Beside, "join", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        search(monkeypatch, beside=True)
+    assert len(children) == 1
+    with pytest.raises(ChildProcessError):
+        os.waitpid(children[0].pid, 0)
