@@ -295,7 +295,9 @@ class AutoParallel:
     are planned in order (the one-stage methods, then the pipelines); each ILP's limit is cut
     to what is left, and once the budget is spent the rest are skipped: the best plan found
     is kept and its notes and planning record name what was skipped.
-    ``planning_workers``: the pipelined candidates' (see ``PipeshardParallel``).
+    ``planning_workers``: the pipelined candidates' (see ``PipeshardParallel``); at 2 or more
+    (the default where there are two cores) a large step's ShardParallel candidates are also
+    planned in a forked process beside the pipelines (``planners/one_stage_beside``).
     ``prune``: skip the pipelined candidates where a bound shows they cannot win (a one-stage
     plan fitting the budget is estimated below the least driver time of any pipeline of two
     or more stages; a one-stage pipeline is kept only for memory): the plan is the same;
