@@ -107,18 +107,22 @@ def test_a_failed_child_leaves_its_candidates_to_this_process():
     assert_same(parallel, serial)
 
 
-def test_the_child_is_ended_when_the_pipelines_fail(monkeypatch):
-    """A pipeline search that raises (here: a bug stands in) ends the child, not leaves it."""
+def keep_children(monkeypatch):
+    """The children the search starts (``forked.Beside``), in a list that fills as it runs."""
     children = []
     real = forked.start_beside
 
     def kept(work):
-        child = real(work)
-        children.append(child)
-        return child
+        children.append(real(work))
+        return children[-1]
 
     monkeypatch.setattr(one_stage_beside, "start_beside", kept)
+    return children
 
+
+def test_the_child_is_ended_when_the_pipelines_fail(monkeypatch):
+    """A pipeline search that raises (here: a bug stands in) ends the child, not leaves it."""
+    children = keep_children(monkeypatch)
     def broken(*args, **kwargs):
         raise RuntimeError("pipelines failed")
 
@@ -153,18 +157,10 @@ def test_which_searches_plan_beside(monkeypatch):
 
 def test_the_child_is_ended_when_waiting_for_it_is_interrupted(monkeypatch):
     """Ctrl-C while the pipelines' planner waits for the child: the child is ended too."""
-    children = []
-    real = forked.start_beside
-
-    def kept(work):
-        child = real(work)
-        children.append(child)
-        return child
-
+    children = keep_children(monkeypatch)
     def interrupted(self):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(one_stage_beside, "start_beside", kept)
     monkeypatch.setattr(forked.Beside, "join", interrupted)
     with pytest.raises(KeyboardInterrupt):
         search(monkeypatch, beside=True)
