@@ -79,13 +79,16 @@ class DeviceSpec:
     ...) to the dense peak rate in flop/s; ``memory_bytes`` is the device memory;
     ``memory_bandwidth_bytes_per_s`` its peak bandwidth (the datasheet's), against which
     the cost model prices the bytes each op's kernel reads and writes (0: not described, each
-    op priced by its flops alone).
+    op priced by its flops alone); ``multiprocessors`` its streaming multiprocessors (the
+    datasheet's SM count), which take a matrix multiplication's output tiles in waves
+    (``cost.gemm``: 0, not described, prices every GEMM at the same fraction of the peak).
     """
 
     name: str
     peak_flops: Mapping[str, float]
     memory_bytes: int
     memory_bandwidth_bytes_per_s: float = 0.0
+    multiprocessors: int = 0
 
     def __post_init__(self) -> None:
         if _FALLBACK_DTYPE not in self.peak_flops:
@@ -96,7 +99,7 @@ class DeviceSpec:
 
     def __hash__(self) -> int:
         return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory_bytes,
-                     self.memory_bandwidth_bytes_per_s))
+                     self.memory_bandwidth_bytes_per_s, self.multiprocessors))
 
     def flops_for(self, dtype: Any) -> float:
         """Peak flop/s for ``dtype`` (a name or a numpy/JAX dtype); float32 if it is unknown."""
@@ -114,6 +117,8 @@ class DeviceSpec:
         }
         if self.memory_bandwidth_bytes_per_s:
             out["memory_bandwidth_bytes_per_s"] = self.memory_bandwidth_bytes_per_s
+        if self.multiprocessors:
+            out["multiprocessors"] = self.multiprocessors
         return out
 
     @classmethod
@@ -129,8 +134,10 @@ class DeviceSpec:
                          integer=True)
         bandwidth = _number(data.get("memory_bandwidth_bytes_per_s", 0.0),
                             f"{where}memory_bandwidth_bytes_per_s", positive=False)
+        multiprocessors = _number(data.get("multiprocessors", 0), f"{where}multiprocessors",
+                                  integer=True, positive=False)
         return cls(name=name, peak_flops=peak, memory_bytes=memory,
-                   memory_bandwidth_bytes_per_s=bandwidth)
+                   memory_bandwidth_bytes_per_s=bandwidth, multiprocessors=multiprocessors)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from collections.abc import Callable, Collection, Iterable
 
 from autopar.cluster import RuntimeCosts
 from autopar.compiler.cost.collectives import collective_time
+from autopar.compiler.cost.gemm import dot_efficiency
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.fusion import kernel_bytes
 from autopar.compiler.graph.opgraph import OpGraph, OpNode
@@ -46,11 +47,14 @@ def summarize_collectives(
     ]
 
 
-def roofline_time_s(flops: float, nbytes: float, mesh: LogicalMesh, dtype: str) -> float:
+def roofline_time_s(flops: float, nbytes: float, mesh: LogicalMesh, dtype: str,
+                    shape_efficiency: float = 1.0) -> float:
     """Seconds of a kernel that does ``flops`` and moves ``nbytes`` on one device: the slower
-    of its flops at the device's peak for ``dtype`` times its efficiency and its bytes at the
+    of its flops at the device's peak for ``dtype`` times its efficiency (and times
+    ``shape_efficiency``: a GEMM's wave quantization, ``cost.gemm``) and its bytes at the
     device's memory bandwidth (flops alone where the cluster does not describe it)."""
-    seconds = flops / (mesh.device.flops_for(dtype) * mesh.compute_efficiency)
+    seconds = flops / (mesh.device.flops_for(dtype) * mesh.compute_efficiency
+                       * shape_efficiency)
     bandwidth = mesh.device.memory_bandwidth_bytes_per_s
     return max(seconds, nbytes / bandwidth) if bandwidth > 0 else seconds
 
@@ -58,13 +62,19 @@ def roofline_time_s(flops: float, nbytes: float, mesh: LogicalMesh, dtype: str) 
 def node_compute_time_s(graph: OpGraph, node: OpNode, mesh: LogicalMesh, parts: int) -> float:
     """Seconds of one node split ``parts`` ways: its flops at the rate of its result's dtype
     and its kernel's bytes (``graph.fusion``) at the memory bandwidth, the slower (as the
-    intra-operator strategies price a node: ``StrategyContext.compute_time``)."""
+    intra-operator strategies price a node: ``StrategyContext.compute_time``); a dot at its
+    GEMM's wave efficiency with the batch split (``gemm.dot_efficiency``)."""
     dtype = graph.tensors[node.outputs[0]].dtype if node.outputs else "float32"
     nbytes = kernel_bytes(graph, node) if mesh.device.memory_bandwidth_bytes_per_s else 0.0
     if not node.flops and not nbytes:
         return 0.0
     share = max(parts, 1)
-    return roofline_time_s(node.flops / share, nbytes / share, mesh, dtype)
+    shape = 1.0
+    if node.primitive == "dot_general" and len(node.inputs) == 2 and mesh.device.multiprocessors:
+        lhs, rhs = (graph.tensors[t].shape for t in node.inputs)
+        shape = dot_efficiency(lhs, rhs, node.params["dimension_numbers"], share,
+                               mesh.device.multiprocessors)
+    return roofline_time_s(node.flops / share, nbytes / share, mesh, dtype, shape)
 
 
 def split_compute_time_s(graph: OpGraph, mesh: LogicalMesh,

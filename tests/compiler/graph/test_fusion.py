@@ -12,6 +12,7 @@ from scan_steps import scanned_stack, stack_args, unrolled_stack
 
 from autopar.cluster import DeviceSpec, load_cluster
 from autopar.compiler.cost.estimate import node_compute_time_s, roofline_time_s
+from autopar.compiler.cost.gemm import dot_efficiency
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.fusion import LIBRARY_KERNELS, kernel_bytes
 from autopar.compiler.graph.trace import build_graph, trace_step
@@ -71,10 +72,13 @@ def test_an_element_wise_op_is_priced_at_the_memory_bandwidth_where_it_is_descri
     assert flops_only == pytest.approx(tanh.flops / 8 / (19.5e12 * 0.5))  # fp32 peak
     assert roofline == pytest.approx(OUT_BYTES / 8 / 2.0e12)
     assert roofline > 10 * flops_only
-    # a big matmul stays bound by its flops
+    # a big matmul stays bound by its flops (at its GEMM's wave efficiency)
     dot = next(n for n in graph.nodes if n.primitive == "dot_general")
     mesh = mesh_with(2.0e12)
-    assert roofline_time_s(dot.flops, 0.0, mesh, "float32") == \
+    lhs, rhs = (graph.tensors[t].shape for t in dot.inputs)
+    waves = dot_efficiency(lhs, rhs, dot.params["dimension_numbers"], 1,
+                           mesh.device.multiprocessors)
+    assert roofline_time_s(dot.flops, 0.0, mesh, "float32", waves) == \
         node_compute_time_s(graph, dot, mesh_with(0.0), 1)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from cluster_variants import without_waves
 
 import autopar
 from autopar.cluster import load_cluster
@@ -23,10 +24,12 @@ from autopar.plan import ShardingSpec
 @pytest.fixture(scope="module")
 def gpt_layer():
     """GPT-2.6B's shapes, 4 blocks cut into 2 layers, on a 2 x 4 mesh of one p3.16xlarge (at
-    tiny sizes the blocks' plans read their input in another layout than they make it)."""
+    tiny sizes the blocks' plans read their input in another layout than they make it),
+    every GEMM at one fraction of the peak (with the V100's waves, ``cost.gemm``, the two
+    blocks' plans meet in different layouts: the seam this test needs agreeing)."""
     model = get_model("gpt", "2.6B", num_layers=4, batch_size=32, seq_len=1024
                       ).with_value_and_grad(autopar.value_and_grad)
-    cluster = load_cluster("aws-p3.16xlarge-8nodes").with_hosts(1)
+    cluster = without_waves(load_cluster("aws-p3.16xlarge-8nodes").with_hosts(1))
     method = autopar.PipeshardParallel(num_microbatches=2, layers=2, planning_workers=1)
     pp = build_pipeline_program(model.train_step, model.abstract_inputs(), (1,), 2)
     positions = layer_positions(pp, build_graph(pp.forward), 2, cluster.num_devices)

@@ -78,13 +78,15 @@ class StrategyContext:
     def axis_indices(self, axes: Sequence[str]) -> tuple[int, ...]:
         return tuple(self.mesh.axis_index(a) for a in axes)
 
-    def compute_time(self, flops: float, parallel_axes: Sequence[str]) -> float:
+    def compute_time(self, flops: float, parallel_axes: Sequence[str],
+                     shape_efficiency: float = 1.0) -> float:
         """Seconds for ``flops`` of this node, and its kernel's bytes (``graph.fusion``), split
         evenly over the devices of ``parallel_axes`` (devices on other axes repeat the same
-        work, so they do not shorten it): the slower of the two (``roofline_time_s``)."""
+        work, so they do not shorten it): the slower of the two (``roofline_time_s``; a
+        GEMM's flops at its ``shape_efficiency``, ``cost.gemm``)."""
         parts = self.axes_size(parallel_axes)
         return roofline_time_s(flops / parts, self.kernel_bytes / parts, self.mesh,
-                               self.dominant_dtype)
+                               self.dominant_dtype, shape_efficiency)
 
     @cached_property
     def kernel_bytes(self) -> float:

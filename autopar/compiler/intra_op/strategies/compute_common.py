@@ -17,7 +17,7 @@ spec and ``_`` for an operand with no requirement; a partial-sum strategy ends i
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from autopar.compiler.intra_op.strategies.base import Strategy, StrategyContext, divisible
@@ -90,30 +90,34 @@ def make_strategy(
     parallel_axes: Iterable[str],
     collectives: Sequence[CollectiveEstimate] = (),
     suffix: str = "",
+    shape_efficiency: float = 1.0,
 ) -> Strategy:
-    """A priced strategy: the node's flops shared by ``parallel_axes``, plus ``collectives``."""
+    """A priced strategy: the node's flops shared by ``parallel_axes`` (at
+    ``shape_efficiency``, ``StrategyContext.compute_time``), plus ``collectives``."""
     return Strategy(
         name=strategy_name(inputs, outputs, suffix),
         output_specs=tuple(outputs),
         input_specs=tuple(inputs),
-        compute_time_s=ctx.compute_time(ctx.node.flops, mesh_order(ctx, parallel_axes)),
+        compute_time_s=ctx.compute_time(ctx.node.flops, mesh_order(ctx, parallel_axes),
+                                        shape_efficiency),
         communication_time_s=sum(c.time_s for c in collectives),
         collectives=tuple(collectives),
     )
 
 
-def replicated_strategy(ctx: StrategyContext) -> Strategy:
+def replicated_strategy(ctx: StrategyContext, shape_efficiency: float = 1.0) -> Strategy:
     """Everything whole on every device; every device does all the work."""
     outs = [ShardingSpec.replicated(t.ndim) for t in ctx.outputs]
     ins = [replicated_spec(t.ndim) for t in ctx.inputs]
-    return make_strategy(ctx, outs, ins, ())
+    return make_strategy(ctx, outs, ins, (), shape_efficiency=shape_efficiency)
 
 
-def finalize(ctx: StrategyContext, strategies: Iterable[Strategy]) -> list[Strategy]:
+def finalize(ctx: StrategyContext, strategies: Iterable[Strategy],
+             whole_efficiency: float = 1.0) -> list[Strategy]:
     """Drop duplicates (same specs: keep the cheaper), make names unique, make sure the
-    replicated strategy is present (first)."""
+    replicated strategy (its flops at ``whole_efficiency``) is present (first)."""
     best: dict[tuple, Strategy] = {}
-    for s in [replicated_strategy(ctx), *strategies]:
+    for s in [replicated_strategy(ctx, whole_efficiency), *strategies]:
         key = (s.output_specs, s.input_specs)
         if key not in best or s.cost < best[key].cost:
             best[key] = s
@@ -145,6 +149,7 @@ def slot_strategies(
     slots: Sequence[Slot],
     scatter_dims: Sequence[int] = (),
     reduce_scatter: bool = True,
+    shape_efficiency: Callable[[Sequence[int]], float] | None = None,
 ) -> list[Strategy]:
     """Every assignment of the active mesh axes to slots (or to nothing), as strategies.
 
@@ -153,7 +158,9 @@ def slot_strategies(
     all-reduces them (nbytes: the per-device output buffer), and with ``reduce_scatter`` one
     more per output-0 dimension in ``scatter_dims`` leaves that dimension further split by
     those axes (minor to the axes already on it: each device scatters its own block), costing
-    a reduce-scatter of the same per-device partial buffer.
+    a reduce-scatter of the same per-device partial buffer. ``shape_efficiency``: the
+    fraction of the peak the op reaches with its slots at these per-device sizes (a GEMM's
+    waves, ``cost.gemm``); every strategy's flops are priced at it.
     """
     axes = active_axes(ctx)
     in_ranks = [t.ndim for t in ctx.inputs]
@@ -167,6 +174,8 @@ def slot_strategies(
         if not all(divisible(slots[s].size, ctx, a) for s, a in per_slot.items()):
             continue
         placed = [(slots[s], a) for s, a in per_slot.items()]
+        efficiency = 1.0 if shape_efficiency is None else shape_efficiency(
+            [slot.size // ctx.axes_size(per_slot.get(k, ())) for k, slot in enumerate(slots)])
         ins = [ShardingSpec(tuple(d)) if r else None
                for d, r in zip(_specs(in_ranks, placed, "inputs"), in_ranks, strict=True)]
         outs = [ShardingSpec(tuple(d)) for d in _specs(out_ranks, placed, "outputs")]
@@ -174,13 +183,13 @@ def slot_strategies(
         summed = mesh_order(
             ctx, (axis for s, group in per_slot.items() if slots[s].summed for axis in group))
         if not summed:
-            found.append(make_strategy(ctx, outs, ins, used))
+            found.append(make_strategy(ctx, outs, ins, used, shape_efficiency=efficiency))
             continue
         out_id = ctx.node.outputs[0]
         nbytes = per_device_bytes(ctx, out_id, outs[0])
         tag = ",".join(summed)
         ar = ctx.collective(CollectiveKind.ALL_REDUCE, nbytes, summed)
-        found.append(make_strategy(ctx, outs, ins, used, [ar], f"AR({tag})"))
+        found.append(make_strategy(ctx, outs, ins, used, [ar], f"AR({tag})", efficiency))
         if not reduce_scatter:
             continue
         rs = ctx.collective(CollectiveKind.REDUCE_SCATTER, nbytes, summed)
@@ -192,5 +201,7 @@ def slot_strategies(
             dims = list(outs[0].dims)
             dims[d] = merged
             scattered = [ShardingSpec(tuple(dims)), *outs[1:]]
-            found.append(make_strategy(ctx, scattered, ins, used, [rs], f"RS({tag})"))
-    return finalize(ctx, found)
+            found.append(make_strategy(ctx, scattered, ins, used, [rs], f"RS({tag})",
+                                       efficiency))
+    whole = 1.0 if shape_efficiency is None else shape_efficiency([s.size for s in slots])
+    return finalize(ctx, found, whole)

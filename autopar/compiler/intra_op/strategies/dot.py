@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from autopar.compiler.cost.gemm import BATCH, COLUMNS, CONTRACTING, ROWS, gemm_efficiency
 from autopar.compiler.intra_op.strategies.base import Strategy, StrategyContext
 from autopar.compiler.intra_op.strategies.compute_common import Slot, finalize, slot_strategies
 
@@ -42,7 +43,23 @@ def dot_general_strategies(ctx: StrategyContext) -> list[Strategy]:
         return finalize(ctx, [])  # not the plain two-operand form: replicated only
     lhs, rhs = ctx.inputs
     slots = dot_slots(lhs.shape, rhs.shape, ctx.node.params["dimension_numbers"])
-    return slot_strategies(ctx, slots, scatter_dims=range(ctx.outputs[0].ndim))
+    multiprocessors = ctx.mesh.device.multiprocessors
+    if not multiprocessors:
+        return slot_strategies(ctx, slots, scatter_dims=range(ctx.outputs[0].ndim))
+    roles = [gemm_role(slot) for slot in slots]
+    return slot_strategies(ctx, slots, scatter_dims=range(ctx.outputs[0].ndim),
+                           shape_efficiency=lambda sizes: gemm_efficiency(sizes, roles,
+                                                                          multiprocessors))
+
+
+def gemm_role(slot: Slot) -> str:
+    """What a dot's loop is to its GEMM's output tiles (``cost.gemm``): summed loops are
+    contracting, loops over both operands batch, the lhs's free ones rows, the rhs's columns."""
+    if slot.summed:
+        return CONTRACTING
+    if len(slot.inputs) == 2:
+        return BATCH
+    return ROWS if slot.inputs[0][0] == 0 else COLUMNS
 
 
 RULES: dict[str, Callable[[StrategyContext], list[Strategy]]] = {
