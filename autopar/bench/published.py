@@ -60,6 +60,9 @@ class PublishedRun:
     system: str
     devices_per_host: int | None = None
     note: str = ""
+    # the described cluster's compute_efficiency replaced: what the fit of that figure
+    # (benchmarks/fit_compute_efficiency.py) plans the pinned configuration at
+    compute_efficiency: float | None = None
 
     @property
     def gpus(self) -> int:
@@ -73,7 +76,10 @@ class PublishedRun:
         """The shipped description with this run's hosts (and devices per host)."""
         base = load_cluster(self.cluster)
         per_host = self.devices_per_host or base.devices_per_host
-        return replace(base, num_hosts=self.hosts, devices_per_host=per_host)
+        base = replace(base, num_hosts=self.hosts, devices_per_host=per_host)
+        if self.compute_efficiency is not None:
+            base = replace(base, compute_efficiency=self.compute_efficiency)
+        return base
 
     def num_microbatches(self, microbatch_size: int) -> int:
         """Microbatches per pipeline at ``microbatch_size`` sequences each."""

@@ -157,10 +157,54 @@ def markdown(rows: Sequence[dict[str, Any]], info: dict[str, Any], command: str,
             f"| {r['label']} | {r['published_tflops_per_gpu']:.1f} | {_plan_text(p)} | "
             f"{_f(p['est_tflops_per_gpu'])} | {_f(r['pinned_over_published'], 2)} | "
             f"{free_text} | " + search)
+    lines += ["", *error_summary(rows)]
     notes = sorted({r["note"] for r in rows if r.get("note")})
     if notes:
         lines += ["", "Notes: " + "; ".join(notes) + "."]
     return "\n".join(lines) + "\n"
+
+
+# Which rows each GPU's ``compute_efficiency`` (the fraction of the peak a large GEMM
+# reaches) was fitted on (docs/cost-model.md, "Matrix multiplications by shape"): every other
+# row of each GPU's, so that the rows left out check the fit.
+FIT_ROWS = "every other row per GPU, from the first"
+
+
+def fitted(rows: Sequence[dict[str, Any]]) -> dict[str, bool]:
+    """Whether each row (by label) is one its GPU's efficiency was fitted on
+    (``FIT_ROWS``)."""
+    seen: dict[str, int] = {}
+    out = {}
+    for r in rows:
+        k = seen.get(r.get("cluster", ""), 0)
+        seen[r.get("cluster", "")] = k + 1
+        out[r["label"]] = k % 2 == 0
+    return out
+
+
+def error_summary(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The pinned estimates against the published measurements: the median and largest
+    error, and the rows beyond 20%, over all rows and over those fitted on and not."""
+    import statistics
+
+    ok = [r for r in rows if "pinned_over_published" in r]
+    if not ok:
+        return []
+    fit = fitted(ok)
+    lines = ["Pinned estimate against the published measurement (error: |pinned / published "
+             f"- 1|); each GPU's `compute_efficiency` was fitted on {FIT_ROWS} "
+             "(docs/cost-model.md):", "",
+             "| rows | count | median error | largest error | beyond 20% |",
+             "|---|---:|---:|---:|---|"]
+    for name, group in (("all", ok), ("fitted on", [r for r in ok if fit[r["label"]]]),
+                        ("held out", [r for r in ok if not fit[r["label"]]])):
+        if not group:
+            continue
+        errors = [abs(r["pinned_over_published"] - 1) for r in group]
+        beyond = [r["label"] for r in group if abs(r["pinned_over_published"] - 1) > 0.2]
+        lines.append(f"| {name} | {len(group)} | {statistics.median(errors):.1%} | "
+                     f"{max(errors):.1%} | {'; '.join(beyond) or 'none'} |")
+    return lines
 
 
 def write_plot(rows: Sequence[dict[str, Any]], path: Path) -> None:

@@ -125,3 +125,21 @@ def test_a_search_without_a_plan_keeps_the_pinned_row(tmp_path, monkeypatch):
     assert "| no plan: no candidate of the full search fits" in files[1].read_text()
     assert lines[0].endswith("search: no candidate of the full search fits in 80.00 GiB "
                              "per device")
+
+
+def test_the_page_sets_the_fitted_rows_apart_from_the_held_out_ones():
+    from autopar.bench.published_suite import error_summary, fitted
+
+    # per GPU, every other row in order is one its efficiency was fitted on
+    rows = [{"label": f"{gpu} {k}", "cluster": gpu, "pinned_over_published": ratio}
+            for gpu, ratios in (("v100", (1.0, 0.9, 1.1)), ("a100", (0.95, 1.3)))
+            for k, ratio in enumerate(ratios)]
+    assert fitted(rows) == {"v100 0": True, "v100 1": False, "v100 2": True,
+                            "a100 0": True, "a100 1": False}
+    table = {line.split(" | ")[0].lstrip("| "): line for line in error_summary(rows)
+             if line.startswith("| ") and "count" not in line}
+    # all: errors 0, .1, .1, .05, .3 -> median 10%, one beyond 20%
+    assert table["all"].split(" | ")[1:4] == ["5", "10.0%", "30.0%"]
+    assert table["all"].endswith("| a100 1 |")
+    assert table["fitted on"].split(" | ")[1:5] == ["3", "5.0%", "10.0%", "none |"]
+    assert table["held out"].split(" | ")[1:4] == ["2", "20.0%", "30.0%"]

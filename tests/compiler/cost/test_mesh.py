@@ -167,7 +167,7 @@ def test_logical_mesh_inside_one_host_uses_intra_links():
     assert mesh.num_devices == 8 and mesh.ndim == 2
     assert mesh.alpha == (5e-6, 5e-6)
     assert mesh.beta == (1 / 150e9, 1 / 150e9)
-    assert mesh.device == p3.device and mesh.compute_efficiency == 0.5
+    assert mesh.device == p3.device and mesh.compute_efficiency == p3.compute_efficiency
     np.testing.assert_array_equal(mesh.device_grid(), [[0, 1, 2, 3], [4, 5, 6, 7]])
     assert mesh.axis_size(1) == 4 and mesh.axis_size("x") == 2 and mesh.axis_index("y") == 1
     one_d = LogicalMesh.from_cluster(p3, "4")
