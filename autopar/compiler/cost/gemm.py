@@ -36,6 +36,24 @@ def wave_efficiency(rows: int, columns: int, batch: int, multiprocessors: int) -
     return rows * columns * batch / (waves * multiprocessors * TILE * TILE)
 
 
+def dot_loops(lhs_shape: Sequence[int], rhs_shape: Sequence[int],
+              dimension_numbers: tuple) -> list[tuple[str, int, tuple[tuple[int, int], ...]]]:
+    """The loops of a ``dot_general`` in output order: its batch pairs, the lhs's free
+    dimensions (rows), the rhs's (columns), then the contracting pairs; each as (role, size,
+    the (operand, dimension) pairs it runs over). The output's dimensions are the
+    non-contracting loops in this order."""
+    (lhs_c, rhs_c), (lhs_b, rhs_b) = dimension_numbers
+    loops = [(BATCH, lhs_shape[lb], ((0, lb), (1, rb)))
+             for lb, rb in zip(lhs_b, rhs_b, strict=True)]
+    loops += [(ROWS, lhs_shape[d], ((0, d),)) for d in range(len(lhs_shape))
+              if d not in lhs_c and d not in lhs_b]
+    loops += [(COLUMNS, rhs_shape[d], ((1, d),)) for d in range(len(rhs_shape))
+              if d not in rhs_c and d not in rhs_b]
+    loops += [(CONTRACTING, lhs_shape[lc], ((0, lc), (1, rc)))
+              for lc, rc in zip(lhs_c, rhs_c, strict=True)]
+    return loops
+
+
 def dot_efficiency(lhs_shape: Sequence[int], rhs_shape: Sequence[int],
                    dimension_numbers: tuple, parts: int, multiprocessors: int) -> float:
     """``wave_efficiency`` of a ``dot_general`` run ``parts`` ways by splitting its batch:
@@ -43,15 +61,7 @@ def dot_efficiency(lhs_shape: Sequence[int], rhs_shape: Sequence[int],
     forward, contracting in a weight's gradient) is cut ``parts`` ways where it divides, else
     the rhs's; where neither divides, the whole GEMM's. The one-stage planners that split
     only the batch price a dot so (the ILP's strategies know each loop's split)."""
-    (lhs_c, rhs_c), (lhs_b, rhs_b) = dimension_numbers
-    loops: list[tuple[str, int, set[tuple[int, int]]]] = [
-        (BATCH, lhs_shape[lb], {(0, lb), (1, rb)}) for lb, rb in zip(lhs_b, rhs_b, strict=True)]
-    loops += [(ROWS, lhs_shape[d], {(0, d)}) for d in range(len(lhs_shape))
-              if d not in lhs_c and d not in lhs_b]
-    loops += [(COLUMNS, rhs_shape[d], {(1, d)}) for d in range(len(rhs_shape))
-              if d not in rhs_c and d not in rhs_b]
-    loops += [(CONTRACTING, lhs_shape[lc], {(0, lc), (1, rc)})
-              for lc, rc in zip(lhs_c, rhs_c, strict=True)]
+    loops = dot_loops(lhs_shape, rhs_shape, dimension_numbers)
     sizes = [size for _, size, _ in loops]
     if parts > 1:
         for leading in ((0, 0), (1, 0)):
