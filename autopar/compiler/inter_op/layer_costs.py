@@ -28,6 +28,7 @@ from autopar.compiler.inter_op.piece_cost import (
 )
 from autopar.compiler.inter_op.remat import LayerSums, state_split_levels
 from autopar.compiler.inter_op.repeats import RepeatGrid, find_repeats
+from autopar.compiler.inter_op.seams import STAGE_GAP, price_seams, stitched_gap
 from autopar.compiler.inter_op.step_parts import StepWork, step_work
 from autopar.compiler.intra_op.problem import IlpStatus
 from autopar.compiler.intra_op.sharding_ilp import IntraOpOptions, MeshCaches
@@ -145,28 +146,35 @@ class LayerCostCache:
             self.composed[key] = self._compose(pp, piece, units, costs)
         return self.composed[key]
 
-    def seamless_cost(self, pp: PipelineProgram, piece: Piece, mesh: LogicalMesh,
+    def stitched_cost(self, pp: PipelineProgram, piece: Piece, mesh: LogicalMesh,
                       split: int = 1) -> PieceCost | None:
-        """``piece``'s cost and plan as its blocks' (``layer_cost``) where that plan runs as
-        priced: every block's ILP ended proven (or within its gap), and every value one block
-        passes to another is read in the layout it is made in, so the runtime reshards
-        nothing between them that the sum leaves out. It is then exactly the plan the stage
-        search priced the piece by (its estimate is that sum); the piece's own ILP (``cost``,
-        which the chosen stages are otherwise solved as, so that a disagreeing seam is priced)
-        may find one a little cheaper (GPT-39B's layers: within 0.7%). None where the piece
-        is one block or a seam disagrees."""
+        """``piece``'s cost and plan as its blocks' (``layer_cost``), the plan the stage
+        search priced it by, with the reshards at its seams priced (``seams``: where one
+        block makes a value in another layout than the next reads it in), where every block's
+        ILP ended proven or within its gap and the seams and those gaps leave the plan within
+        ``seams.STAGE_GAP`` of the piece's own ILP's optimum (its ``ilp_gap``, reported).
+        None where the piece is one block, or its own ILP (``cost``, which the chosen stages
+        are otherwise solved as) may be cheaper by more than that."""
         units = self.units(pp, piece)
         if len(units) < 2:
             return None
         composed = self.layer_cost(pp, piece, mesh, split=split)
         if stopped_early(composed):
             return None
-        inside = {v for i in piece.eqns for v in pp.forward.eqns[i].outputs}
-        for unit in units[1:]:
-            for v, spec in self.cost(pp, unit, mesh, split=split).input_specs.items():
-                if v in inside and composed.value_specs.get(v) != spec:
-                    return None
-        return composed
+        costs = [self.cost(pp, unit, mesh, split=split) for unit in units]
+        seams = price_seams(pp, units, [c.input_specs for c in costs], composed.value_specs,
+                            mesh)
+        if seams is None:
+            return None
+        m = self.num_microbatches
+        gap = stitched_gap([c.per_microbatch_s(m) for c in costs],
+                           [c.ilp_gap for c in costs], seams.time_s)
+        if gap > STAGE_GAP:
+            return None
+        if not seams.disagreeing:
+            return composed
+        return replace(composed, time_s=composed.time_s + seams.time_s, ilp_gap=gap,
+                       collectives=composed.collectives + seams.collectives)
 
     def _compose(self, pp: PipelineProgram, piece: Piece, units: Sequence[Piece],
                  costs: Sequence[PieceCost]) -> PieceCost:

@@ -1,5 +1,5 @@
 """PipeshardParallel planning: the stage search (``pipeline_search``), then the best pipeline's
-stages solved whole.
+stages planned (their blocks' plans with the seams priced, or solved whole).
 
 The loss forward is cut into layers (the user's marks or Alpa's clustering). Every layer is
 costed by the intra-operator ILP on every submesh shape and logical mesh shape (structurally
@@ -8,7 +8,9 @@ solves each candidate stage whole; summing layers keeps a 48-layer, 64-device se
 dozen small ILPs), with what the runtime adds (accumulation, transfers, the driver's tasks) and
 its per-step tail (gradient reduction, update). The search compares the stage DP's answers and
 the hand splits on the whole step's estimate; here each stage of the best one has its pieces
-solved whole on its logical mesh, and that plan's input shardings are what the runtime places.
+planned on its logical mesh (as their blocks' plans where the reshards between blocks keep
+that within 1% of the piece's own ILP: ``inter_op.seams``; solved whole otherwise), and that
+plan's input shardings are what the runtime places.
 """
 
 from __future__ import annotations
@@ -49,23 +51,23 @@ def plan_pipeshard(pp: PipelineProgram, method: PipeshardParallel, cluster: Clus
                    cluster_name: str | None = None, *,
                    cache: LayerCostCache | None = None) -> Plan:
     """Plan ``pp`` (built with ``method.num_microbatches``) on ``cluster``: the search
-    (``pipeline_search.search_pipeshard``), then its best pipeline's stages solved whole
+    (``pipeline_search.search_pipeshard``), then its best pipeline's stages planned
     (:func:`finish_pipeshard`).
 
     ``cache``: layer costs to reuse and fill (``layer_cost_cache``; default: a fresh one).
     ``plan.planning.phases`` splits the planning seconds: ``layers_s`` (clustering),
     ``stage_costs_s`` (the per-layer ILPs the search asked for), ``stage_dp_s`` (the search
-    without them), ``stage_plans_s`` (the chosen stages solved whole) and ``total_s``.
+    without them), ``stage_plans_s`` (the chosen stages planned) and ``total_s``.
     ``plan.planning.candidates`` lists the pipelines compared (``search_pipelines``).
     ``schedule="auto"`` is ``schedule_choice.plan_pipeline``'s."""
     return finish_pipeshard(search_pipeshard(pp, method, cluster, cache=cache), cluster_name)
 
 
 def finish_pipeshard(search: PipeshardSearch, cluster_name: str | None = None) -> Plan:
-    """The plan of ``search``'s best pipeline: each stage's pieces solved whole on the
-    stage's logical mesh (one ILP, not its blocks': where two blocks' layouts disagree the
-    runtime would reshard what no cost priced; where they agree, the blocks' plans are
-    kept: ``LayerCostCache.seamless_cost``), whose input shardings the runtime places."""
+    """The plan of ``search``'s best pipeline: each stage's pieces as their blocks' plans
+    where the reshards at the seams between blocks leave that within 1% of the piece's own
+    ILP's optimum (``LayerCostCache.stitched_cost``), else solved whole on the stage's
+    logical mesh (one ILP), whose input shardings the runtime places."""
     started = time.perf_counter()
     pp, method, cluster, cache = search.pp, search.method, search.cluster, search.cache
     found, best, graph = search.found, search.best, search.graph
@@ -83,10 +85,11 @@ def finish_pipeshard(search: PipeshardSearch, cluster_name: str | None = None) -
     jobs = [(piece, meshes[layout.stage_of_piece[k]],
              state_split_of_key(partition.stages[layout.stage_of_piece[k]].candidate.key))
             for k, piece in enumerate(pieces)]
-    # a piece whose blocks' plans agree at their seams runs them: the plan its estimate
-    # priced; the others' ILPs at once, over the planning workers (the search's are done)
-    seamless = [cache.seamless_cost(pp, *job) for job in jobs]
-    cache.prefetch_whole(pp, [job for job, found in zip(jobs, seamless, strict=True)
+    # a piece whose blocks' plans, their seams priced, are within 1% of its own ILP's optimum
+    # runs them (the plan its estimate priced, but for the seams); the others' ILPs at once,
+    # over the planning workers (the search's are done)
+    stitched = [cache.stitched_cost(pp, *job) for job in jobs]
+    cache.prefetch_whole(pp, [job for job, found in zip(jobs, stitched, strict=True)
                               if found is None], method.time_limit_s,
                          method.planning_workers or available_cores())
     stages = []
@@ -97,7 +100,7 @@ def finish_pipeshard(search: PipeshardSearch, cluster_name: str | None = None) -
         for k, piece in enumerate(pieces):
             if layout.stage_of_piece[k] == s:
                 # at the method's time limit: this plan is what runs
-                cost = seamless[k] or cache.cost(
+                cost = stitched[k] or cache.cost(
                     pp, piece, mesh, time_limit_s=method.time_limit_s,
                     split=state_split_of_key(assignment.candidate.key))
                 specs.update(cost.input_specs)
@@ -148,11 +151,14 @@ def finish_pipeshard(search: PipeshardSearch, cluster_name: str | None = None) -
         notes.append(f"the pipeline runs as {best.replicas} data-parallel replicas, each on "
                      f"{hosts} host(s) with {m} of the {method.num_microbatches} microbatches; "
                      "the replicas all-reduce each stage's gradients between hosts")
-    composed = sum(found is not None for found in seamless)
-    if composed:
-        notes.append(f"{composed} of {len(pieces)} stage pieces run their repeated blocks' "
-                     "plans, which agree where one block passes values to the next (the plans "
-                     "the stage search priced them by); the rest were solved whole")
+    kept = [found for found in stitched if found is not None]
+    if kept:
+        gaps = [found.ilp_gap or 0.0 for found in kept]
+        notes.append(f"{len(kept)} of {len(pieces)} stage pieces run their repeated blocks' "
+                     "plans (the plans the stage search priced them by), the reshards where one "
+                     "block passes another a value in another layout priced: within "
+                     f"{max(gaps):.2%} of each piece's own ILP's optimum"
+                     + ("; the rest were solved whole" if len(kept) < len(pieces) else ""))
     notes.extend(stage_ilp_notes(cache))
     estimate = best.estimate
     return Plan(
