@@ -25,10 +25,11 @@ from autopar.frontend.planning import StaticBinding, bind_static_args, plan_trai
 from autopar.frontend.progress import Progress
 from autopar.frontend.static_leaves import array_leaves, signature_part
 from autopar.ir.flatten import argument_names
-from autopar.ir.schedules import is_async
 from autopar.methods import METHOD_TYPES, AutoParallel, Method
 from autopar.plan import Plan
 from autopar.runtime.distributed import global_devices, host_layout, same_plan_everywhere
+from autopar.runtime.executables import build_executable
+from autopar.runtime.measured_choice import measured_chooser
 from autopar.runtime.shard import ShardedProgram
 
 if TYPE_CHECKING:
@@ -177,6 +178,15 @@ class ParallelizedStep:
         if getattr(method, "replicas", None) == "auto":
             # the pipeline runtime runs one replica: plan these devices with none
             method = dataclasses.replace(method, replicas="none")
+        devices = self.devices if self.devices is not None else global_devices()
+        donated = tuple(
+            owner in self.donate_argnums
+            for owner in bound.dynamic_argnums
+            for _ in array_leaves(args[owner])
+        )
+        timed: dict[int, Any] = {}  # the measured choice's executable, by its plan's id
+        choose = measured_chooser(method, bound.array_inputs(args), devices, donated, timed)
+
         # a planning longer than a few seconds shows its progress on a terminal
         status = PlanningStatus()
         with Progress(delay_s=PROGRESS_DELAY_S) as progress, \
@@ -184,7 +194,7 @@ class ParallelizedStep:
             planned = plan_train_step(
                 bound.fn, bound.dynamic_args, method, local_cluster(self.devices),
                 batch_argnums=bound.batch_argnums, fall_back_to_shard=self.method_defaulted,
-                saved_plan=self.saved_plan, cache=self.cache, status=status,
+                saved_plan=self.saved_plan, cache=self.cache, status=status, choose=choose,
             )
         plan = same_plan_everywhere(planned.plan)  # across processes: process 0's plan
         if plan.pipeline is not None and plan.pipeline.replicas > 1:
@@ -193,30 +203,14 @@ class ParallelizedStep:
                 "replicas on groups of hosts, which the pipeline runtime does not run yet (it "
                 "runs one replica); plan for these devices, or with PipeshardParallel on one "
                 "group of hosts")
-        devices = self.devices if self.devices is not None else global_devices()
         for i, stage in enumerate(plan.stages):
             beyond = [d for d in stage.device_ids if not 0 <= d < len(devices)]
             if beyond:
                 raise PlanError(f"plan field stages[{i}].device_ids names device {beyond[0]}; "
                                 f"this step runs on {len(devices)} device(s), ids 0 to "
                                 f"{len(devices) - 1}")
-        donated = tuple(
-            owner in self.donate_argnums
-            for owner in bound.dynamic_argnums
-            for _ in array_leaves(args[owner])
-        )
-        if planned.pipeline is not None and is_async(plan.pipeline.schedule):
-            # the pipeline carries microbatches and weight versions from call to call
-            from autopar.runtime.async_pipeline import AsyncPipelineRunner
-
-            executable: Any = AsyncPipelineRunner.from_plan(planned.pipeline, plan, devices)
-        elif planned.pipeline is not None:
-            from autopar.runtime.pipeline import PipelineRunner
-
-            executable = PipelineRunner.from_plan(planned.pipeline, plan, devices)
-        else:
-            executable = ShardedProgram(planned.traced.program, plan, devices,
-                                        donated=donated)
+        executable = timed.get(id(plan)) or build_executable(
+            plan, planned.traced.program, planned.pipeline, devices, donated)
         elapsed = time.perf_counter() - start
         return CompiledStep(planned.traced, plan, executable, elapsed, bound, donated,
                             planned.from_cache)

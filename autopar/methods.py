@@ -302,6 +302,11 @@ class AutoParallel:
     plan fitting the budget is estimated below the least driver time of any pipeline of two
     or more stages; a one-stage pipeline is kept only for memory): the plan is the same;
     False plans them anyway, for the planning record.
+    ``measure_candidates``: when the plan is for the devices the step runs on (not a
+    described cluster), how many candidate plans are compiled and timed there before one is
+    kept (the fastest measured): the search's own choice and the data-parallel and
+    ShardParallel plans estimated fastest, then the next by estimate; 0 keeps the estimate's
+    choice without timing any. A plan from the cache or a file is not timed again.
     """
 
     candidates: tuple[str, ...] = AUTO_CANDIDATES
@@ -317,6 +322,7 @@ class AutoParallel:
     time_budget_s: float | None = None
     planning_workers: int | None = None
     prune: bool = True
+    measure_candidates: int = 3
 
     name = "auto"
 
@@ -338,6 +344,10 @@ class AutoParallel:
             raise InvalidOptionError(
                 f"memory_budget_bytes must be positive, got {self.memory_budget_bytes}"
             )
+        if (not isinstance(self.measure_candidates, int)
+                or isinstance(self.measure_candidates, bool) or self.measure_candidates < 0):
+            raise InvalidOptionError(f"measure_candidates must be a non-negative integer (0: "
+                                     f"time none), got {self.measure_candidates!r}")
         self.pipeline_method()  # its options' errors now, not at planning time
 
     def pipeline_method(self) -> PipeshardParallel:

@@ -208,6 +208,23 @@ def measure_single_device(step_fn: Callable, inputs: LocalInputs, device: Any, w
     return Timing(tuple(times), warmup, first, None, "one device: no collectives")
 
 
+def measured_default(searched: Any, inputs: LocalInputs, devices: Sequence[Any]) -> Plan:
+    """The plan ``autopar.parallelize`` keeps on these devices without ``method=``: the full
+    search's (``searched``, a ``bench.planning.Searched``) candidates timed and the fastest
+    measured kept (``AutoParallel.measure_candidates``'s default count)."""
+    import jax
+
+    import autopar
+    from autopar.runtime.measured_choice import choose_by_clock, search_candidates
+
+    own = next(p for p in searched.programs.values() if p.plan is searched.plan)
+    chosen, others = search_candidates(searched.plan, own.traced.program, own.pipeline,
+                                       searched.programs)
+    template = jax.tree_util.tree_leaves((inputs.state, inputs.batch))
+    return choose_by_clock(chosen, others, template, devices, (),
+                           autopar.AutoParallel().measure_candidates).plan
+
+
 def local_devices(count: int) -> list[Any]:
     """The first ``count`` devices of this process."""
     import jax

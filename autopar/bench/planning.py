@@ -10,7 +10,7 @@ ILP, ZeRO, the pipelines) comes back for the baselines to run.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from autopar.cluster import ClusterSpec, format_mesh_shape
@@ -31,6 +31,8 @@ class Searched:
     trace_s: float
     traced: TracedStep
     pp: PipelineProgram | None = None
+    # each candidate's plan with the program its ids name (``PlannedProgram``), by name
+    programs: dict[str, Any] = field(default_factory=dict)
 
 
 def full_search(model: ZooModel, cluster: ClusterSpec, *, microbatches: int,
@@ -51,7 +53,7 @@ def full_search(model: ZooModel, cluster: ClusterSpec, *, microbatches: int,
     planned = dispatch.plan(step, cluster)
     planned.plan.batch_argnums = (1,)
     return Searched(planned.plan, {n: c.plan for n, c in planned.candidates.items()},
-                    trace_s, step.traced, step.pipeline)
+                    trace_s, step.traced, step.pipeline, dict(planned.candidates))
 
 
 def planning_times(trace_s: float, plan: Plan) -> dict[str, float]:

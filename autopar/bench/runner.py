@@ -121,6 +121,13 @@ def run_case(case: BenchCase, options: RunOptions, phase: Phase) -> dict[str, An
         searched = full_search(model, cluster, microbatches=case.microbatches,
                                pipeline_layers=case.pipeline_layers,
                                memory_budget_bytes=None if case.local else NO_MEMORY_LIMIT)
+    local = _local_run(case, model, options, phase) if case.local else None
+    if local is not None:
+        from autopar.bench.measure import measured_default
+
+        # what autopar.parallelize keeps on these devices: its best candidates timed here
+        with phase(f"{case.name}: timing the full search's best candidates"):
+            searched.plan = measured_default(searched, local.inputs, local.devices)
     traced = searched.traced
     plan = searched.plan
     flops = traced.graph.total_flops
@@ -134,7 +141,6 @@ def run_case(case: BenchCase, options: RunOptions, phase: Phase) -> dict[str, An
         "measured": None, "cost_model": None, "simple_vs_default": None,
     })
     row["notes"] += list(plan.notes)
-    local = _local_run(case, model, options, phase) if case.local else None
     timings: dict[str, Any] = {}
     one_stage: OneStagePipelinePlans | str | None = None
     if local is not None:

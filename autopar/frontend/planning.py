@@ -41,6 +41,8 @@ class PlannedStep:
     plan: Plan
     pipeline: Any = None  # autopar.ir.pipeline_program.PipelineProgram
     from_cache: bool = False
+    # the full search's candidates, by name (``PlannedProgram``s): planned afresh only
+    candidates: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,7 @@ def plan_train_step(
     cache: Any = None,
     ilp_observer: Callable[[Any, Any], None] | None = None,
     status: PlanningStatus | None = None,
+    choose: Callable[[PlannedStep], PlannedStep] | None = None,
 ) -> PlannedStep:
     """Trace ``fn(*args)`` and plan it with ``method`` on ``cluster``.
 
@@ -149,7 +152,9 @@ def plan_train_step(
     traced program, method, cluster and batch arguments, and to store a new plan in.
     ``ilp_observer(problem, solution)``: called with each one-stage sharding ILP solved
     (``--dump-ilp``; the cache is then not read). ``status``: what the planner is doing, kept
-    up to date for a progress display to show.
+    up to date for a progress display to show. ``choose``: given a plan made afresh (with its
+    candidates), the plan to keep and cache instead (the caller's measured choice: this
+    module touches no devices).
     """
     if saved_plan is not None:
         return _with_saved_plan(fn, args, saved_plan, batch_argnums)
@@ -163,16 +168,21 @@ def plan_train_step(
             step = dispatch.trace_for_plan(fn, args, cached, batch_argnums)
         traced, pipeline = step.parts_for(cached)
         if cached.is_pipelined and pipeline is None:  # a foreign entry: plan anew
-            return _planned(step, cluster, cache, key, ilp_observer)
+            return _planned(step, cluster, cache, key, ilp_observer, choose)
         return PlannedStep(traced, cached, pipeline, from_cache=True)
-    return _planned(step, cluster, cache, key, ilp_observer)
+    return _planned(step, cluster, cache, key, ilp_observer, choose)
 
 
 def _planned(step: StepProgram, cluster: ClusterSpec, cache: Any, key: str | None,
-             ilp_observer: Callable[[Any, Any], None] | None) -> PlannedStep:
+             ilp_observer: Callable[[Any, Any], None] | None,
+             choose: Callable[[PlannedStep], PlannedStep] | None = None) -> PlannedStep:
     planned = dispatch.plan(step, cluster, ilp_observer=ilp_observer)
-    _store(cache, key, planned.plan)
-    return PlannedStep(planned.traced, planned.plan, planned.pipeline)
+    found = PlannedStep(planned.traced, planned.plan, planned.pipeline,
+                        candidates=dict(planned.candidates))
+    if choose is not None:
+        found = choose(found)
+    _store(cache, key, found.plan)
+    return found
 
 
 def _cache_key(cache: Any, step: StepProgram, cluster: ClusterSpec) -> str | None:

@@ -100,6 +100,7 @@ class CompileReport:
             "mesh_shape": list(plan.mesh_shape),
             "compile_time_s": self.compile_time_s,
             "est_step_time_s": plan.est_step_time_s,
+            "measured_step_time_s": measured_step_time_s(plan),
             "peak_memory_bytes": plan.peak_memory_bytes,
             "xla_memory_bytes": self.xla_memory_bytes,
             "num_params": self.num_params,
@@ -152,7 +153,8 @@ class CompileReport:
             f"  flops per step    {format_count(self.flops_per_step)}",
             "  compile time      "
             + ("-" if self.compile_time_s is None else f"{self.compile_time_s:.2f} s"),
-            f"  est. step time    {format_seconds(plan.est_step_time_s)}",
+            f"  est. step time    {format_seconds(plan.est_step_time_s)}"
+            + _measured_text(plan),
             f"  per-device memory {format_bytes(plan.peak_memory_bytes)}"
             + ("" if self.xla_memory_bytes is None
                else f" (XLA's memory analysis: {format_bytes(self.xla_memory_bytes)})"),
@@ -268,6 +270,20 @@ def _estimate_lines(plan: Plan) -> list[str]:
     return ["                    " + ", ".join(shown)] if shown else []
 
 
+def measured_step_time_s(plan: Plan) -> float | None:
+    """The plan's step as timed on the devices it was planned for, when the full search timed
+    its candidates there (``AutoParallel.measure_candidates``); else None."""
+    for c in plan.planning.candidates:
+        if c.get("chosen") and c.get("measured_step_time_s") is not None:
+            return float(c["measured_step_time_s"])
+    return None
+
+
+def _measured_text(plan: Plan) -> str:
+    measured = measured_step_time_s(plan)
+    return "" if measured is None else f" (measured {format_seconds(measured)} on these devices)"
+
+
 def candidate_table(plan: Plan) -> list[tuple[str, str, str, str, str, str]]:
     """The candidates the search compared as rows (mark, name, method, est. step, ratio to
     the chosen plan, note), fastest first; [] when the plan records none."""
@@ -281,6 +297,10 @@ def candidate_table(plan: Plan) -> list[tuple[str, str, str, str, str, str]]:
         note = str(c.get("note") or "")
         if c.get("fits") is False and est is not None and "budget" not in note:
             note = (note + "; " if note else "") + "does not fit the memory budget"
+        measured = c.get("measured_step_time_s")
+        if measured is not None:
+            note = (f"measured {format_seconds(float(measured))} here"
+                    + ("; " + note if note else ""))
         rows.append(("*" if c.get("chosen") else "", str(c.get("name", "?")),
                      str(c.get("method", "?")),
                      "-" if est is None else format_seconds(float(est)),

@@ -124,7 +124,8 @@ def _compile(args: argparse.Namespace, given: dict[str, tuple[str, Any]], cluste
     logger.info("planning %s with %s on %s (%d devices)", source.name, method, cluster.name,
                 cluster.num_devices)
     result = plan_source(source, method, cluster, fall_back_to_shard=fall_back,
-                         progress=progress, dump_ilp=bool(args.dump_ilp))
+                         progress=progress, dump_ilp=bool(args.dump_ilp),
+                         measure=local and not args.no_hlo)
     hlo, xla_memory, per_stage = None, None, None
     if result.program is not None and local and not args.no_hlo:
         with progress.phase("compiling HLO"):
@@ -288,9 +289,12 @@ def _method_of_saved(plan: Plan) -> Method:
 
 
 def plan_source(source: StepSource, method: Method, cluster: ClusterSpec, *,
-                fall_back_to_shard: bool, progress: Progress, dump_ilp: bool = False
-                ) -> CompileResult:
-    """Trace and plan ``source`` (``plan_train_step``, as ``autopar.parallelize`` does)."""
+                fall_back_to_shard: bool, progress: Progress, dump_ilp: bool = False,
+                measure: bool = False) -> CompileResult:
+    """Trace and plan ``source`` (``plan_train_step``, as ``autopar.parallelize`` does).
+    ``measure``: the plan is for this process's devices, and the full search may time its
+    candidates on them (``AutoParallel.measure_candidates``, as ``autopar.parallelize``
+    does)."""
     from autopar.compiler.graph.trace import trace_step
     from autopar.compiler.planners.status import PlanningStatus
     from autopar.frontend.planning import bind_static_args, plan_train_step
@@ -307,12 +311,22 @@ def plan_source(source: StepSource, method: Method, cluster: ClusterSpec, *,
         def observer(problem: Any, solution: Any) -> None:
             dumped.append(problem_to_json(problem, solution))
 
+    choose = None
+    if measure:
+        import jax
+
+        from autopar.runtime.distributed import global_devices
+        from autopar.runtime.measured_choice import measured_chooser
+
+        choose = measured_chooser(method, jax.tree_util.tree_leaves(bound.dynamic_args),
+                                  global_devices(), (), {})
     status = PlanningStatus()
     with progress.phase("tracing and planning", detail=status.describe):
         planned = plan_train_step(
             bound.fn, bound.dynamic_args, method, cluster,
             batch_argnums=bound.batch_argnums, fall_back_to_shard=fall_back_to_shard,
             saved_plan=source.saved_plan, cache=None, ilp_observer=observer, status=status,
+            choose=choose,
         )
     traced, plan, pipeline = planned.traced, planned.plan, planned.pipeline
     ilp_json = dumped[-1] if dumped else None

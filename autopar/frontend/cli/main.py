@@ -88,7 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument("--cluster", default=None, help="plan for a described cluster (name or JSON)")
     m.add_argument("--hosts", type=int, default=None, help="number of hosts of --cluster")
-    m.add_argument("--no-hlo", action="store_true", help="skip compiling the sharded program")
+    m.add_argument("--no-hlo", action="store_true",
+                   help="skip compiling on the local devices (the HLO's collectives, and "
+                        "timing the full search's candidates there)")
     m.add_argument("--dump-ilp", default=None, metavar="FILE",
                    help="write the sharding ILP instance as JSON (--method shard)")
     m.add_argument("--solver", default=None,

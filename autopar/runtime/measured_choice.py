@@ -1,0 +1,204 @@
+"""Measured candidates: where the full search plans for the devices the step runs on, its few
+best candidates are compiled and timed there, and the fastest measured is kept.
+
+The cost model ranks plans; on the present devices the clock can check that ranking for the
+price of a few compiles. The search's own choice is timed beside the data-parallel and
+ShardParallel plans it estimated fastest (a step must never run slower than the simple plans
+autopar itself would have given), then the next one-stage plans by estimate, up to
+``AutoParallel.measure_candidates``. Each runs on zeros of the step's input shapes, placed in
+its own layouts before every timed call (so donated buffers are fresh and the placement is not
+timed), one call to compile and warm up, then the median of ``MEASURED_CALLS``. The planning
+record gets each measured time beside its estimate, and a note says what was kept and why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import jax
+import numpy as np
+
+from autopar.ir.program import FlatProgram
+from autopar.ir.schedules import is_async
+from autopar.plan import Plan
+from autopar.runtime.executables import build_executable
+from autopar.runtime.shard import ShardedProgram
+
+# Timed calls per candidate after the first (which compiles): the median is kept.
+MEASURED_CALLS = 3
+# The simple plans, by their candidate names' first word: one of each is always timed.
+SIMPLE_METHODS = ("data", "shard")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A plan the search made, with the program its ids name (and its pipeline cut)."""
+
+    name: str
+    plan: Plan
+    program: FlatProgram
+    pipeline: Any = None  # ir.pipeline_program.PipelineProgram of a pipelined plan
+
+
+@dataclass(frozen=True)
+class MeasuredChoice:
+    """What timing the candidates decided: the plan kept (its planning record updated), the
+    candidate it came from, its executable (already compiled) and each candidate's median
+    seconds per step by name."""
+
+    plan: Plan
+    kept: Candidate
+    executable: Any
+    seconds: dict[str, float]
+
+
+def to_measure(chosen: Candidate, others: Sequence[Candidate], count: int) -> list[Candidate]:
+    """The candidates timed: ``chosen`` first, then the fastest-estimated of each simple
+    method, then the other one-stage plans by estimate, ``count`` in all; a plan under two
+    names (the search's choice is also its own candidate's) once; never an asynchronous
+    pipeline (its driver carries state from call to call)."""
+    picked = [chosen]
+    seen = {id(chosen.plan)}
+    ranked = sorted((c for c in others if c.plan.pipeline is None),
+                    key=lambda c: c.plan.est_step_time_s)
+    simple = [next((c for c in ranked if c.name.split(" ")[0] == m), None)
+              for m in SIMPLE_METHODS]
+    for c in [*[c for c in simple if c is not None], *ranked]:
+        if len(picked) >= count:
+            break
+        if id(c.plan) not in seen:
+            picked.append(c)
+            seen.add(id(c.plan))
+    if chosen.plan.pipeline is not None and is_async(chosen.plan.pipeline.schedule):
+        picked = picked[:1]  # not timed: kept as the search chose it
+    return picked[:max(count, 1)]
+
+
+def _zeros(template: Sequence[Any]) -> list[Any]:
+    """Host zeros shaped as each flat input (an array or a ``jax.ShapeDtypeStruct``); a
+    Python scalar stays as it is."""
+    return [np.zeros(np.shape(a), a.dtype) if hasattr(a, "dtype") else a for a in template]
+
+
+def time_executable(executable: Any, template: Sequence[Any], calls: int = MEASURED_CALLS
+                    ) -> float:
+    """Median seconds of one call of ``executable`` on zeros shaped as ``template``, after a
+    first call (the compile); the inputs are placed anew before every call, untimed."""
+    # a pipeline's driver places each stage's inputs itself
+    place = executable.place if isinstance(executable, ShardedProgram) else (lambda flat: flat)
+    times = []
+    for k in range(calls + 1):
+        placed = place(_zeros(template))
+        jax.block_until_ready(placed)
+        start = time.perf_counter()
+        jax.block_until_ready(executable(placed))
+        if k:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def choose_by_clock(chosen: Candidate, others: Sequence[Candidate], template: Sequence[Any],
+                    devices: Sequence[Any], donated: Sequence[bool], count: int
+                    ) -> MeasuredChoice:
+    """Time ``to_measure``'s candidates on ``devices`` and keep the fastest (see the module
+    docstring); the kept plan carries the search's record, each timed row with its
+    ``measured_step_time_s``."""
+    timed = to_measure(chosen, others, count)
+    seconds: dict[str, float] = {}
+    executables: dict[str, Any] = {}
+    for c in timed:
+        executable = build_executable(c.plan, c.program, c.pipeline, devices, donated)
+        seconds[c.name] = time_executable(executable, template)
+        executables[c.name] = executable
+    kept = min(timed, key=lambda c: seconds[c.name])
+    return MeasuredChoice(_record(chosen, kept, seconds), kept, executables[kept.name],
+                          seconds)
+
+
+def _record(chosen: Candidate, kept: Candidate, seconds: dict[str, float]) -> Plan:
+    """``kept``'s plan carrying the search's planning record (``chosen``'s), with the
+    measured times in its candidate rows and a note on what the clock decided."""
+    record = chosen.plan.planning
+    chosen_row = next((r for r in record.candidates if r.get("chosen")), None)
+    chosen_label = chosen_row["name"] if chosen_row is not None else chosen.plan.method.value
+    label = {chosen.name: chosen_label}
+    rows = []
+    for row in record.candidates:
+        row = dict(row)
+        name = chosen.name if row.get("chosen") else row.get("name")
+        if name in seconds and (name != chosen.name or row.get("chosen")):
+            row["measured_step_time_s"] = seconds[name]
+        if kept is not chosen:
+            row["chosen"] = row.get("name") == kept.name
+        rows.append(row)
+    order = ", ".join(f"{label.get(n, n)} {s * 1e3:.3g} ms" for n, s in
+                      sorted(seconds.items(), key=lambda item: item[1]))
+    if kept is chosen:
+        note = (f"measured on these devices (median of {MEASURED_CALLS} steps each): "
+                f"{order}; the search's choice is the fastest")
+        plan = chosen.plan
+        plan.planning.candidates = rows
+        plan.notes.insert(0, note)
+        return plan
+    estimated = kept.plan.est_step_time_s / chosen.plan.est_step_time_s
+    note = (f"measured on these devices (median of {MEASURED_CALLS} steps each): {order}; "
+            f"kept {kept.name}, estimated {estimated:.2f}x the search's choice "
+            f"({chosen_label}) but measured "
+            f"{seconds[chosen.name] / seconds[kept.name]:.2f}x faster")
+    plan = kept.plan
+    options = dict(record.method_options)
+    options["chosen"] = plan.method.value
+    options["chosen_options"] = plan.planning.method_options
+    plan.planning = replace(plan.planning, candidates=rows, method_options=options,
+                            planning_time_s=record.planning_time_s, phases=record.phases)
+    # the search's notes (what it compared, what it could not plan), then the kept plan's own
+    plan.notes = [note, *chosen.plan.notes,
+                  *[n for n in plan.notes if n not in chosen.plan.notes]]
+    return plan
+
+
+def search_candidates(plan: Plan, program: FlatProgram, pipeline: Any,
+                      found: dict[str, Any]) -> tuple[Candidate, list[Candidate]]:
+    """The full search's choice (``plan`` of ``program``) and its other candidates that fit
+    and may be kept, from ``found`` (``PlannedProgram``s by name, as the search returns
+    them)."""
+    rows = {r.get("name"): r for r in plan.planning.candidates}
+    names = [n for n, p in found.items() if p.plan is plan]
+    chosen = Candidate(names[0] if names else "chosen", plan, program, pipeline)
+    others = [Candidate(name, p.plan, p.traced.program, p.pipeline)
+              for name, p in found.items()
+              if p.plan is not plan and rows.get(name, {}).get("fits")
+              and rows.get(name, {}).get("eligible", True)]
+    return chosen, others
+
+
+def measured_chooser(method: Any, template: Sequence[Any], devices: Sequence[Any],
+                     donated: Sequence[bool], timed: dict[int, Any]) -> Callable[[Any], Any]:
+    """The ``choose`` hook of ``frontend.planning.plan_train_step`` for a step about to run
+    on ``devices``: given a plan made afresh with its candidates (a ``PlannedStep``), the
+    measured choice (``choose_by_clock``) as a ``PlannedStep``, its compiled executable in
+    ``timed`` by its plan's id. It times nothing unless ``method`` asks for it
+    (``AutoParallel.measure_candidates``), the run is one process (every process would have
+    to time alike and agree) and there are candidates to compare. ``template``: the step's
+    flat inputs (arrays or shapes)."""
+    count = getattr(method, "measure_candidates", 0)
+
+    def choose(found: Any) -> Any:
+        if not count or jax.process_count() > 1 or not found.candidates:
+            return found
+        chosen, others = search_candidates(found.plan, found.traced.program, found.pipeline,
+                                           found.candidates)
+        choice = choose_by_clock(chosen, others, template, devices, donated, count)
+        timed[id(choice.plan)] = choice.executable
+        kept = found.candidates.get(choice.kept.name)
+        if kept is None or choice.kept is chosen:
+            return dataclasses.replace(found, plan=choice.plan)
+        return dataclasses.replace(found, traced=kept.traced, plan=choice.plan,
+                                   pipeline=kept.pipeline)
+
+    return choose
