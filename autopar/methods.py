@@ -304,8 +304,8 @@ class AutoParallel:
     False plans them anyway, for the planning record.
     ``measure_candidates``: when the plan is for the devices the step runs on (not a
     described cluster), how many candidate plans are compiled and timed there before one is
-    kept (the fastest measured): the search's own choice and the data-parallel and
-    ShardParallel plans estimated fastest, then the next by estimate; 0 keeps the estimate's
+    kept (the fastest measured): the search's own choice, its ``DataParallel()`` and
+    ``ShardParallel()`` plans, then the next by estimate; 0 keeps the estimate's
     choice without timing any. A plan from the cache or a file is not timed again.
     """
 

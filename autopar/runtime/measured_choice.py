@@ -2,12 +2,13 @@
 best candidates are compiled and timed there, and the fastest measured is kept.
 
 The cost model ranks plans; on the present devices the clock can check that ranking for the
-price of a few compiles. The search's own choice is timed beside the data-parallel and
-ShardParallel plans it estimated fastest (a step must never run slower than the simple plans
-autopar itself would have given), then the next one-stage plans by estimate, up to
+price of a few compiles. The search's own choice is timed beside its ``DataParallel()`` and
+``ShardParallel()`` plans (a step must never run slower than the simple plans autopar itself
+would have given), then the next one-stage plans by estimate, up to
 ``AutoParallel.measure_candidates``. Each runs on zeros of the step's input shapes, placed in
 its own layouts before every timed call (so donated buffers are fresh and the placement is not
-timed), one call to compile and warm up, then the median of ``MEASURED_CALLS``. The planning
+timed): one call each to compile, then ``MEASURED_ROUNDS`` rounds calling each in turn (a
+change in the machine's load falls on all alike), each one's median kept. The planning
 record gets each measured time beside its estimate, and a note says what was kept and why.
 """
 
@@ -29,10 +30,13 @@ from autopar.plan import Plan
 from autopar.runtime.executables import build_executable
 from autopar.runtime.shard import ShardedProgram
 
-# Timed calls per candidate after the first (which compiles): the median is kept.
-MEASURED_CALLS = 3
-# The simple plans, by their candidate names' first word: one of each is always timed.
-SIMPLE_METHODS = ("data", "shard")
+# Timed rounds after the first call of each candidate (which compiles): each round calls every
+# candidate once, in turn, so that a change in the machine's load falls on all of them alike;
+# each one's median is kept.
+MEASURED_ROUNDS = 5
+# The simple plans by their candidate names: ``DataParallel()`` and ``ShardParallel()``, the
+# plans a user would try by hand. Both are always timed.
+SIMPLE_CANDIDATES = ("data", "shard")
 
 
 @dataclass(frozen=True)
@@ -58,16 +62,16 @@ class MeasuredChoice:
 
 
 def to_measure(chosen: Candidate, others: Sequence[Candidate], count: int) -> list[Candidate]:
-    """The candidates timed: ``chosen`` first, then the fastest-estimated of each simple
-    method, then the other one-stage plans by estimate, ``count`` in all; a plan under two
+    """The candidates timed: ``chosen`` first, then the simple plans (``SIMPLE_CANDIDATES``),
+    then the other one-stage plans by estimate, ``count`` in all; a plan under two
     names (the search's choice is also its own candidate's) once; never an asynchronous
     pipeline (its driver carries state from call to call)."""
     picked = [chosen]
     seen = {id(chosen.plan)}
     ranked = sorted((c for c in others if c.plan.pipeline is None),
                     key=lambda c: c.plan.est_step_time_s)
-    simple = [next((c for c in ranked if c.name.split(" ")[0] == m), None)
-              for m in SIMPLE_METHODS]
+    simple = [next((c for c in ranked if c.name == name), None)
+              for name in SIMPLE_CANDIDATES]
     for c in [*[c for c in simple if c is not None], *ranked]:
         if len(picked) >= count:
             break
@@ -85,21 +89,23 @@ def _zeros(template: Sequence[Any]) -> list[Any]:
     return [np.zeros(np.shape(a), a.dtype) if hasattr(a, "dtype") else a for a in template]
 
 
-def time_executable(executable: Any, template: Sequence[Any], calls: int = MEASURED_CALLS
-                    ) -> float:
-    """Median seconds of one call of ``executable`` on zeros shaped as ``template``, after a
-    first call (the compile); the inputs are placed anew before every call, untimed."""
-    # a pipeline's driver places each stage's inputs itself
-    place = executable.place if isinstance(executable, ShardedProgram) else (lambda flat: flat)
-    times = []
-    for k in range(calls + 1):
-        placed = place(_zeros(template))
-        jax.block_until_ready(placed)
-        start = time.perf_counter()
-        jax.block_until_ready(executable(placed))
-        if k:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def time_executables(executables: Sequence[Any], template: Sequence[Any],
+                     rounds: int = MEASURED_ROUNDS) -> list[float]:
+    """Median seconds of one call of each of ``executables`` on zeros shaped as
+    ``template``: each called once first (the compile), then ``rounds`` rounds calling each
+    once in turn; the inputs are placed anew before every call, untimed."""
+    times: list[list[float]] = [[] for _ in executables]
+    for k in range(rounds + 1):
+        for executable, own in zip(executables, times, strict=True):
+            # a pipeline's driver places each stage's inputs itself
+            placed = (executable.place(_zeros(template))
+                      if isinstance(executable, ShardedProgram) else _zeros(template))
+            jax.block_until_ready(placed)
+            start = time.perf_counter()
+            jax.block_until_ready(executable(placed))
+            if k:
+                own.append(time.perf_counter() - start)
+    return [statistics.median(own) for own in times]
 
 
 def choose_by_clock(chosen: Candidate, others: Sequence[Candidate], template: Sequence[Any],
@@ -109,12 +115,10 @@ def choose_by_clock(chosen: Candidate, others: Sequence[Candidate], template: Se
     docstring); the kept plan carries the search's record, each timed row with its
     ``measured_step_time_s``."""
     timed = to_measure(chosen, others, count)
-    seconds: dict[str, float] = {}
-    executables: dict[str, Any] = {}
-    for c in timed:
-        executable = build_executable(c.plan, c.program, c.pipeline, devices, donated)
-        seconds[c.name] = time_executable(executable, template)
-        executables[c.name] = executable
+    executables = {c.name: build_executable(c.plan, c.program, c.pipeline, devices, donated)
+                   for c in timed}
+    seconds = dict(zip(executables, time_executables(list(executables.values()), template),
+                       strict=True))
     kept = min(timed, key=lambda c: seconds[c.name])
     return MeasuredChoice(_record(chosen, kept, seconds), kept, executables[kept.name],
                           seconds)
@@ -139,15 +143,15 @@ def _record(chosen: Candidate, kept: Candidate, seconds: dict[str, float]) -> Pl
     order = ", ".join(f"{label.get(n, n)} {s * 1e3:.3g} ms" for n, s in
                       sorted(seconds.items(), key=lambda item: item[1]))
     if kept is chosen:
-        note = (f"measured on these devices (median of {MEASURED_CALLS} steps each): "
+        note = (f"measured on these devices (median of {MEASURED_ROUNDS} steps each, in turn): "
                 f"{order}; the search's choice is the fastest")
         plan = chosen.plan
         plan.planning.candidates = rows
         plan.notes.insert(0, note)
         return plan
     estimated = kept.plan.est_step_time_s / chosen.plan.est_step_time_s
-    note = (f"measured on these devices (median of {MEASURED_CALLS} steps each): {order}; "
-            f"kept {kept.name}, estimated {estimated:.2f}x the search's choice "
+    note = (f"measured on these devices (median of {MEASURED_ROUNDS} steps each, in turn): "
+            f"{order}; kept {kept.name}, estimated {estimated:.2f}x the search's choice "
             f"({chosen_label}) but measured "
             f"{seconds[chosen.name] / seconds[kept.name]:.2f}x faster")
     plan = kept.plan
