@@ -7,14 +7,16 @@ price of a few compiles. The search's own choice is timed beside its ``DataParal
 would have given), then the next one-stage plans by estimate, up to
 ``AutoParallel.measure_candidates``. Each runs on zeros of the step's input shapes, placed in
 its own layouts before every timed call (so donated buffers are fresh and the placement is not
-timed): one call each to compile, then ``MEASURED_ROUNDS`` rounds calling each in turn (a
-change in the machine's load falls on all alike), each one's median kept. The planning
+timed): two calls each to compile and warm up, then rounds calling each in turn (a change in
+the machine's load falls on all alike; as many as take about a second, 5 to 15), each one's
+median kept. The planning
 record gets each measured time beside its estimate, and a note says what was kept and why.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -30,10 +32,15 @@ from autopar.plan import Plan
 from autopar.runtime.executables import build_executable
 from autopar.runtime.shard import ShardedProgram
 
-# Timed rounds after the first call of each candidate (which compiles): each round calls every
-# candidate once, in turn, so that a change in the machine's load falls on all of them alike;
-# each one's median is kept.
-MEASURED_ROUNDS = 5
+# Timed rounds after the warm-up calls of each candidate (the first compiles): each round calls
+# every candidate once, in turn, so that a change in the machine's load falls on all of them
+# alike; each one's median is kept. As many rounds as fit in ``MEASURED_SECONDS`` (by the
+# warm-up calls' times), at least ``MIN_ROUNDS`` and at most ``MAX_ROUNDS``: on XLA:CPU's
+# simulated devices two runs of the same step differ by 5-20%, and the zoo's tiny steps take
+# milliseconds, so they get more rounds than a step of seconds.
+WARMUP_CALLS = 2
+MIN_ROUNDS, MAX_ROUNDS = 5, 15
+MEASURED_SECONDS = 1.0
 # The simple plans by their candidate names: ``DataParallel()`` and ``ShardParallel()``, the
 # plans a user would try by hand. Both are always timed.
 SIMPLE_CANDIDATES = ("data", "shard")
@@ -90,21 +97,31 @@ def _zeros(template: Sequence[Any]) -> list[Any]:
 
 
 def time_executables(executables: Sequence[Any], template: Sequence[Any],
-                     rounds: int = MEASURED_ROUNDS) -> list[float]:
+                     rounds: int | None = None) -> list[float]:
     """Median seconds of one call of each of ``executables`` on zeros shaped as
-    ``template``: each called once first (the compile), then ``rounds`` rounds calling each
-    once in turn; the inputs are placed anew before every call, untimed."""
+    ``template``: each called ``WARMUP_CALLS`` times first (the first compiles), then
+    ``rounds`` rounds (default: by ``MEASURED_SECONDS``) calling each once in turn; the
+    inputs are placed anew before every call, untimed."""
+
+    def call(executable: Any) -> float:
+        # a pipeline's driver places each stage's inputs itself
+        placed = (executable.place(_zeros(template))
+                  if isinstance(executable, ShardedProgram) else _zeros(template))
+        jax.block_until_ready(placed)
+        start = time.perf_counter()
+        jax.block_until_ready(executable(placed))
+        return time.perf_counter() - start
+
+    warm = [0.0] * len(executables)
+    for _ in range(WARMUP_CALLS):
+        warm = [call(e) for e in executables]
+    if rounds is None:
+        per_round = max(sum(warm), 1e-6)
+        rounds = min(MAX_ROUNDS, max(MIN_ROUNDS, math.ceil(MEASURED_SECONDS / per_round)))
     times: list[list[float]] = [[] for _ in executables]
-    for k in range(rounds + 1):
+    for _ in range(rounds):
         for executable, own in zip(executables, times, strict=True):
-            # a pipeline's driver places each stage's inputs itself
-            placed = (executable.place(_zeros(template))
-                      if isinstance(executable, ShardedProgram) else _zeros(template))
-            jax.block_until_ready(placed)
-            start = time.perf_counter()
-            jax.block_until_ready(executable(placed))
-            if k:
-                own.append(time.perf_counter() - start)
+            own.append(call(executable))
     return [statistics.median(own) for own in times]
 
 
@@ -143,14 +160,14 @@ def _record(chosen: Candidate, kept: Candidate, seconds: dict[str, float]) -> Pl
     order = ", ".join(f"{label.get(n, n)} {s * 1e3:.3g} ms" for n, s in
                       sorted(seconds.items(), key=lambda item: item[1]))
     if kept is chosen:
-        note = (f"measured on these devices (median of {MEASURED_ROUNDS} steps each, in turn): "
+        note = (f"measured on these devices (medians of steps run in turn): "
                 f"{order}; the search's choice is the fastest")
         plan = chosen.plan
         plan.planning.candidates = rows
         plan.notes.insert(0, note)
         return plan
     estimated = kept.plan.est_step_time_s / chosen.plan.est_step_time_s
-    note = (f"measured on these devices (median of {MEASURED_ROUNDS} steps each, in turn): "
+    note = (f"measured on these devices (medians of steps run in turn): "
             f"{order}; kept {kept.name}, estimated {estimated:.2f}x the search's choice "
             f"({chosen_label}) but measured "
             f"{seconds[chosen.name] / seconds[kept.name]:.2f}x faster")
