@@ -209,8 +209,10 @@ class ParallelizedStep:
                 raise PlanError(f"plan field stages[{i}].device_ids names device {beyond[0]}; "
                                 f"this step runs on {len(devices)} device(s), ids 0 to "
                                 f"{len(devices) - 1}")
-        executable = timed.get(id(plan)) or build_executable(
-            plan, planned.traced.program, planned.pipeline, devices, donated)
+        executable = timed.get(id(plan))
+        if executable is None:
+            executable = build_executable(plan, planned.traced.program, planned.pipeline,
+                                          devices, donated)
         elapsed = time.perf_counter() - start
         return CompiledStep(planned.traced, plan, executable, elapsed, bound, donated,
                             planned.from_cache)
