@@ -1,6 +1,7 @@
 """autopar: automatic data, operator and pipeline parallelism for JAX train steps."""
 
 from autopar.api import ParallelizedStep, parallelize
+from autopar.checkpoints import restore_target
 from autopar.errors import (
     AutoparError,
     BatchSizeError,
@@ -52,5 +53,6 @@ __all__ = [
     "mark_pipeline_boundary",
     "parallelize",
     "pinned",
+    "restore_target",
     "value_and_grad",
 ]

@@ -255,6 +255,16 @@ class ParallelizedStep:
         """The plan for these arguments (arrays or ``jax.ShapeDtypeStruct``)."""
         return self._compiled(args).plan
 
+    def input_shardings(self, *args: Any) -> list[jax.sharding.Sharding]:
+        """Where the plan for these arguments (arrays or ``jax.ShapeDtypeStruct``) wants each
+        array leaf of the non-static arguments, in ``jax.tree_util.tree_leaves`` order
+        (``autopar.runtime.input_layouts``; a checkpoint's restore target:
+        :func:`autopar.restore_target`). The step accepts its inputs in any layout."""
+        from autopar.runtime.input_layouts import input_shardings
+
+        compiled = self._compiled(args)
+        return input_shardings(compiled.executable, self._flat_inputs(compiled, args))
+
     def run_statistics(self, *args: Any) -> RunStatistics:
         """What was measured for these arguments' signature (see :class:`RunStatistics`)."""
         compiled = self._compiled(args)

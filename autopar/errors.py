@@ -24,6 +24,11 @@ class BatchSizeError(AutoparError, ValueError):
     """A batch dimension is not divisible by the parallel degree that must split it."""
 
 
+class CoupledBatchError(BatchSizeError):
+    """The loss function mixes the examples of its batch (a batch statistic, a branch on a
+    batch sum): cut into microbatches it would compute another loss, so it is not pipelined."""
+
+
 class TraceError(AutoparError):
     """The train step could not be traced to a jaxpr."""
 

@@ -191,6 +191,10 @@ class PipeshardParallel:
     ``stage_mesh_shape``: every stage's logical mesh (``(data, tensor)``, or one axis); None
     (default): the search tries one axis and every 2-D mesh whose second axis stays inside a
     host, per stage.
+    ``per_microbatch_statistics``: a loss that mixes the examples of its batch (batch norm
+    in training mode, a branch on a batch sum) is run on each microbatch with that
+    microbatch's statistics (GPipe's and Alpa's semantics: another loss than the step's) when
+    True; when False (default) such a step is refused in one line (``CoupledBatchError``).
     ``planning_workers``: processes the stage search's layer ILPs are split over (None:
     every core this process may use; 1: all in this process). The plan is the same.
     """
@@ -209,14 +213,14 @@ class PipeshardParallel:
     allow_async: bool = False
     stage_mesh_shape: tuple[int, ...] | None = None
     planning_workers: int | None = None
+    per_microbatch_statistics: bool = False
 
     name = MethodName.PIPESHARD
 
     def __post_init__(self) -> None:
         check_replicas(self.replicas)
-        if not isinstance(self.allow_async, bool):
-            raise InvalidOptionError(f"allow_async must be True or False, got "
-                                     f"{self.allow_async!r}")
+        check_flag("allow_async", self.allow_async)
+        check_flag("per_microbatch_statistics", self.per_microbatch_statistics)
         if not isinstance(self.num_microbatches, int) or self.num_microbatches < 1:
             raise InvalidOptionError(
                 f"num_microbatches must be a positive integer, got {self.num_microbatches!r}"
@@ -258,6 +262,12 @@ class PipeshardParallel:
                                          f"integers, got {self.stage_mesh_shape!r}")
             object.__setattr__(self, "stage_mesh_shape", shape)
         check_workers(self.planning_workers)
+
+
+def check_flag(name: str, value: object) -> None:
+    """Raise ``InvalidOptionError`` unless ``value`` is True or False."""
+    if not isinstance(value, bool):
+        raise InvalidOptionError(f"{name} must be True or False, got {value!r}")
 
 
 def check_workers(value: object) -> None:
@@ -307,6 +317,9 @@ class AutoParallel:
     kept (the fastest measured): the search's own choice, its ``DataParallel()`` and
     ``ShardParallel()`` plans, then the next by estimate; 0 keeps the estimate's
     choice without timing any. A plan from the cache or a file is not timed again.
+    ``per_microbatch_statistics``: the pipelined candidates' (see ``PipeshardParallel``);
+    False leaves them out of the search for a step whose loss mixes its examples, with a
+    note, so that the plan computes the step's own loss.
     """
 
     candidates: tuple[str, ...] = AUTO_CANDIDATES
@@ -323,6 +336,7 @@ class AutoParallel:
     planning_workers: int | None = None
     prune: bool = True
     measure_candidates: int = 3
+    per_microbatch_statistics: bool = False
 
     name = "auto"
 
@@ -336,6 +350,7 @@ class AutoParallel:
         check_remat(self.remat)
         check_solver(self.solver)
         check_replicas(self.replicas)
+        check_flag("per_microbatch_statistics", self.per_microbatch_statistics)
         if self.time_budget_s is not None and not self.time_budget_s > 0:
             raise InvalidOptionError(f"time_budget_s must be positive, got {self.time_budget_s}")
         if self.time_limit_s <= 0:

@@ -78,7 +78,7 @@ class FusedStep:
         """The step's flat outputs. ``record``: the program waited for and timed as the
         runner's one record (kind ``step``); ``calls``: the program logged (label ``step``)."""
         runner = self.runner
-        args = list(flat_args)
+        args = self.on_mesh(flat_args)
         runner.records = []
         if calls is not None:
             calls.append(ProgramCall("step", 0, self.program, abstract_args((args,))))
@@ -87,9 +87,24 @@ class FusedStep:
         if record:
             jax.block_until_ready(results)
             runner.records = [TaskRecord("step", -1, 0, 0, 0.0, time.perf_counter() - start)]
-        st = runner.new_state(flat_args)
+        st = runner.new_state(args)
         st.env.update(zip(self.computed, results, strict=True))
         return [runner.output(st, v) for v in runner.pp.outer.out_ids]
+
+    def on_mesh(self, flat_args: Sequence[Any]) -> list[Any]:
+        """The step's inputs, each array committed to other devices (a state laid out by
+        another plan, on another mesh or device set) put on the stage's mesh: a parameter in
+        the layout the stage's plan reads it in, anything else replicated. One jitted program
+        takes its devices from its inputs, so it cannot mix them; what lies on the mesh
+        already (the step's own outputs fed back) or is uncommitted stays as it is."""
+        runner = self.runner
+        mesh = set(runner.meshes[0].devices.flat)
+        args = list(flat_args)
+        for k, (vid, value) in enumerate(zip(runner.pp.outer.in_ids, args, strict=True)):
+            if (isinstance(value, jax.Array) and value.committed
+                    and value.sharding.device_set != mesh):
+                args[k] = runner.place(value, 0, runner.spec_source.get(vid))
+        return args
 
     def _run_microbatches(self, st: StepState, tasks: tuple[Task, ...]) -> list[Any]:
         """Every microbatch's tasks: the first's on ``st``, the rest as one ``lax.scan`` over

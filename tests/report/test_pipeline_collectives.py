@@ -133,7 +133,8 @@ def test_a_pipelined_steps_batch_statistics_are_averaged_where_they_were_made():
     # the stage's mesh the search chooses here (it splits the statistics), given: searching
     # the other meshes took a third of the test's time
     method = autopar.PipeshardParallel(num_microbatches=MICROBATCHES, num_stages=1,
-                                       stages="uniform", layers=2, stage_mesh_shape=(4, 2))
+                                       stages="uniform", layers=2, stage_mesh_shape=(4, 2),
+                                       per_microbatch_statistics=True)
     step = autopar.parallelize(model.train_step, method=method, cache=False)
     state, batch = model.init_state(jax.random.key(0)), model.make_batch(jax.random.key(1))
     state, _ = step(state, batch)

@@ -200,12 +200,18 @@ class _Propagator:
 
     def gather(self, node: OpNode) -> list[Split]:
         operand, indices = node.inputs[:2]
-        if self.split.get(operand) is not None:
-            return self.gather_inputs(node)
+        dn = node.params["dimension_numbers"]
         d = self.split.get(indices)
+        operand_d = self.split.get(operand)
+        if operand_d is not None:
+            # a batched gather (``take_along_axis``: operand and indices share a batch
+            # dimension) reads each example's rows from that example's part: it stays split
+            batching = tuple(getattr(dn, "operand_batching_dims", ()))
+            index_batching = tuple(getattr(dn, "start_indices_batching_dims", ()))
+            if operand_d not in batching or d != index_batching[batching.index(operand_d)]:
+                return self.gather_inputs(node)
         if d is None:
             return self.set_output(node, None)
-        dn = node.params["dimension_numbers"]
         index_vector_dim = len(self.shape(indices)) - 1
         if d == index_vector_dim:
             return self.gather_inputs(node)
@@ -393,6 +399,12 @@ def group_collectives(found: list[ImpliedCollective]) -> dict[CollectiveKind, tu
         count, nbytes = out.get(c.kind, (0, 0))
         out[c.kind] = (count + 1, nbytes + c.nbytes)
     return out
+
+
+def split_rule_primitives() -> frozenset[str]:
+    """The primitives the propagation has a rule for (the rest gather their split operands,
+    whatever they compute)."""
+    return frozenset(_Propagator.rules(_Propagator.__new__(_Propagator))) | SHAPE_PRESERVING
 
 
 def batch_split_inputs(graph: OpGraph, batch_argnums: tuple[int, ...], num_shards: int,

@@ -24,6 +24,7 @@ from autopar.compiler.planners.candidate_rows import (
     failed_row,
     fits_budget,
 )
+from autopar.compiler.planners.common import cut_into_microbatches
 from autopar.compiler.planners.pipeline_search import driver_floor_s
 from autopar.compiler.planners.stage_costs import logical_shapes
 from autopar.compiler.planners.step_program import IlpObserver, PlannedProgram, StepProgram
@@ -35,7 +36,6 @@ from autopar.errors import (
     PlanError,
 )
 from autopar.ir.flatten import trace_jaxpr
-from autopar.ir.pipeline_program import build_pipeline_program
 from autopar.methods import (
     AutoParallel,
     DataParallel,
@@ -67,8 +67,9 @@ def trace_auto(fn: Callable, args: Sequence[Any], method: AutoParallel,
     if "pipeshard" not in method.candidates:
         return step
     try:
-        pp = build_pipeline_program(fn, args, batch_argnums, method.num_microbatches,
-                                    jaxpr=jaxpr)
+        pp = cut_into_microbatches(fn, args, batch_argnums, method.num_microbatches,
+                                    jaxpr=jaxpr,
+                                    per_microbatch_statistics=method.per_microbatch_statistics)
     except (NoLossFunctionError, BatchSizeError) as err:
         step.notes.append(f"no pipelined candidate: {err}")
         return step

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 from autopar.compiler.cost.mesh import LogicalMesh
+from autopar.compiler.graph.batch_coupling import coupled_examples
 from autopar.compiler.graph.opgraph import OpGraph
+from autopar.compiler.graph.trace import build_graph
+from autopar.errors import CoupledBatchError
+from autopar.ir.flatten import StepJaxpr
+from autopar.ir.pipeline_program import PipelineProgram, build_pipeline_program
 from autopar.plan import InputSignature, MethodName, Plan, StagePlan
 
 # Full collections of Python's cyclic collector while planning: after this many collections of
@@ -31,6 +36,27 @@ def fewer_full_collections() -> Iterator[None]:
         yield
     finally:
         gc.set_threshold(young, middle, full)
+
+
+def cut_into_microbatches(fn: Any, args: Sequence[Any], batch_argnums: Sequence[int],
+                          num_microbatches: int, jaxpr: StepJaxpr | None = None, *,
+                          per_microbatch_statistics: bool = False) -> PipelineProgram:
+    """``build_pipeline_program``, refusing (``CoupledBatchError``) a loss function that mixes
+    the examples of its batch when there is more than one microbatch: the pipeline's mean of
+    the microbatches' losses would not be the step's loss (``graph.batch_coupling``), unless
+    ``per_microbatch_statistics`` (the user asked for GPipe's semantics)."""
+    pp = build_pipeline_program(fn, args, batch_argnums, num_microbatches, jaxpr=jaxpr)
+    if num_microbatches > 1 and not per_microbatch_statistics:
+        graph = build_graph(pp.forward)
+        inputs = {io.tensor for io in graph.inputs}
+        where = coupled_examples(graph, [t for t in pp.split_inputs if t in inputs])
+        if where is not None:
+            raise CoupledBatchError(
+                f"the loss function mixes the examples of its batch ({where}): cut into "
+                f"{num_microbatches} microbatches it would compute another loss; use "
+                "num_microbatches=1, a one-stage method, or per_microbatch_statistics=True "
+                "(each microbatch its own statistics)")
+    return pp
 
 
 def signature_of(graph: OpGraph) -> list[InputSignature]:

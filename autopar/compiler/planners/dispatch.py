@@ -19,7 +19,7 @@ from autopar.compiler.cost.estimate import one_call_time_s
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.trace import TracedStep, build_graph, trace_step
 from autopar.compiler.planners.auto import plan_auto, trace_auto
-from autopar.compiler.planners.common import fewer_full_collections
+from autopar.compiler.planners.common import cut_into_microbatches, fewer_full_collections
 from autopar.compiler.planners.data import plan_data_parallel
 from autopar.compiler.planners.step_program import (
     IlpObserver,
@@ -73,8 +73,9 @@ def _trace(fn: Callable, args: Sequence[Any], method: Method, batch_argnums: tup
     jaxpr = trace_jaxpr(fn, args)
     if isinstance(method, PipeshardParallel):
         try:
-            pp = build_pipeline_program(fn, args, batch_argnums, method.num_microbatches,
-                                        jaxpr=jaxpr)
+            pp = cut_into_microbatches(fn, args, batch_argnums, method.num_microbatches,
+                                        jaxpr=jaxpr,
+                                        per_microbatch_statistics=method.per_microbatch_statistics)
         except (NoLossFunctionError, BatchSizeError) as err:
             if not fall_back_to_shard:
                 raise
