@@ -21,8 +21,10 @@ The runtime's own costs (``RuntimeSample``): a call of a trivial jitted program 
 devices (what a one-stage step pays once), one with 16 small operands on half the devices (a
 pipeline task on a stage), a ``jax.device_put`` of a small array to another device (a transfer
 between stages) and a donated ``acc + g`` on one device at two sizes (the gradient
-accumulation's bandwidth). Calls are issued back to back and waited for at the end, as the
-pipeline driver issues them; the median over rounds is kept.
+accumulation's bandwidth), and an element-wise kernel on every device at once at two sizes
+(the memory bandwidth a fused kernel sees, with every device busy). Calls are issued back to
+back and waited for at the end, as the pipeline driver issues them; the median over rounds is
+kept.
 
 Matmuls: ``m x m`` by ``m x m`` in each dtype, on one device alone and on every device at once
 (``shard_map`` of a local matmul); the fit uses the latter, since a step keeps every device busy
@@ -257,6 +259,9 @@ def _time_matmuls(devices: Sequence[Any], options: ProfileOptions) -> list[Matmu
 _CALLS_PER_ROUND = 20
 _RUNTIME_ROUNDS = 5
 _ACCUMULATE_BYTES = (1 << 20, 16 << 20)
+# Per device: an element-wise kernel on every device at once, at two sizes (the slope is the
+# memory bandwidth a fused kernel sees; the call's and the kernel's fixed costs cancel).
+_STREAM_BYTES = (256 << 10, 4 << 20)
 
 
 def _per_call(fn: Callable[[], Any], calls: int = _CALLS_PER_ROUND,
@@ -303,6 +308,12 @@ def _time_runtime(devices: Sequence[Any]) -> list[RuntimeSample]:
 
         out.append(RuntimeSample("accumulate", 1, float(nbytes),
                                  _per_call(accumulate, calls=5)))
+    scale = jax.jit(lambda v: v * 0.5 + 1.0)
+    for nbytes in _STREAM_BYTES:
+        v = _sharded_ones(every, nbytes // 4, jnp.float32)
+        # bytes moved per device: its part read once and written once
+        out.append(RuntimeSample("stream", n, 2.0 * nbytes,
+                                 _per_call(lambda v=v: scale(v), calls=5)))
     for sample in out:
         logger.info("runtime %s (%d device(s), %d bytes): %.0f us", sample.kind, sample.devices,
                     sample.nbytes, sample.seconds * 1e6)

@@ -85,6 +85,7 @@ __all__ = [
     "calibrate_cluster",
     "fit_all",
     "fit_link",
+    "fit_memory_bandwidth",
     "fit_peak_flops",
     "fit_runtime",
     "model_time",
@@ -290,6 +291,17 @@ def fit_peak_flops(matmuls: Sequence[MatmulSample]) -> dict[str, float]:
     return out
 
 
+def fit_memory_bandwidth(samples: Sequence[RuntimeSample]) -> float | None:
+    """Bytes per second one device's element-wise kernels move with every device busy: the
+    slope between the ``stream`` samples' sizes (the call's and the kernel's own fixed costs
+    cancel); None when fewer than two sizes were timed or the slope is not positive."""
+    rows = sorted((r for r in samples if r.kind == "stream"), key=lambda r: r.nbytes)
+    if len(rows) < 2 or rows[-1].nbytes <= rows[0].nbytes:
+        return None
+    slope = (rows[-1].seconds - rows[0].seconds) / (rows[-1].nbytes - rows[0].nbytes)
+    return 1.0 / slope if slope > 0 else None
+
+
 def fit_runtime(samples: Sequence[RuntimeSample], base: RuntimeCosts) -> RuntimeCosts:
     """The runtime's costs from ``samples`` (``runtime.calibrate``); ``base``'s for kinds not
     measured."""
@@ -346,8 +358,12 @@ def calibrate_cluster(
         raise InvalidOptionError("no float32 matmul timed: the device's rate needs one")
     ratio = peak["float32"] / base.device.flops_for("float32")
     rates = {d: r * ratio for d, r in base.device.peak_flops.items()} | peak
+    bandwidth = fit_memory_bandwidth(runtime)
     device = DeviceSpec(name=device_name, peak_flops=rates,
-                        memory_bytes=int(memory_bytes or base.device.memory_bytes))
+                        memory_bytes=int(memory_bytes or base.device.memory_bytes),
+                        memory_bandwidth_bytes_per_s=(
+                            bandwidth or base.device.memory_bandwidth_bytes_per_s),
+                        multiprocessors=base.device.multiprocessors)
     link_spec = LinkSpec(bandwidth_bytes_per_s=link.bandwidth_bytes_per_s,
                          latency_s=link.alpha)
     which = ("the joint fit over every collective and axis" if link.kind == "all"
@@ -358,7 +374,10 @@ def calibrate_cluster(
         "fitted and left out); "
         "per-kind and per-axis fits under 'calibration'. peak_flops: best matmul rate with all "
         f"{num_devices} devices busy at once (measured: {', '.join(sorted(peak))}; other dtypes "
-        f"scaled from '{base.name}'), so compute_efficiency is 1.0."
+        f"scaled from '{base.name}'), so compute_efficiency is 1.0. "
+        + ("memory_bandwidth_bytes_per_s: an element-wise kernel's bytes per second on one "
+           "device with all busy (the slope between two sizes)." if bandwidth else
+           "memory bandwidth not measured: element-wise ops are priced by their flops.")
     )
     cluster = ClusterSpec(
         name=name,

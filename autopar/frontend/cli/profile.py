@@ -174,6 +174,9 @@ def format_calibration(calibration: Any, elapsed_s: float) -> str:
                  f"{link.bandwidth_bytes_per_s / 1e9:.3g} GB/s")
     rates = ", ".join(f"{d} {r / 1e9:.3g}" for d, r in sorted(calibration.peak_flops.items()))
     lines.append(f"matmul GFLOP/s per device, all busy: {rates}")
+    bandwidth = cluster.device.memory_bandwidth_bytes_per_s
+    lines.append("element-wise kernels per device, all busy: " + (
+        f"{bandwidth / 1e9:.3g} GB/s" if bandwidth else "not measured (priced by flops)"))
     rt = cluster.runtime
     lines.append(f"runtime: call {rt.call_s * 1e6:.0f} us, pipeline task {rt.task_s * 1e6:.0f} "
                  f"us, transfer {rt.transfer_s * 1e6:.0f} us, gradient accumulation "

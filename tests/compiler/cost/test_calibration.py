@@ -15,6 +15,7 @@ from autopar.cluster import (
     ClusterSpec,
     CollectiveSample,
     MatmulSample,
+    RuntimeSample,
     load_cluster,
 )
 from autopar.compiler.cost.calibration_fit import (
@@ -22,9 +23,11 @@ from autopar.compiler.cost.calibration_fit import (
     calibrate_cluster,
     fit_all,
     fit_link,
+    fit_memory_bandwidth,
     model_time,
 )
 from autopar.compiler.cost.collectives import collective_time
+from autopar.compiler.cost.estimate import roofline_time_s
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.errors import InvalidOptionError
 from autopar.frontend.cli.main import main
@@ -141,6 +144,29 @@ def test_calibrated_cluster_plugs_straight_back_into_the_cost_model():
         assert predicted == pytest.approx(s.seconds - DISPATCH, rel=1e-6, abs=1e-12)
 
 
+def test_the_memory_bandwidth_is_the_slope_between_two_element_wise_kernels():
+    # 300 us of call and kernel overhead, then 2 GB/s per device
+    streams = [RuntimeSample("stream", 8, b, 3e-4 + b / 2e9) for b in (5e5, 8e6)]
+    assert fit_memory_bandwidth(streams) == pytest.approx(2e9)
+    assert fit_memory_bandwidth(streams[:1]) is None
+    assert fit_memory_bandwidth([RuntimeSample("stream", 8, 5e5, 1e-3),
+                                 RuntimeSample("stream", 8, 8e6, 1e-3)]) is None
+    base = load_cluster("cpu-sim")
+    with_streams = calibrate_cluster(synthetic(noise=0.0), MATMULS, base, num_devices=8,
+                                     name="a", device_name="d", source="s", runtime=streams)
+    without = calibrate_cluster(synthetic(noise=0.0), MATMULS, base, num_devices=8,
+                                name="a", device_name="d", source="s")
+    assert with_streams.cluster.device.memory_bandwidth_bytes_per_s == pytest.approx(2e9)
+    assert without.cluster.device.memory_bandwidth_bytes_per_s == \
+        base.device.memory_bandwidth_bytes_per_s
+    # an element-wise op is then priced by its bytes, which its flops alone underprice
+    mesh = LogicalMesh.from_cluster(with_streams.cluster, (8,))
+    flops_only = LogicalMesh.from_cluster(without.cluster, (8,))
+    nbytes, flops = 8e6, 1e6
+    assert roofline_time_s(flops, nbytes, mesh, "float32") == pytest.approx(nbytes / 2e9)
+    assert roofline_time_s(flops, nbytes, flops_only, "float32") == pytest.approx(flops / 4e9)
+
+
 def test_link_from_one_kind_and_bad_options():
     samples = synthetic(seed=1) + [
         CollectiveSample("all-to-all", "2x4", "y", 4, float(m), 1e-3 + m * 1e-8)
@@ -215,6 +241,8 @@ def test_profile_writes_a_cluster_file_that_loads(profiled, tmp_path):
     assert all(math.isfinite(x) and x > 0 for x in numbers)
     assert math.isfinite(cluster.intra_host.latency_s) and cluster.intra_host.latency_s >= 0
     data = json.loads(path.read_text())["calibration"]
+    streams = [r for r in data["runtime_samples"] if r["kind"] == "stream"]
+    assert len({r["nbytes"] for r in streams}) == 2  # the bandwidth's two sizes were timed
     assert data["link"]["kind"] == "all" and len(data["collective_samples"]) == 24
     assert {f["kind"] for f in data["fits"]} == {*CALIBRATED_KINDS, "all"}
 
