@@ -6,52 +6,28 @@ Each method is a frozen dataclass of options; the planner for it lives in ``auto
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 
 from autopar.errors import InvalidOptionError, choices_text
 from autopar.ir.schedules import ScheduleName, schedule_name
+from autopar.method_options import (
+    REMAT_MODES,
+    REPLICA_MODES,
+    SCHEDULE_AUTO,
+    Solver,
+    check_flag,
+    check_remat,
+    check_replicas,
+    check_solver,
+    check_workers,
+)
 from autopar.plan import MethodName, ShardingSpec
 
-
-class Solver(StrEnum):
-    """The intra-operator ILP's solvers (``AUTO``: HiGHS when installed, else CBC). Members
-    equal their strings, so options take ``"highs"`` as well as ``Solver.HIGHS``."""
-
-    AUTO = "auto"
-    HIGHS = "highs"
-    CBC = "cbc"
-
-
-def check_solver(value: object) -> None:
-    """Raise ``InvalidOptionError`` (one line, naming the choices) unless ``value`` is a
-    solver name."""
-    try:
-        Solver(value)
-    except ValueError:
-        raise InvalidOptionError(
-            f"unknown solver '{value}'; valid solvers: {choices_text(Solver)}"
-        ) from None
-
-
-REMAT_MODES: tuple[str, ...] = ("none", "layers", "auto")
-SCHEDULE_AUTO = "auto"  # PipeshardParallel(schedule=...): the planner compares schedules
-REPLICA_MODES: tuple[str, ...] = ("auto", "none")
-
-
-def check_replicas(value: str) -> None:
-    """Raise ``InvalidOptionError`` unless ``value`` is a replicas mode."""
-    if value not in REPLICA_MODES:
-        raise InvalidOptionError(
-            f"unknown replicas option {value!r}; valid: {choices_text(REPLICA_MODES)}"
-        )
-
-
-def check_remat(value: str) -> None:
-    """Raise ``InvalidOptionError`` unless ``value`` is a remat mode."""
-    if value not in REMAT_MODES:
-        raise InvalidOptionError(
-            f"unknown remat option {value!r}; valid: {choices_text(REMAT_MODES)}"
-        )
+__all__ = [
+    "AUTO_CANDIDATES", "METHOD_NAMES", "METHOD_TYPES", "REMAT_MODES", "REPLICA_MODES",
+    "SCHEDULE_AUTO", "STAGE_MODES", "AutoParallel", "DataParallel", "ManualStages", "Method",
+    "PipeshardParallel", "ShardParallel", "Solver", "Zero2Parallel", "Zero3Parallel",
+    "method_from_name", "pinned",
+]
 
 
 @dataclass(frozen=True)
@@ -262,20 +238,6 @@ class PipeshardParallel:
                                          f"integers, got {self.stage_mesh_shape!r}")
             object.__setattr__(self, "stage_mesh_shape", shape)
         check_workers(self.planning_workers)
-
-
-def check_flag(name: str, value: object) -> None:
-    """Raise ``InvalidOptionError`` unless ``value`` is True or False."""
-    if not isinstance(value, bool):
-        raise InvalidOptionError(f"{name} must be True or False, got {value!r}")
-
-
-def check_workers(value: object) -> None:
-    """Raise ``InvalidOptionError`` unless ``value`` is None or a positive integer."""
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                              or value < 1):
-        raise InvalidOptionError(f"planning_workers must be a positive integer or None, got "
-                                 f"{value!r}")
 
 
 # the full search's candidates are the plan's method names, in that order
