@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         f"x {len(methods)} methods x devices {', '.join(map(str, devices))}, "
         f"{len(results)} cases.", "",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores; Python "
-        f"{platform.python_version()}, jax {jax.__version__}; simulated CPU devices. Load "
+        f"{platform.python_version()}, jax {jax.__version__}; simulated CPU devices "
+        f"(`XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}`). Load "
         f"average {load_before[0]:.1f} before and {os.getloadavg()[0]:.1f} after.", "",
         "Each case runs 2 steps of the program under the method on the first N devices and "
         "compares the losses and every leaf of the final state with 2 steps of `jax.jit` on one "

@@ -59,7 +59,9 @@ METHODS = {
     # one stage runs as one program, its microbatches a loop (``runtime.fused_step``)
     "pipeshard-1": autopar.PipeshardParallel(num_microbatches=4, num_stages=1,
                                              stages="uniform"),
-    "default": autopar.AutoParallel(),
+    # the default full search, its own choice kept (timing candidates first,
+    # ``measure_candidates``, is tests/runtime/test_measured_choice.py's subject)
+    "default": autopar.AutoParallel(measure_candidates=0),
 }
 
 

@@ -24,6 +24,9 @@ STEPS = 3
 BATCH, IN, WIDTH, OUT = 16, 8, 32, 4
 LR = 1e-2
 SHARD = autopar.ShardParallel(mesh_shape=(4, 2))
+# the default full search, its own choice kept (timing candidates first,
+# ``measure_candidates``, is tests/runtime/test_measured_choice.py's subject)
+SEARCH = autopar.AutoParallel(measure_candidates=0)
 OPT = optax.adam(LR)
 
 
@@ -111,7 +114,7 @@ def devices_for(method):
 
 @pytest.mark.parametrize("make_model", [make_mlp, lambda: ScannedMLP(jax.random.key(1))],
                          ids=["mlp", "scanned"])
-@pytest.mark.parametrize("method", [SHARD, None], ids=["shard", "default"])
+@pytest.mark.parametrize("method", [SHARD, SEARCH], ids=["shard", "default"])
 def test_equinox_step_matches_filter_jit(make_model, method):
     want_model, _, want_losses = run(eqx.filter_jit(step), make_model())
     parallel = autopar.parallelize(step, method=method, batch_argnums=(2,), cache=False,

@@ -14,15 +14,15 @@ all-reduce under data parallelism) the result is a sum over examples. Such a sum
 outputs only linearly: scaled or divided by values that do not depend on the batch, added to
 other such sums, reshaped, summed further. Anything else (meeting a per-example value again,
 a nonlinear op, a product of two sums) couples the examples; so does an op that can only run
-on the whole batch (a sort or a cumulative sum along it, a concatenation along it).
+on the whole batch (a sort, a cumulative sum or a reversal along it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
 
-from autopar.compiler.graph.batch_split import propagate_batch_split, split_rule_primitives
-from autopar.compiler.graph.opgraph import OpGraph
+from autopar.compiler.graph.batch_split import propagate_batch_split
+from autopar.compiler.graph.opgraph import OpGraph, OpNode
 from autopar.plan import CollectiveKind
 
 # Ops that are linear in their one operand (or sums of their operands).
@@ -31,6 +31,20 @@ _LINEAR_UNARY = frozenset({"neg", "convert_element_type", "reshape", "squeeze", 
                            "stop_gradient", "broadcast_in_dim"})
 _SUMS = frozenset({"add", "sub", "add_any"})
 _PRODUCTS = frozenset({"mul", "dot_general"})
+# Ops that run along one axis of their operand: along the batch they mix its examples. (Other
+# ops the batch split gathers before, a gather or a concatenation it cannot follow, are its
+# conservative fallback for pricing data parallelism, not a coupling.)
+_ALONG_AN_AXIS = frozenset({"sort", "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp",
+                            "rev"})
+
+
+def _along_batch(node: OpNode, split: dict[int, int | None]) -> bool:
+    """Whether ``node`` runs along the dimension its first operand's batch is split on."""
+    d = split.get(node.inputs[0]) if node.inputs else None
+    axes = node.params.get("dimension", node.params.get("axis", node.params.get("dimensions")))
+    if d is None or axes is None:
+        return False
+    return d in (tuple(axes) if isinstance(axes, (tuple, list)) else (axes,))
 
 
 def coupled_examples(graph: OpGraph, split_inputs: Collection[int]) -> str | None:
@@ -39,7 +53,6 @@ def coupled_examples(graph: OpGraph, split_inputs: Collection[int]) -> str | Non
     ``split_inputs``: its inputs that carry the batch on their first dimension."""
     # one shard: every split is kept, whatever the sizes
     result = propagate_batch_split(graph, {t: 0 for t in split_inputs}, 1)
-    rules = split_rule_primitives()
     summed: dict[int, CollectiveKind] = {}
     for found in result.collectives:
         summed.setdefault(found.node, found.kind)
@@ -47,8 +60,8 @@ def coupled_examples(graph: OpGraph, split_inputs: Collection[int]) -> str | Non
     over_batch: set[int] = set()  # values that are sums over the batch, or linear in them
     for node in graph.nodes:
         kind = summed.get(node.id)
-        if kind is CollectiveKind.ALL_GATHER and node.primitive in rules:
-            return f"{node.primitive} needs the whole batch at once"
+        if node.primitive in _ALONG_AN_AXIS and _along_batch(node, split):
+            return f"{node.primitive} runs along the batch"
         if kind is CollectiveKind.ALL_REDUCE:
             if any(t in over_batch for t in node.inputs):
                 return f"{node.primitive} sums over the batch a value made from a batch sum"
@@ -64,6 +77,8 @@ def coupled_examples(graph: OpGraph, split_inputs: Collection[int]) -> str | Non
             or (name in _SUMS and not per_example)
             or (name in _PRODUCTS and sum(tainted) == 1 and not per_example)
             or (name == "div" and tainted == [True, False] and not per_example)
+            # a choice on a batch-free predicate (Keras's divide_no_nan: where(n == 0, 0, s / n))
+            or (name == "select_n" and not tainted[0] and not per_example)
         )
         if not linear:
             if per_example:

@@ -401,12 +401,6 @@ def group_collectives(found: list[ImpliedCollective]) -> dict[CollectiveKind, tu
     return out
 
 
-def split_rule_primitives() -> frozenset[str]:
-    """The primitives the propagation has a rule for (the rest gather their split operands,
-    whatever they compute)."""
-    return frozenset(_Propagator.rules(_Propagator.__new__(_Propagator))) | SHAPE_PRESERVING
-
-
 def batch_split_inputs(graph: OpGraph, batch_argnums: tuple[int, ...], num_shards: int,
                        mesh_text: str) -> dict[int, int]:
     """The batch leaves (non-scalar leaves of the ``batch_argnums`` arguments) to split on

@@ -19,6 +19,7 @@ import argparse
 import os
 import random
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -169,6 +170,28 @@ def _how(code: int) -> str:
     return f"exited with code {code}"
 
 
+def _wait_for_a_child(children: Sequence[subprocess.Popen], seconds: float) -> None:
+    """Sleep up to ``seconds``, waking as soon as one of the running ``children`` ends (a
+    pidfd per child, Linux; elsewhere a plain sleep). The first process to die is then seen on
+    its own, before the peers it takes down with it end too (seen in one poll, the lowest rank
+    would be named as the one that failed)."""
+    fds = []
+    try:
+        for child in children:
+            if child.returncode is None and hasattr(os, "pidfd_open"):
+                try:
+                    fds.append(os.pidfd_open(child.pid))
+                except OSError:  # gone already (the poll sees it), or no pidfd here
+                    pass
+        if fds:
+            select.select(fds, [], [], seconds)
+        else:
+            time.sleep(seconds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 def run_launch(args: argparse.Namespace) -> int:
     """``autopar launch``: start, watch and stop the processes; returns the exit status."""
     command = list(args.child_command)
@@ -215,7 +238,7 @@ def run_launch(args: argparse.Namespace) -> int:
                       f"process(es) {', '.join(map(str, running))} of {n}", file=sys.stderr,
                       flush=True)
                 return EXIT_TIMEOUT
-            time.sleep(POLL_S)
+            _wait_for_a_child(children, POLL_S)
     finally:
         _stop(children)
         signal.signal(signal.SIGTERM, previous)

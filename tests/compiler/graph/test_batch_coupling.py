@@ -62,14 +62,33 @@ def _sorted_over_batch(p, b):
     return jnp.mean(jnp.sort(b["x"] @ p["w"], axis=0)[: B // 2])
 
 
-@pytest.mark.parametrize("loss_fn", [_mse, _xent, _two_terms], ids=lambda f: f.__name__)
+def _sliced_per_example(p, b):  # a gather and a concatenation the batch split cannot follow
+    h = b["x"] @ p["w"]
+    picked = jnp.take(h, jnp.array([1]), axis=1)
+    return jnp.mean(jnp.concatenate([picked, jnp.zeros((B, 1)) + 1.0], axis=1))
+
+
+def _divide_no_nan(p, b):  # Keras's mean: where(count == 0, 0, sum / count)
+    total, count = jnp.sum(jnp.square(b["x"] @ p["w"])), jnp.float32(B * W)
+    return jnp.where(count == 0, 0.0, total / count)
+
+
+def _branch_on_a_batch_sum(p, b):
+    total = jnp.sum(b["x"] @ p["w"])
+    return jnp.where(total > 0, total, -total) / B
+
+
+@pytest.mark.parametrize("loss_fn", [_mse, _xent, _two_terms, _sliced_per_example,
+                                     _divide_no_nan],
+                         ids=lambda f: f.__name__)
 def test_means_over_examples_are_not_coupled(loss_fn):
     assert _where(loss_fn) is None
 
 
 @pytest.mark.parametrize("loss_fn, op", [
     (_batch_norm, "per-example value"), (_branch_on_batch, "rem"), (_log_of_mean, "log"),
-    (_product_of_means, "mul"), (_sorted_over_batch, "sort"),
+    (_product_of_means, "mul"), (_sorted_over_batch, "sort runs along the batch"),
+    (_branch_on_a_batch_sum, "gt"),
 ], ids=lambda x: getattr(x, "__name__", x))
 def test_batch_statistics_are_found(loss_fn, op):
     where = _where(loss_fn)

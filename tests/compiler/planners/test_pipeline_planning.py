@@ -84,8 +84,10 @@ def test_default_method_is_the_full_search_and_falls_back_without_a_marked_loss(
                     strict=True):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
 
+    # without a marked loss (the search's choice kept as estimated: timing was checked above)
     plain, *_ = uneven_mlp(widths=(16, 16, 16), batch=16, vg=jax.value_and_grad)
-    fallback = autopar.parallelize(plain).get_plan(state, batch)
+    fallback = autopar.parallelize(
+        plain, method=autopar.AutoParallel(measure_candidates=0)).get_plan(state, batch)
     assert fallback.method in ("data", "shard", "zero2", "zero3")
     assert any("no pipelined candidate" in n for n in fallback.notes)
     assert not any(c["method"] == "pipeshard" for c in fallback.planning.candidates)
