@@ -50,6 +50,8 @@ METHOD_OPTIONS: tuple[tuple[str, str, str], ...] = (
     ("remat", "--remat", "remat"),
     ("time_budget", "--time-budget", "time_budget_s"),
     ("planning_workers", "--planning-workers", "planning_workers"),
+    ("measure_candidates", "--measure-candidates", "measure_candidates"),
+    ("per_microbatch_statistics", "--per-microbatch-statistics", "per_microbatch_statistics"),
 )
 # What --degrees takes besides the degrees (``methods.pinned``'s keywords).
 PINNED_OPTIONS: frozenset[str] = frozenset(

@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ILP time limit in seconds (default 30)")
     m.add_argument("--memory-budget", type=float, default=None,
                    help="per-device memory budget in GiB")
+    m.add_argument("--measure-candidates", type=int, default=None, metavar="N",
+                   help="the full search on the present devices: how many candidate plans "
+                        "to compile and time before keeping the fastest measured (default "
+                        "3; 0: keep the estimate's choice)")
     m.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                    help="planning seconds the full search may spend: the best plan found "
                         "within them, the report naming what was skipped")
@@ -111,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", default=None,
                    help=f"{choices_text(ScheduleName)}, or auto: the planner compares them "
                         f"(default {ScheduleName.ONE_F_ONE_B})")
+    p.add_argument("--per-microbatch-statistics", action="store_true", default=None,
+                   help="pipeline a step whose loss mixes the examples of its batch (batch "
+                        "norm) with each microbatch's own statistics (GPipe's semantics: "
+                        "another loss than the step's); without it such a step is not "
+                        "pipelined")
     p.add_argument("--allow-async", action="store_true", default=None,
                    help="with --schedule auto, let the planner choose an asynchronous "
                         "schedule (pipedream, pipedream-2bw): it changes the training "

@@ -89,6 +89,14 @@ def test_plans_for_a_described_cluster(capsys):
         (["compile", "--method", "pipeshard", "--batch-size", "6", "--devices", "8"],
          "num_microbatches=4 must divide the batch size 6"),
         (["compile", "--bogus"], "unrecognized arguments: --bogus"),
+        (["compile", "--measure-candidates", "-1", "--devices", "8"],
+         "measure_candidates must be a non-negative integer"),
+        (["compile", "--method", "data", "--measure-candidates", "2"],
+         "--measure-candidates applies to --method auto"),
+        (["compile", "--method", "shard", "--per-microbatch-statistics"],
+         "--per-microbatch-statistics applies to --method pipeshard/auto"),
+        (["compile", "--model", "wresnet", "--method", "pipeshard", "--microbatches", "2",
+          "--devices", "8"], "mixes the examples of its batch"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
@@ -99,6 +107,16 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     assert lines[0].startswith("autopar: error: ")
     assert message in lines[0]
     assert "Traceback" not in captured.err + captured.out
+
+
+def test_the_full_search_keeps_its_estimate_without_timing_when_asked(tmp_path, capsys):
+    path = tmp_path / "r.json"
+    assert main(["compile", "--model", "mlp", "--devices", "8", "--measure-candidates", "0",
+                 "--json", str(path)]) == 0
+    plan = json.loads(path.read_text())["plan"]
+    # without the flag, local planning times its candidates: rows and a note say so
+    assert not any(row.get("measured_step_time_s") for row in plan["planning"]["candidates"])
+    assert not any(note.startswith("measured") for note in plan["notes"])
 
 
 def test_console_script_sets_devices_before_jax_starts(tmp_path):
