@@ -41,6 +41,15 @@ class NoLossFunctionError(PlanError):
     """Pipelining needs the loss function marked by autopar.value_and_grad / autopar.grad."""
 
 
+class NoStageFitsError(PlanError):
+    """No stage assignment of a pipeline fits the memory budget; ``min_peak_bytes``: the
+    least per-device memory one needs."""
+
+    def __init__(self, message: str, min_peak_bytes: float):
+        super().__init__(message)
+        self.min_peak_bytes = min_peak_bytes
+
+
 class CannotWinError(PlanError):
     """A full-search candidate left unfinished: its fastest plan is over the memory budget and
     already estimated no faster than a plan that fits (what is left, a memory-constrained

@@ -21,7 +21,7 @@ from autopar.compiler.inter_op.stage_dp import (
     solve_capped,
 )
 from autopar.compiler.inter_op.stage_options import StageDPOptions
-from autopar.errors import PlanError
+from autopar.errors import NoStageFitsError, PlanError
 
 __all__ = ["StageSearch", "branch_and_bound", "no_fit_error", "search_stages", "thin_caps"]
 
@@ -57,12 +57,11 @@ def no_fit_error(
         return PlanError(f"no stage partition of {where} has a candidate for every stage")
     budget = options.memory_budget_bytes
     chunks = f", {options.num_chunks} chunks per stage" if options.num_chunks > 1 else ""
-    return PlanError(
+    return NoStageFitsError(
         f"no stage assignment of {where} fits in {budget:.0f} bytes "
         f"({budget / 2**30:.2f} GiB) per device: the smallest needs {need:.0f} bytes "
         f"({need / 2**30:.2f} GiB) per device (schedule {options.schedule}, "
-        f"{options.num_microbatches} microbatches{chunks})"
-    )
+        f"{options.num_microbatches} microbatches{chunks})", need)
 
 
 def branch_and_bound(

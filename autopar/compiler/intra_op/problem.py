@@ -148,7 +148,7 @@ class InfeasibleMemoryError(AutoparError, ValueError):
         self.dominant = dominant
         self.split_over = split_over
         self.mesh_shape = tuple(mesh_shape)
-        have, need = _fmt_bytes(budget), _fmt_bytes(min_peak_bytes)
+        have, need = format_bytes(budget), format_bytes(min_peak_bytes)
         if have == need:  # rounding hid the difference: show exact bytes
             have, need = f"{budget:.0f} bytes", f"{min_peak_bytes:.0f} bytes"
         most = f", most of it {dominant}" if dominant else ""
@@ -163,7 +163,8 @@ class InfeasibleMemoryError(AutoparError, ValueError):
         super().__init__(text)
 
 
-def _fmt_bytes(b: float) -> str:
+def format_bytes(b: float) -> str:
+    """``b`` bytes in the largest binary unit it fills (``528.25 KiB``)."""
     for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(b) >= size:
             return f"{b / size:.2f} {unit}"

@@ -23,6 +23,7 @@ from autopar.compiler.planners.candidate_rows import (
     candidate_row,
     failed_row,
     fits_budget,
+    no_candidate_text,
 )
 from autopar.compiler.planners.common import cut_into_microbatches
 from autopar.compiler.planners.pipeline_search import driver_floor_s
@@ -146,7 +147,7 @@ def plan_auto(step: StepProgram, cluster: ClusterSpec, ilp_observer: IlpObserver
         floor = _floor_without_recompute(step, candidate, cluster)
         if replicated > budget or floor > budget:
             rows.append({"name": name, "method": name.split(" ")[0], "est_step_time_s": None,
-                         "fits": False, "note": (
+                         "fits": False, "needs_bytes": max(replicated, floor), "note": (
                              f"not planned: the state it keeps whole on every device needs "
                              f"{replicated / 2**30:.2f} GiB, over the budget"
                              if replicated > budget else
@@ -259,8 +260,7 @@ def plan_auto(step: StepProgram, cluster: ClusterSpec, ilp_observer: IlpObserver
     if not fitting:
         least = min(found.values(), key=lambda p: p.plan.peak_memory_bytes, default=None)
         if least is None:
-            reasons = "; ".join(f"{r['name']}: {r['note']}" for r in rows)
-            raise PlanError(f"the full search planned no candidate: {reasons}")
+            raise PlanError(no_candidate_text(rows, budget))
         raise PlanError(
             f"no candidate of the full search fits in {budget / 2**30:.2f} GiB per device: the "
             f"least memory is {least.plan.peak_memory_bytes / 2**30:.2f} GiB "

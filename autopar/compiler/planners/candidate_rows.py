@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from autopar.compiler.intra_op.problem import format_bytes
 from autopar.compiler.planners.annotations import UserLayout
 from autopar.plan import Plan
 
@@ -48,6 +49,26 @@ def annotations_note(layout: UserLayout, rows: list[dict[str, Any]], plan: Plan)
 
 
 def failed_row(name: str, method: str, err: Exception) -> dict[str, Any]:
-    """The row of a candidate that could not be planned, saying why."""
-    return {"name": name, "method": method, "est_step_time_s": None, "fits": False,
-            "note": " ".join(str(err).split())}
+    """The row of a candidate that could not be planned, saying why; ``needs_bytes``: the
+    least per-device memory it needed, where the error knows it (a memory budget no plan of it
+    fits)."""
+    row = {"name": name, "method": method, "est_step_time_s": None, "fits": False,
+           "note": " ".join(str(err).split())}
+    needs = getattr(err, "min_peak_bytes", None) or getattr(err, "peak_bytes", None)
+    if needs:
+        row["needs_bytes"] = float(needs)
+    return row
+
+
+def no_candidate_text(rows: list[dict[str, Any]], budget: float) -> str:
+    """Why the full search has no plan: the least memory a candidate needed, where memory is
+    why (the candidate named), then every candidate's reason."""
+    reasons = "; ".join(f"{r['name']}: {r['note']}" for r in rows)
+    needing = [r for r in rows if r.get("needs_bytes")]
+    if not needing:
+        return f"the full search planned no candidate: {reasons}"
+    least = min(needing, key=lambda r: r["needs_bytes"])
+    return (f"no candidate of the full search fits in {format_bytes(budget)} per device: "
+            f"the least memory any needs is {format_bytes(least['needs_bytes'])} "
+            f"({least['name']}); raise memory_budget_bytes, or use more devices. "
+            f"Each candidate: {reasons}")

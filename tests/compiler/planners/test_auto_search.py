@@ -16,6 +16,7 @@ from autopar.cluster import RuntimeCosts, load_cluster
 from autopar.compiler.cost.memory_floor import memory_floor
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.trace import trace_step
+from autopar.compiler.intra_op.problem import format_bytes
 from autopar.compiler.planners import dispatch
 from autopar.compiler.planners.pipeline_search import driver_floor_s, search_pipelines
 from autopar.compiler.planners.pipeshard import stage_ilp_notes
@@ -169,8 +170,11 @@ def test_zero3_is_not_planned_below_the_memory_floor():
         planned(step, args, autopar.AutoParallel(candidates=("zero3",),
                                                  memory_budget_bytes=budget), local_cluster())
     assert str(info.value) == (
-        "the full search planned no candidate: zero3: not planned: with every tensor split "
-        f"over all 8 devices the step still needs {floor / 2**30:.2f} GiB, over the budget")
+        f"no candidate of the full search fits in {format_bytes(budget)} per device: the "
+        f"least memory any needs is {format_bytes(floor)} (zero3); raise "
+        "memory_budget_bytes, or use more devices. Each candidate: zero3: not planned: with "
+        f"every tensor split over all 8 devices the step still needs {floor / 2**30:.2f} GiB, "
+        "over the budget")
 
 
 def test_one_axis_shard_parallel_is_not_a_candidate_over_several_hosts():
@@ -338,3 +342,19 @@ def test_a_spent_time_budget_keeps_the_best_plan_found_and_names_what_it_skipped
     assert cut.planning.method_options["skipped"] == skipped
     with pytest.raises(autopar.InvalidOptionError, match="time_budget_s must be positive"):
         autopar.AutoParallel(time_budget_s=0)
+
+
+def test_when_nothing_fits_the_error_leads_with_the_least_memory_a_candidate_needed():
+    """Issue 35's case in small: under a budget no candidate fits, the one line names the
+    least memory any candidate needed (not the first candidate's own reason)."""
+    model = get_model("gpt", "tiny").with_value_and_grad(autopar.value_and_grad)
+    method = autopar.AutoParallel(memory_budget_bytes=64 * 2**10, measure_candidates=0)
+    step = autopar.parallelize(model.train_step, method=method, cache=False)
+    with pytest.raises(autopar.PlanError) as err:
+        step.get_plan(*model.abstract_inputs())
+    text = str(err.value)
+    assert "\n" not in text
+    assert text.startswith("no candidate of the full search fits in 64.00 KiB per device: "
+                           "the least memory any needs is ")
+    amount, unit = text.split("the least memory any needs is ")[1].split()[:2]
+    assert float(amount) * {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit] > 64 * 2**10
