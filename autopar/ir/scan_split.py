@@ -310,7 +310,10 @@ def split_step(outer: FlatProgram, vg_index: int, fwd_in_ids: Sequence[int],
             outs: list[int] = []
             for v in e.outputs:
                 if v in grads:
-                    parts[v] = [b.value(b.avals[f]) for f in slices[grads[v]]]
+                    # one gradient per slice, shaped as the slices the loss reads (the
+                    # slice ids name the forward's values, not this program's)
+                    piece = slice_aval(outer.avals[v])
+                    parts[v] = [b.value(piece) for _ in slices[grads[v]]]
                     outs.extend(parts[v])
                 else:
                     outs.append(v)

@@ -52,7 +52,9 @@ def coupled_examples(graph: OpGraph, split_inputs: Collection[int]) -> str | Non
     None when each example is computed alone and the outputs are means or sums over them.
     ``split_inputs``: its inputs that carry the batch on their first dimension."""
     # one shard: every split is kept, whatever the sizes
-    result = propagate_batch_split(graph, {t: 0 for t in split_inputs}, 1)
+    # an op the split cannot follow is taken to keep its examples apart, so that what comes
+    # after it is still followed (a sum over the batch there is still found)
+    result = propagate_batch_split(graph, {t: 0 for t in split_inputs}, 1, keep_batch=True)
     summed: dict[int, CollectiveKind] = {}
     for found in result.collectives:
         summed.setdefault(found.node, found.kind)

@@ -29,7 +29,7 @@ from autopar.plan import CollectiveKind
 SHAPE_PRESERVING = frozenset(
     """
     convert_element_type copy copy_p stop_gradient reduce_precision bitcast_convert_type
-    optimization_barrier custom_jvp_call sharding_constraint
+    optimization_barrier custom_jvp_call sharding_constraint name
     """.split()
 ) | ELEMENTWISE
 
@@ -53,9 +53,10 @@ Split = int | None
 
 
 class _Propagator:
-    def __init__(self, graph: OpGraph, num_shards: int) -> None:
+    def __init__(self, graph: OpGraph, num_shards: int, keep_batch: bool = False) -> None:
         self.graph = graph
         self.n = num_shards
+        self.keep_batch = keep_batch
         self.split: dict[int, Split] = {}
         self.collectives: list[ImpliedCollective] = []
         # scan carries' settled layouts around their loops, by enter node (see ``run``)
@@ -74,7 +75,15 @@ class _Propagator:
             [ImpliedCollective(node.id, kind, self.graph.tensors[tensor].nbytes)] * node.repeat)
 
     def gather_inputs(self, node: OpNode) -> list[Split]:
-        """The fallback: every split operand is all-gathered, every result is whole."""
+        """The fallback: every split operand is all-gathered, every result is whole. With
+        ``keep_batch`` (following examples, not pricing: ``batch_coupling``) nothing is
+        gathered, and a result whose first dimension is the operands' split first dimension
+        stays split on it, as if the op treated examples apart."""
+        if self.keep_batch:
+            dims = {self.split.get(t) for t in node.inputs} - {None}
+            sizes = {self.shape(t)[0] for t in node.inputs if self.split.get(t) == 0}
+            return [0 if dims == {0} and self.shape(o)[:1] == tuple(sizes) else None
+                    for o in node.outputs]
         for t in dict.fromkeys(node.inputs):
             if self.split.get(t) is not None:
                 self.emit(node, CollectiveKind.ALL_GATHER, t)
@@ -386,10 +395,11 @@ class _Propagator:
 
 
 def propagate_batch_split(
-    graph: OpGraph, split_inputs: dict[int, int], num_shards: int
+    graph: OpGraph, split_inputs: dict[int, int], num_shards: int, *, keep_batch: bool = False
 ) -> BatchSplitResult:
-    """Push ``split_inputs`` (input tensor id -> split dimension) through ``graph``."""
-    return _Propagator(graph, num_shards).run(split_inputs)
+    """Push ``split_inputs`` (input tensor id -> split dimension) through ``graph``;
+    ``keep_batch``: see ``_Propagator.gather_inputs``."""
+    return _Propagator(graph, num_shards, keep_batch).run(split_inputs)
 
 
 def group_collectives(found: list[ImpliedCollective]) -> dict[CollectiveKind, tuple[int, int]]:
