@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
-    from autopar.bench.fuzz_campaign import METHODS, campaign, result_rows, summary_table
+    from autopar.bench.fuzz_campaign import METHODS, campaign, summary_table
     from autopar.bench.fuzz_programs import random_spec
 
     methods = tuple(args.methods.split(",")) if args.methods else METHODS
@@ -43,10 +43,15 @@ def main(argv: list[str] | None = None) -> int:
     seeds = range(args.first_seed, args.first_seed + args.programs)
     load_before = os.getloadavg()
     start = time.perf_counter()
-    rows = []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    import json
+    from dataclasses import asdict
+    stream = open(args.out.with_suffix(".jsonl"), "w")  # each case as it ends: a stopped
+    # campaign keeps what it ran
 
     def show(result) -> None:
-        rows.append(result)
+        stream.write(json.dumps(asdict(result)) + "\n")
+        stream.flush()
         if result.status in ("mismatch", "traceback"):
             print(f"seed {result.seed} {result.method} {result.devices}: {result.status}: "
                   f"{result.detail}", flush=True)
@@ -54,11 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     results = campaign((random_spec(s) for s in seeds), methods, devices,
                        reproducers=args.reproducers, on_result=show)
     seconds = time.perf_counter() - start
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    import json
-    with open(args.out.with_suffix(".jsonl"), "w") as f:
-        for row in result_rows(results):
-            f.write(json.dumps(row) + "\n")
+    stream.close()
     command = "python benchmarks/fuzz.py " + " ".join(argv if argv is not None else sys.argv[1:])
     header = [
         "# The differential campaign: generated programs against serial JAX", "",
