@@ -75,8 +75,11 @@ def test_decorator_forms_and_plan_cache():
 
     args = model.abstract_inputs()
     # the default is the full search; this step does not mark its loss for pipelining, so it
-    # gets one stage planned by the intra-operator pass
-    assert bare.get_plan(*args).method == "shard"
+    # gets a one-stage plan (which one the clock keeps among the timed candidates: not this
+    # test's subject, and load-dependent)
+    chosen = bare.get_plan(*args)
+    assert chosen.planning.method_options["method"] == "auto"
+    assert len(chosen.stages) == 1 and chosen.method != "pipeshard"
     plan = called.get_plan(*args)
     assert called.get_plan(*args) is plan  # same signature: cached
     assert bare.__name__ == "bare"
