@@ -75,3 +75,12 @@ class HloParseError(AutoparError, ValueError):
 def choices_text(choices) -> str:
     """Format valid choices for an error message: ``a, b, c``."""
     return ", ".join(str(c) for c in choices)
+
+
+def format_bytes(b: float) -> str:
+    """``b`` bytes in the largest binary unit it fills, for messages and reports
+    (``528.25 KiB``, ``1.50 GiB``)."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(b) >= size:
+            return f"{b / size:.2f} {unit}"
+    return f"{b:.0f} B"

@@ -7,6 +7,7 @@ from typing import Any
 
 from autopar.cluster import format_mesh_shape
 from autopar.compiler.graph.opgraph import OpGraph
+from autopar.errors import format_bytes
 from autopar.ir.schedule_timeline import Timeline, render_text, stage_timeline
 from autopar.ir.schedules import is_async
 from autopar.plan import Plan
@@ -416,14 +417,6 @@ def format_count(x: float) -> str:
         if abs(x) >= scale:
             return f"{x / scale:.2f}{unit}"
     return f"{x:.0f}"
-
-
-def format_bytes(x: float) -> str:
-    """A size in binary units: ``1.50 MiB``."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(x) >= scale:
-            return f"{x / scale:.2f} {unit}"
-    return f"{x:.0f} B"
 
 
 def format_seconds(x: float) -> str:

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from autopar.errors import AutoparError, PlanError
+from autopar.errors import AutoparError, PlanError, format_bytes
 
 FORMAT_VERSION = 1
 
@@ -161,14 +161,6 @@ class InfeasibleMemoryError(AutoparError, ValueError):
             text = (f"no sharding plan fits in {have} per device; the smallest per-device "
                     f"memory any plan needs is {need}{most}")
         super().__init__(text)
-
-
-def format_bytes(b: float) -> str:
-    """``b`` bytes in the largest binary unit it fills (``528.25 KiB``)."""
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(b) >= size:
-            return f"{b / size:.2f} {unit}"
-    return f"{b:.0f} B"
 
 
 def problem_to_json(problem: IntraOpProblem, solution: IntraOpSolution | None = None) -> str:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from autopar.compiler.intra_op.problem import format_bytes
 from autopar.compiler.planners.annotations import UserLayout
+from autopar.errors import format_bytes
 from autopar.plan import Plan
 
 

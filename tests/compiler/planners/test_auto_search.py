@@ -16,7 +16,6 @@ from autopar.cluster import RuntimeCosts, load_cluster
 from autopar.compiler.cost.memory_floor import memory_floor
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.trace import trace_step
-from autopar.compiler.intra_op.problem import format_bytes
 from autopar.compiler.planners import dispatch
 from autopar.compiler.planners.pipeline_search import driver_floor_s, search_pipelines
 from autopar.compiler.planners.pipeshard import stage_ilp_notes
@@ -26,7 +25,7 @@ from autopar.compiler.planners.stage_costs import (
     layer_cost_cache,
     range_piece,
 )
-from autopar.errors import PlanError
+from autopar.errors import PlanError, format_bytes
 from autopar.ir.pipeline_program import build_pipeline_program
 from autopar.models import get_model
 from autopar.plan import Plan
