@@ -11,14 +11,12 @@ timeouts here are hang guards only; nothing is asserted about how long anything 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import repo_paths
+from guarded_runs import run_guarded
 
 # the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
 pytestmark = pytest.mark.e2e
@@ -38,17 +36,8 @@ def _launch(tmp_path: Path, processes: int, ready: int, *hang_args: str,
         launch += ["--timeout", str(timeout_s)]
     argv = [sys.executable, str(SCRIPTS / "launch_and_check.py"), str(piddir), str(ready), "--",
             *launch, "--", sys.executable, str(SCRIPTS / "hang.py"), str(piddir), *hang_args]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    proc = subprocess.Popen(argv, env=env, cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=HANG_GUARD_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail(f"the launch did not end within {HANG_GUARD_S} s")
-    assert proc.returncode == 0, err[-3000:]
+    code, out, err = run_guarded(argv, HANG_GUARD_S)
+    assert code == 0, err[-3000:]
     return json.loads(out.strip().splitlines()[-1]), err
 
 

@@ -15,8 +15,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -27,6 +25,7 @@ import orbax.checkpoint as ocp
 import pytest
 import repo_paths
 from checkpointed_mlp import abstract_state, batch, flat, initial_state, train_step
+from guarded_runs import run_guarded
 
 import autopar
 
@@ -44,23 +43,14 @@ def _launch(processes: int, *script_args: str) -> tuple[int, str]:
     """``autopar launch --processes N --cpu-devices 2`` of the script, in its own session;
     returns (exit status, stdout + stderr). One multi-process run at a time across the
     suite's workers (the lock test_distributed.py takes too)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     argv = [sys.executable, "-c", LAUNCH, "launch", "--processes", str(processes),
             "--cpu-devices", "2", "--timeout", "240", "--",
             sys.executable, str(SCRIPT), *script_args, "--steps", str(STEPS),
             "--every", str(EVERY)]
     with open(Path(tempfile.gettempdir()) / "autopar-test-launch.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        proc = subprocess.Popen(argv, env=env, cwd=REPO, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        try:
-            out, _ = proc.communicate(timeout=HANG_GUARD_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            pytest.fail(f"the launch did not end within {HANG_GUARD_S} s")
-    return proc.returncode, out
+        code, out, _ = run_guarded(argv, HANG_GUARD_S, merge_stderr=True)
+    return code, out
 
 
 def _running(pid: int) -> bool:
