@@ -79,6 +79,16 @@ def choose_schedule(pp: PipelineProgram, method: PipeshardParallel, cluster: Clu
     times = {name: found.best.estimate.total_s for name, found in searches.items()}
     best = min(times, key=times.__getitem__)
     plan = finish_pipeshard(searches[best], cluster_name)
+    # every schedule's search took its share (the first filled the layer costs the others
+    # read): the phases are their sums, each search's seconds beside
+    phases = dict(plan.planning.phases)
+    for part in ("layers_s", "stage_costs_s", "stage_dp_s"):
+        phases[part] = sum(getattr(found, part) for found in searches.values())
+    for name, found in searches.items():
+        phases[f"search {name}_s"] = found.layers_s + found.stage_costs_s + found.stage_dp_s
+    phases["total_s"] = sum(phases[p] for p in ("layers_s", "stage_costs_s", "stage_dp_s",
+                                                   "stage_plans_s"))
+    plan.planning.phases = phases
     rows = []
     for name in auto_schedules(method.allow_async):
         rows.append({"name": f"schedule {name}", "method": MethodName.PIPESHARD.value,
