@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from autopar.cluster import ClusterSpec
@@ -279,14 +279,8 @@ def hand_splits(pp: PipelineProgram, method: PipeshardParallel, cluster: Cluster
         try:
             layer_split = uniform_stages(table, count, hosts, per_host, options)
             ops = operator_positions(pp, count)
-            # the same count of equal stages: on the equal-layer split's submesh, and on its
-            # logical mesh where all its stages chose one (its cuts fall inside the repeated
-            # blocks, so its pieces are new structures, an ILP each per mesh: at GPT-3 175B
-            # on 1,024 A100s costing them on every logical mesh took a fifth of the search)
-            shapes = {st.candidate.logical_mesh_shape for st in layer_split.stages}
-            on_mesh = method if len(shapes) != 1 else replace(
-                method, stage_mesh_shape=shapes.pop())
-            ops_table = stage_cost_table(pp, ops, on_mesh, cluster, cache, clock,
+            # the same count of equal stages: on the equal-layer split's submesh
+            ops_table = stage_cost_table(pp, ops, method, cluster, cache, clock,
                                          prefetch_on=(layer_split.stages[0].submesh,),
                                          stage_layers=1)
             op_split = uniform_stages(ops_table, count, hosts, per_host, options)
