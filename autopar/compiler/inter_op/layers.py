@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 
 from autopar.compiler.graph.opgraph import OpGraph
-from autopar.compiler.inter_op.repeats import find_repeats
 from autopar.errors import PlanError
 from autopar.ir.pipeline_program import PipelineProgram
 
@@ -377,9 +376,7 @@ def layer_positions(pp: PipelineProgram, graph: OpGraph, layers: int | str,
     """Cut positions (forward equation indices of ``pp.forward``, whose graph is ``graph``)
     between layers, as ``PipeshardParallel(layers=...)`` asks: ``"marked"`` (the user's
     ``autopar.mark_pipeline_boundary`` calls), ``"auto"`` (the marks when there are any, else
-    clustering into about one layer per two devices) or a number of layers to cluster into.
-    Clustered cuts inside the forward's repeated block are moved to its boundaries (layers of
-    whole blocks share their blocks' ILPs), unless two would meet."""
+    clustering into about one layer per two devices) or a number of layers to cluster into."""
     marked = sorted(set(p for p in pp.boundary_positions() if 0 < p < len(graph.nodes)))
     if layers == "marked" or (layers == "auto" and marked):
         if not marked:
@@ -392,13 +389,7 @@ def layer_positions(pp: PipelineProgram, graph: OpGraph, layers: int | str,
     # on one V100: two layers estimated 0.3% slower than one)
     count = layers if isinstance(layers, int) else min(
         DEFAULT_MAX_LAYERS, max(min(2, num_devices), num_devices // 2), heavy)
-    positions = list(cluster_layers(graph, count).positions)
-    grid = None if pp.layer_scans else find_repeats(pp.forward, positions)
-    if grid is None:
-        return positions
-    # on the repeated blocks' boundaries where that keeps every layer (``RepeatGrid.snap``)
-    snapped = [c for c in grid.snap(positions) if 0 < c < len(graph.nodes)]
-    return snapped if len(snapped) == len(positions) else positions
+    return list(cluster_layers(graph, count).positions)
 
 
 def remat_layer_positions(pp: PipelineProgram, graph: OpGraph) -> list[int]:

@@ -52,20 +52,6 @@ class RepeatGrid:
         outside = self.start + num_eqns - self.end
         return self.num_blocks + (1 if outside >= self.period else 0)
 
-    def snap(self, positions: Sequence[int]) -> list[int]:
-        """``positions`` each moved to the nearest block boundary (the earlier on a tie)
-        where it falls inside the grid, distinct and in order: a layer of whole blocks is
-        costed as identical block ILPs, where a cut inside a block makes both its parts new
-        structures, each one ILP per logical mesh (GPT-39B's last cut fell 60 equations into
-        a block for the head's flops: 198 of 607 ILPs were its two parts)."""
-        snapped = set()
-        for c in positions:
-            if self.start <= c <= self.end:
-                k, off = divmod(c - self.start, self.period)
-                c = self.start + (k + 1 if 2 * off > self.period else k) * self.period
-            snapped.add(c)
-        return sorted(snapped)
-
     def cuts_within(self, a: int, b: int) -> list[int]:
         """The block boundaries strictly inside equations ``[a, b)``."""
         first = self.start + max(0, -(-(a + 1 - self.start) // self.period)) * self.period

@@ -11,8 +11,7 @@ import pytest
 import autopar
 from autopar.cluster import load_cluster
 from autopar.compiler.graph.trace import build_graph
-from autopar.compiler.inter_op.layers import cluster_layers, layer_positions
-from autopar.compiler.inter_op.piece_cost import piece_signature
+from autopar.compiler.inter_op.layers import layer_positions
 from autopar.compiler.inter_op.repeats import RepeatGrid, find_repeats
 from autopar.compiler.inter_op.submesh import SubmeshShape
 from autopar.compiler.planners.stage_costs import layer_cost_cache, submesh_mesh
@@ -48,35 +47,6 @@ def test_the_grid_cuts_only_inside_the_span_and_the_blocks():
     assert grid.cuts_within(5, 15) == []
     assert grid.cuts_within(40, 60) == [45]
     assert grid.cuts_within(46, 90) == []
-
-
-def test_snapping_moves_cuts_inside_the_grid_to_the_nearest_block_boundary():
-    grid = RepeatGrid(period=10, start=5, end=45)
-    # outside the grid kept; inside, the nearer boundary (the earlier on a tie); one each
-    assert grid.snap([3, 9, 10, 21, 44, 50]) == [3, 5, 25, 45, 50]
-    assert grid.snap([14, 16]) == [15]
-
-
-def test_clustered_layers_are_whole_blocks_and_their_blocks_are_three_structures():
-    """Six blocks clustered into six layers: the clustering alone cuts the last layer 48
-    equations into the last block (for the head's flops), whose two parts would be two more
-    structures, each an ILP per logical mesh; its cuts are moved onto the blocks' boundaries,
-    as many as it made, and the layers' units are the embedding's, the block and the
-    head's."""
-    pp = _gpt(6)
-    graph = build_graph(pp.forward)
-    raw = list(cluster_layers(graph, 6).positions)
-    grid = find_repeats(pp.forward, raw)
-    on_grid = [c for c in raw if grid.start <= c <= grid.end]
-    assert any((c - grid.start) % grid.period for c in on_grid)  # what is being fixed
-    positions = layer_positions(pp, graph, 6, 16)
-    assert len(positions) == len(raw)
-    assert all((c - grid.start) % grid.period == 0 for c in positions
-               if grid.start <= c <= grid.end)
-    cache = layer_cost_cache(autopar.PipeshardParallel(num_microbatches=4, layers=6))
-    cache.use_layers(pp, positions)
-    units = [u for layer in cut_pieces(pp.forward, positions) for u in cache.units(pp, layer)]
-    assert len({piece_signature(pp, u) for u in units}) == 3 < len(units)
 
 
 def test_a_model_without_repeated_blocks_has_no_grid():
