@@ -393,7 +393,7 @@ def pinned(data: int, tensor: int = 1, pipeline: int = 1, *, num_microbatches: i
                              solver=solver, time_limit_s=time_limit_s, remat=remat,
                              replicas="none", stage_mesh_shape=mesh)
 
-METHOD_TYPES: tuple[type, ...] = (
+METHOD_TYPES: tuple[type[Method], ...] = (
     DataParallel, ShardParallel, PipeshardParallel, Zero2Parallel, Zero3Parallel, AutoParallel
 )
 # what the CLI and ``method_from_name`` accept: every plan method, and the full search

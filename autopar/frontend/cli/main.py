@@ -171,7 +171,7 @@ class _StderrHandler(logging.StreamHandler):
         super().__init__()
         self.progress = None  # an autopar.frontend.progress.Progress whose line to clear first
 
-    @property  # type: ignore[override]
+    @property
     def stream(self):
         return sys.stderr
 
