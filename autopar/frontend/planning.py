@@ -108,6 +108,7 @@ def bind_static_args(
         params = list(inspect.signature(step).parameters.values())
         positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         kept = [positional[i] for i in dynamic_positions if i < len(positional)]
+        # what inspect.signature reads first; functions' type does not declare it
         bound.__signature__ = inspect.Signature(kept)  # type: ignore[attr-defined]
     except (TypeError, ValueError):
         pass  # no signature: leaves are named arg0, arg1, ...
