@@ -25,7 +25,7 @@ from autopar.frontend.planning import StaticBinding, bind_static_args, plan_trai
 from autopar.frontend.progress import Progress
 from autopar.frontend.static_leaves import array_leaves, signature_part
 from autopar.ir.flatten import argument_names
-from autopar.methods import METHOD_TYPES, AutoParallel, Method
+from autopar.methods import METHOD_TYPES, AutoParallel, Method, PipeshardParallel
 from autopar.plan import Plan
 from autopar.runtime.distributed import global_devices, host_layout, same_plan_everywhere
 from autopar.runtime.executables import build_executable
@@ -175,7 +175,7 @@ class ParallelizedStep:
         start = time.perf_counter()
         bound = bind_static_args(self.fn, args, self.static_argnums, self.batch_argnums)
         method = self.method
-        if getattr(method, "replicas", None) == "auto":
+        if isinstance(method, AutoParallel | PipeshardParallel) and method.replicas == "auto":
             # the pipeline runtime runs one replica: plan these devices with none
             method = dataclasses.replace(method, replicas="none")
         devices = self.devices if self.devices is not None else global_devices()

@@ -21,12 +21,10 @@ class Solver(StrEnum):
 def check_solver(value: object) -> None:
     """Raise ``InvalidOptionError`` (one line, naming the choices) unless ``value`` is a
     solver name."""
-    try:
-        Solver(value)
-    except ValueError:
+    if not (isinstance(value, str) and value in {s.value for s in Solver}):
         raise InvalidOptionError(
             f"unknown solver '{value}'; valid solvers: {choices_text(Solver)}"
-        ) from None
+        )
 
 
 REMAT_MODES: tuple[str, ...] = ("none", "layers", "auto")

@@ -25,8 +25,8 @@ from autopar.plan import MethodName, ShardingSpec
 __all__ = [
     "AUTO_CANDIDATES", "METHOD_NAMES", "METHOD_TYPES", "REMAT_MODES", "REPLICA_MODES",
     "SCHEDULE_AUTO", "STAGE_MODES", "AutoParallel", "DataParallel", "ManualStages", "Method",
-    "PipeshardParallel", "ShardParallel", "Solver", "Zero2Parallel", "Zero3Parallel",
-    "method_from_name", "pinned",
+    "OneStageMethod", "PipeshardParallel", "ShardParallel", "Solver", "Zero2Parallel",
+    "Zero3Parallel", "method_from_name", "pinned",
 ]
 
 
@@ -336,10 +336,10 @@ class AutoParallel:
                                  remat=self.remat, replicas=self.replicas,
                                  planning_workers=self.planning_workers)
 
-    def one_stage_methods(self) -> list[Method]:
+    def one_stage_methods(self) -> list[OneStageMethod]:
         """The one-stage candidates' methods, in the order they are planned."""
         remat = self.remat
-        found: list[Method] = []
+        found: list[OneStageMethod] = []
         for name in self.candidates:
             if name == "data":
                 found.append(DataParallel(remat=remat))
@@ -356,6 +356,8 @@ class AutoParallel:
 
 Method = (DataParallel | ShardParallel | PipeshardParallel | Zero2Parallel | Zero3Parallel
           | AutoParallel)
+# the methods that plan one stage over the whole mesh (each has a ``mesh_shape``)
+OneStageMethod = DataParallel | ShardParallel | Zero2Parallel | Zero3Parallel
 
 
 def pinned(data: int, tensor: int = 1, pipeline: int = 1, *, num_microbatches: int = 1,
@@ -391,7 +393,7 @@ def pinned(data: int, tensor: int = 1, pipeline: int = 1, *, num_microbatches: i
                              solver=solver, time_limit_s=time_limit_s, remat=remat,
                              replicas="none", stage_mesh_shape=mesh)
 
-METHOD_TYPES: tuple[type, ...] = (
+METHOD_TYPES: tuple[type[Method], ...] = (
     DataParallel, ShardParallel, PipeshardParallel, Zero2Parallel, Zero3Parallel, AutoParallel
 )
 # what the CLI and ``method_from_name`` accept: every plan method, and the full search

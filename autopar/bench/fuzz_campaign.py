@@ -100,9 +100,9 @@ def compare(reference: tuple[list[float], list[np.ndarray]],
     rtol = 3e-2 if low_precision else 2e-4
     ref_losses, ref_leaves = reference
     losses, got_leaves = got
-    for i, (want, have) in enumerate(zip(ref_losses, losses, strict=True)):
-        if not np.isclose(have, want, rtol=rtol, atol=rtol * 0.1):
-            return f"loss of step {i}: {have!r} vs serial {want!r}"
+    for i, (serial, loss) in enumerate(zip(ref_losses, losses, strict=True)):
+        if not np.isclose(loss, serial, rtol=rtol, atol=rtol * 0.1):
+            return f"loss of step {i}: {loss!r} vs serial {serial!r}"
     if len(ref_leaves) != len(got_leaves):
         return f"{len(got_leaves)} state leaves vs serial {len(ref_leaves)}"
     for k, (want, have) in enumerate(zip(ref_leaves, got_leaves, strict=True)):

@@ -54,11 +54,12 @@ def accumulation_step(model: ZooModel, microbatches: int) -> Callable[[Any, Any]
             lambda x: x.reshape(microbatches, x.shape[0] // microbatches, *x.shape[1:]), batch)
 
         def one(micro: Any) -> Any:
-            if family.loss_with_extra is None:
+            loss_with_extra = family.loss_with_extra
+            if loss_with_extra is None:
                 loss, grads = jax.value_and_grad(model.loss_fn)(params, micro)
                 return loss, extra, grads
             (loss, new_extra), grads = jax.value_and_grad(
-                lambda p: family.loss_with_extra(p, extra, micro, config), has_aux=True)(params)
+                lambda p: loss_with_extra(p, extra, micro, config), has_aux=True)(params)
             return loss, new_extra, grads
 
         def add(total: Any, micro: Any) -> tuple[Any, None]:

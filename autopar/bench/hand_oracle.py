@@ -59,6 +59,7 @@ def jit_collectives(step: Callable, args: Sequence[Any], specs: Mapping[str, Sha
     rest = jax.tree_util.tree_map(lambda _: whole, tuple(out_shape[1:]))
     jitted = jax.jit(step, in_shardings=in_shardings, out_shardings=(in_shardings[0], *rest))
     text = jitted.lower(*args).compile().as_text()
+    assert text is not None, "XLA's CPU and GPU backends give the compiled HLO's text"
     return count_collectives(text, per_run=True), jitted
 
 

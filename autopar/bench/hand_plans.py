@@ -187,7 +187,7 @@ def mirrored_parameters(leaves: Sequence[Leaf]) -> dict[str, Leaf]:
     """Path of every state leaf -> the parameter it mirrors: a parameter itself, or an
     optimizer state leaf of the same shape whose path ends with the parameter's path after
     ``params/`` (``state/opt_state/0/mu/blocks/0/attn/q/kernel``). The longest suffix wins."""
-    params = {param_suffix(x.path): x for x in leaves if not x.is_batch and param_suffix(x.path)}
+    params = {s: x for x in leaves if not x.is_batch and (s := param_suffix(x.path))}
     by_length = sorted(params, key=len, reverse=True)
     found: dict[str, Leaf] = {}
     for leaf in leaves:

@@ -73,7 +73,7 @@ def run_published(run: PublishedRun) -> dict[str, Any]:
     from autopar.errors import AutoparError
 
     pinned = plan_pinned(run)
-    row = {
+    row: dict[str, Any] = {
         "label": run.label, "source": run.source, "system": run.system,
         "gpus": run.gpus, "cluster": run.cluster, "hosts": run.hosts,
         "degrees": {"data": run.data, "tensor": run.tensor, "pipeline": run.pipeline},

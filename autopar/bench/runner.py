@@ -88,7 +88,7 @@ class _Local:
 
 def case_cluster(case: BenchCase, options: RunOptions) -> ClusterSpec:
     """The described cluster (with ``case.hosts``), or the local devices as one host."""
-    if case.local:
+    if case.cluster is None:  # a local case
         from autopar.api import local_cluster
         from autopar.bench.measure import local_devices
 
@@ -204,7 +204,7 @@ def _simple_vs_default(row: dict[str, Any]) -> dict[str, Any] | None:
               and b.get("measured_step_time_s")}
     if not simple:
         return None
-    best = min(simple, key=simple.get)
+    best = min(simple, key=simple.__getitem__)
     return {"best_simple": best, "best_simple_s": simple[best], "default_s": measured,
             "ratio": simple[best] / measured}
 
@@ -350,7 +350,7 @@ def _what_if(case: BenchCase, model: ZooModel, est_s: float, devices: int,
     plain = alpa_gpt_flops(model.config, checkpoint_activations=False) if gpt else None
     est_alpa = tflops_per_device(plain, est_s, devices) if plain else None
     published_plain = None
-    if gpt and pub.tflops_per_device is not None:
+    if plain is not None and pub.tflops_per_device is not None:  # (plain: a GPT's)
         share = plain / alpa_gpt_flops(model.config, checkpoint_activations=True)
         published_plain = pub.tflops_per_device * (share if pub.counts_recompute else 1.0)
     return {
@@ -408,6 +408,6 @@ def bound_by(plan: Plan) -> str:
              if k in _BOUND_PARTS and isinstance(v, int | float)}
     if not parts:
         return ""
-    key = max(parts, key=parts.get)
+    key = max(parts, key=parts.__getitem__)
     total = plan.est_step_time_s or 1.0
     return f"{_BOUND_PARTS[key]} ({parts[key] / total:.0%})"

@@ -107,7 +107,7 @@ class BenchCase:
         if self.label:
             return self.label
         extra = "".join(f", {k}={v}" for k, v in self.overrides)
-        where = "local" if self.local else self.cluster
+        where = "local" if self.cluster is None else self.cluster  # (local: no cluster)
         if self.local and self.devices:
             where += f" ({self.devices} devices)"
         hosts = f" x{self.hosts} hosts" if self.hosts else ""

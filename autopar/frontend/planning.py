@@ -108,6 +108,7 @@ def bind_static_args(
         params = list(inspect.signature(step).parameters.values())
         positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         kept = [positional[i] for i in dynamic_positions if i < len(positional)]
+        # what inspect.signature reads first; functions' type does not declare it
         bound.__signature__ = inspect.Signature(kept)  # type: ignore[attr-defined]
     except (TypeError, ValueError):
         pass  # no signature: leaves are named arg0, arg1, ...
@@ -233,8 +234,10 @@ def _with_saved_plan(
         check_signature(plan, trace_step(fn, args))
     step = dispatch.trace_for_plan(fn, args, plan, batch_argnums)
     check_signature(plan, step.traced)
-    # a pipeline stage's value ids are the loss forward's
-    _check_spec_ranks(plan, step.pipeline.forward if plan.is_pipelined else step.traced.program)
+    # a pipeline stage's value ids are the loss forward's (a pipelined plan's step is traced
+    # with its pipeline cut: ``trace_for_plan``)
+    _check_spec_ranks(plan, step.pipeline.forward if step.pipeline is not None
+                      else step.traced.program)
     return PlannedStep(step.traced, plan, step.pipeline)
 
 
@@ -259,8 +262,8 @@ def _check_spec_ranks(plan: Plan, program: Any) -> None:
             check(f"stages[{i}].output_shardings[{path!r}]", outputs.get(path), spec)
         for (node, operand), spec in stage.operand_shardings.items():
             inputs = program.eqns[node].inputs if 0 <= node < len(program.eqns) else ()
-            vid = inputs[operand] if 0 <= operand < len(inputs) else None
-            check(f"stages[{i}].operand_shardings['{node}:{operand}']", vid, spec)
+            read = inputs[operand] if 0 <= operand < len(inputs) else None
+            check(f"stages[{i}].operand_shardings['{node}:{operand}']", read, spec)
 
 
 def check_signature(plan: Plan, traced: TracedStep) -> None:

@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 def is_terminal(stream: object) -> bool:
     """Whether ``stream`` is an interactive terminal (False when it cannot tell)."""
     try:
+        # any object: one without isatty is answered by the AttributeError below
         return bool(stream.isatty())  # type: ignore[attr-defined]
     except (AttributeError, OSError, ValueError):
         return False

@@ -164,4 +164,6 @@ class WeightVersions:
 def weight_versions(name: str, num_stages: int, num_microbatches: int) -> WeightVersions:
     """The version rules of ``name`` (InvalidOptionError naming the asynchronous schedules
     when it is not one of them, or as ``schedules.make_schedule``)."""
-    return WeightVersions(name, num_stages, num_microbatches)  # type: ignore[arg-type]
+    # checked here as ``__post_init__`` checks it: the field holds the ScheduleName it names
+    schedule = check_schedule_options(name, num_stages, num_microbatches, 1)
+    return WeightVersions(schedule, num_stages, num_microbatches)

@@ -222,12 +222,12 @@ def _followers(pp: PipelineProgram, state_out: tuple[int, ...],
             for v in eqn.outputs:
                 reads[v] = found
     params = set(param_position.values())
-    found = {}
+    positions: dict[int, int] = {}
     for j, vid in enumerate(state_out):
         fids = reads.get(vid, frozenset())
         if j in params or len(fids) != 1:
             continue
         (fid,) = fids
         if tuple(outer.avals[vid].shape) == tuple(pp.forward.avals[fid].shape):
-            found[j] = param_position[fid]
-    return found
+            positions[j] = param_position[fid]
+    return positions

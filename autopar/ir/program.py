@@ -297,9 +297,9 @@ def carried_inputs(inputs: Sequence[tuple[str, int, Any]],
     for j, (path, shape) in enumerate(outputs):
         below = path.partition("/")[2]  # without "out"
         head, _, rest = below.partition("/")
-        k = by_position.get((int(head), rest)) if head.isdigit() else None
-        if k is None and len(by_rest.get(below, ())) == 1:
-            k = by_rest[below][0]
-        if k is not None and tuple(inputs[k][2]) == tuple(shape):
-            pairs[j] = k
+        i = by_position.get((int(head), rest)) if head.isdigit() else None
+        if i is None and len(by_rest.get(below, ())) == 1:
+            i = by_rest[below][0]
+        if i is not None and tuple(inputs[i][2]) == tuple(shape):
+            pairs[j] = i
     return pairs

@@ -172,7 +172,8 @@ def split_forward(forward: FlatProgram, diff_inputs: Sequence[int]) -> SplitForw
             aval = forward.avals[fid]
             slices[fid] = tuple(b.value(slice_aval(aval), TensorKind.INPUT)
                                 for _ in range(aval.shape[0]))
-    in_ids, in_paths = [], []
+    in_ids: list[int] = []
+    in_paths: list[str] = []
     for vid, path in zip(forward.in_ids, forward.in_paths, strict=True):
         parts = slices.get(vid, (vid,))
         in_ids.extend(parts)

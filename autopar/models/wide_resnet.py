@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -222,11 +223,11 @@ def forward(
 
     ``batch_stats`` may be None in training mode (the loss does not need it; nothing is updated).
     """
-    has = batch_stats is not None
     x = images.astype(jnp.dtype(cfg.dtype))
     x = _conv(x, params["stem"]["conv"], 2, ((3, 3), (3, 3)))
     x, stem_bn = _batch_norm(
-        x, params["stem"]["bn"], batch_stats["stem"]["bn"] if has else None, cfg, train
+        x, params["stem"]["bn"], None if batch_stats is None else batch_stats["stem"]["bn"],
+        cfg, train
     )
     x = jax.nn.relu(x)
     x = lax.reduce_window(x, -jnp.inf, lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "SAME")
@@ -234,8 +235,8 @@ def forward(
     for i, ((_, _, stride, proj), p) in enumerate(
         zip(block_layout(cfg), params["blocks"], strict=True)
     ):
-        st = batch_stats["blocks"][i] if has else {}
-        new_st = {}
+        st = {} if batch_stats is None else batch_stats["blocks"][i]
+        new_st: dict[str, Any] = {}
 
         def bn(y, name, p=p, st=st, new_st=new_st):
             y, new_st[name] = _batch_norm(y, p[name], st.get(name), cfg, train)
@@ -249,7 +250,7 @@ def forward(
         new_blocks.append(new_st)
     x = jnp.mean(x, axis=(1, 2))
     logits = x @ params["head"]["kernel"] + params["head"]["bias"]
-    new_stats = {"stem": {"bn": stem_bn}, "blocks": new_blocks} if has else None
+    new_stats = None if batch_stats is None else {"stem": {"bn": stem_bn}, "blocks": new_blocks}
     return logits, new_stats
 
 

@@ -203,6 +203,7 @@ def _mesh(report: CompileReport) -> str:
 def _pipeline(report: CompileReport) -> str:
     plan = report.plan
     timeline = plan_timeline(plan)
+    assert timeline is not None, "written for a pipelined plan only (section_ids)"
     # report.to_dict()'s pipeline entry has the idle fractions computed exactly as the text
     # report does; read it rather than repeat the formulas.
     info: dict[str, Any] = report.to_dict()["pipeline"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import os
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,6 +21,7 @@ from autopar.ir.schedule_timeline import Timeline
 from autopar.plan import Plan
 
 if TYPE_CHECKING:
+    import numpy as np
     from matplotlib.figure import Figure
 
 # Colour of devices no stage uses (gaps in the id range between stages).
@@ -60,10 +62,16 @@ def stage_colours(num_stages: int) -> list[tuple[float, float, float]]:
     from matplotlib.colors import hsv_to_rgb
 
     if num_stages <= 10:
-        return [tuple(colormaps["tab10"](i)[:3]) for i in range(num_stages)]
+        return [_rgb(colormaps["tab10"](i)) for i in range(num_stages)]
     if num_stages <= 20:
-        return [tuple(colormaps["tab20"](i)[:3]) for i in range(num_stages)]
-    return [tuple(hsv_to_rgb((i / num_stages, 0.65, 0.85))) for i in range(num_stages)]
+        return [_rgb(colormaps["tab20"](i)) for i in range(num_stages)]
+    return [_rgb(hsv_to_rgb((i / num_stages, 0.65, 0.85))) for i in range(num_stages)]
+
+
+def _rgb(colour: Sequence[float] | np.ndarray) -> tuple[float, float, float]:
+    """A colour's red, green and blue (an RGBA colour's alpha left out)."""
+    red, green, blue = colour[:3]
+    return red, green, blue
 
 
 def mesh_figure(plan: Plan) -> Figure:

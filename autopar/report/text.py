@@ -177,9 +177,8 @@ class CompileReport:
                 f"{format_seconds(s.est_communication_time_s):>10} "
                 f"{format_bytes(s.peak_memory_bytes):>10}"
             )
-        timeline = plan_timeline(plan)
-        if timeline is not None:
-            layout = plan.pipeline
+        timeline, layout = plan_timeline(plan), plan.pipeline
+        if timeline is not None and layout is not None:  # (a timeline: a pipelined plan)
             lines += [
                 "",
                 f"pipeline: {layout.schedule}, {plan.num_microbatches} microbatches, "
@@ -198,9 +197,9 @@ class CompileReport:
         predicted = self.predicted_collectives()
         rows = collective_rows(predicted, self.hlo_collectives)
         lines += [f"  {row}" for row in rows] or ["  none"]
-        for s, hlo in enumerate(self.hlo_stage_collectives or []):
-            lines += [f"  stage {s}: {row}"
-                      for row in collective_rows(self.predicted_collectives(s), hlo)]
+        for stage, hlo in enumerate(self.hlo_stage_collectives or []):
+            lines += [f"  stage {stage}: {row}"
+                      for row in collective_rows(self.predicted_collectives(stage), hlo)]
         emitted = {k: v for k, v in (self.hlo_collectives or {}).items() if v["count"]}
         if self.hlo_collectives is not None and plan.is_pipelined:
             lines.append("  (HLO counted over one step: each program the driver ran, times "
@@ -372,7 +371,7 @@ def plan_timeline(plan: Plan) -> Timeline | None:
 def _pipeline_dict(plan: Plan,
                    measured_idle_fraction: float | None) -> dict[str, Any] | None:
     timeline = plan_timeline(plan)
-    if timeline is None:
+    if timeline is None or plan.pipeline is None:  # (a timeline: a pipelined plan)
         return None
     return plan.pipeline.to_dict() | {
         "asynchronous": async_facts(plan),

@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import jax
 import jax.numpy as jnp
@@ -38,12 +38,14 @@ import jax.numpy as jnp
 from autopar.errors import PlanError
 from autopar.ir.async_schedules import WeightVersions, weight_versions
 from autopar.ir.async_update import AsyncStepProgram, StageUpdate, async_step_program
+from autopar.ir.pipeline_program import PipelineProgram
 from autopar.ir.program import run_eqns
 from autopar.ir.scan_units import run_forward_eqns
 from autopar.ir.schedules import Task, TaskKind
 from autopar.plan import Plan
 from autopar.runtime.pipeline import PipelineRunner, TaskRecord
 from autopar.runtime.pipeline_state import StepState, microbatch_mean
+from autopar.runtime.program_calls import ProgramCall
 from autopar.runtime.vjp_residuals import ResidualLayout
 
 
@@ -103,7 +105,7 @@ class AsyncPipelineRunner(PipelineRunner):
         # inputs other than its parameters run (the update rule is the stages' own)
         wanted = {self.pp.operand_of[f] for f in self.pp.forward.in_ids
                   if f not in set(self.pp.diff_inputs)}
-        self.before = []
+        self.before: list[int] = []
         for k in reversed(range(len(self.segments))):
             seg = self.segments[k]
             if seg.phase == "before" and wanted & set(seg.outputs):
@@ -113,13 +115,15 @@ class AsyncPipelineRunner(PipelineRunner):
         self.peak_live_versions = [0] * p
 
     @classmethod
-    def from_plan(cls, pp: Any, plan: Plan, devices: Sequence[Any],
-                  stash_weights: bool = True) -> AsyncPipelineRunner:
+    def from_plan(cls, pp: PipelineProgram, plan: Plan, devices: Sequence[Any],
+                  fuse: bool = False, param_copies: bool = False, *,
+                  stash_weights: bool = True) -> Self:
         """The runner for an asynchronous pipeshard ``Plan``; ``stash_weights=False`` is the
-        test switch described in the module docstring."""
-        runner = super().from_plan(pp, plan, devices)
+        test switch described in the module docstring. ``fuse`` and ``param_copies`` are
+        the base runner's, always off here (see ``__init__``)."""
+        runner = super().from_plan(pp, plan, devices, fuse, param_copies)
         runner.stash_weights = stash_weights
-        return runner  # type: ignore[return-value]
+        return runner
 
     # -- executables ---------------------------------------------------------------------------
 
@@ -161,7 +165,9 @@ class AsyncPipelineRunner(PipelineRunner):
 
     # -- the step ------------------------------------------------------------------------------
 
-    def __call__(self, flat_args: Sequence[Any], record: bool = False) -> list[Any]:
+    def __call__(self, flat_args: Sequence[Any], record: bool = False,
+                 calls: list[ProgramCall] | None = None) -> list[Any]:
+        assert calls is None, "its programs are not run through _call: no log of them"
         outer, prog = self.pp.outer, self.program
         state = list(flat_args[: prog.num_state])
         stream = self.stream

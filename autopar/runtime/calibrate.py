@@ -42,6 +42,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import jax
@@ -205,6 +206,11 @@ def _sharded_ones(mesh: Mesh, local: int, dtype: Any) -> jax.Array:
     return jax.device_put(host, NamedSharding(mesh, P(*mesh.axis_names, None)))
 
 
+def _square_matmul(x: jax.Array, m: int) -> jax.Array:
+    """One device's ``m`` x ``m`` matmul of its row of ``m * m`` elements by itself."""
+    return (x.reshape(m, m) @ x.reshape(m, m)).reshape(1, m * m)
+
+
 def _shard_mapped(mesh: Mesh, body: Callable[[jax.Array], jax.Array]) -> Callable[..., Any]:
     spec = P(*mesh.axis_names, None)
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec,
@@ -246,8 +252,7 @@ def _time_matmuls(devices: Sequence[Any], options: ProfileOptions) -> list[Matmu
             out.append(MatmulSample(dtype_name, m, m, m, single, concurrent=False))
             if len(devices) > 1:
                 a = _sharded_ones(everyone, m * m, dtype)
-                fn = _shard_mapped(everyone, lambda x, m=m: (x.reshape(m, m) @ x.reshape(m, m))
-                                   .reshape(1, m * m))
+                fn = _shard_mapped(everyone, partial(_square_matmul, m=m))
                 busy = _median_time(fn, (a,), options)
                 out.append(MatmulSample(dtype_name, m, m, m, busy, concurrent=True))
             logger.info("timed %s matmul %d^3: %.3g GFLOP/s on one device, %.3g with all busy",
@@ -313,7 +318,7 @@ def _time_runtime(devices: Sequence[Any]) -> list[RuntimeSample]:
         v = _sharded_ones(every, nbytes // 4, jnp.float32)
         # bytes moved per device: its part read once and written once
         out.append(RuntimeSample("stream", n, 2.0 * nbytes,
-                                 _per_call(lambda v=v: scale(v), calls=5)))
+                                 _per_call(partial(scale, v), calls=5)))
     for sample in out:
         logger.info("runtime %s (%d device(s), %d bytes): %.0f us", sample.kind, sample.devices,
                     sample.nbytes, sample.seconds * 1e6)

@@ -364,7 +364,7 @@ def to_host(tree: Any) -> Any:
     process must call it. Leaves on other processes' devices are copied here first."""
     if jax.process_count() == 1:
         return jax.tree.map(np.asarray, tree)
-    firsts = {}
+    firsts: dict[int, jax.Device] = {}  # per process: its first device
     for d in global_devices():
         firsts.setdefault(d.process_index, d)
     everywhere = NamedSharding(Mesh(np.array(list(firsts.values())), ("p",)), PartitionSpec())

@@ -181,13 +181,14 @@ def _mesh_groups(match: re.Match[str]) -> np.ndarray:
             grouped.append(len(new_sizes))
             new_sizes.append(full)
             continue
-        if None in subs:
+        pairs = [s for s in subs if s is not None]
+        if len(pairs) < len(subs):
             raise HloParseError(f"mesh axis used whole and split in: {match.group(0)}")
-        order = sorted(range(len(subs)), key=lambda k: subs[k][0])  # type: ignore[index]
+        order = sorted(range(len(pairs)), key=lambda k: pairs[k][0])
         position: dict[int, int] = {}
         prefix = 1
         for k in order:
-            pre, size = subs[k]  # type: ignore[misc]
+            pre, size = pairs[k]
             if pre != prefix:
                 new_sizes.append(pre // prefix)
                 prefix = pre

@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -108,8 +108,8 @@ class ParamCopies:
             shape = list(eqn.params["shape"])
             shape[grouped.out_dim] //= g
             dims = eqn.params["broadcast_dimensions"]
-            blocks = jax.vmap(lambda p: jax.lax.broadcast_in_dim(p, shape, dims))(operands[0])
-            return [_merge(blocks, grouped.out_dim)]
+            broadcast = jax.vmap(lambda p: jax.lax.broadcast_in_dim(p, shape, dims))(operands[0])
+            return [_merge(broadcast, grouped.out_dim)]
         ops, d = list(operands), grouped.dim
         for k in grouped.operands:
             x = ops[k]
@@ -211,7 +211,7 @@ def _walk(forward: FlatProgram, eqns: Sequence[int], candidates: set[int], outpu
 
 
 def _grouping(forward: FlatProgram, eqn: FlatEqn, read: list[int], layouts: _Layouts,
-              sizes: dict[str, int]) -> GroupedEqn | None | bool:
+              sizes: dict[str, int]) -> GroupedEqn | None | Literal[False]:
     """How ``eqn``, reading copies ``read``, runs: None when it reads nothing else (on each
     copy), a ``GroupedEqn``, or False when it cannot run per group."""
     others = [k for k, v in enumerate(eqn.inputs)
@@ -238,7 +238,7 @@ def _grouping(forward: FlatProgram, eqn: FlatEqn, read: list[int], layouts: _Lay
 
 
 def _elementwise_grouping(forward: FlatProgram, eqn: FlatEqn, others: list[int],
-                          layouts: _Layouts, sizes: dict[str, int]) -> GroupedEqn | bool:
+                          layouts: _Layouts, sizes: dict[str, int]) -> GroupedEqn | Literal[False]:
     """An elementwise equation of batch-split operands (``others``) and copies: cut along a
     dimension the plan splits in its result, where every copy has size 1."""
     out = forward.avals[eqn.outputs[0]].shape
@@ -248,7 +248,8 @@ def _elementwise_grouping(forward: FlatProgram, eqn: FlatEqn, others: list[int],
         axes = layouts.split(eqn.outputs[0], d)
         if not axes or n % math.prod(sizes[a] for a in axes):
             continue
-        cut = tuple(k for k in others if len(shapes[k]) == len(out) and shapes[k][d] == n)
+        cut = tuple(k for k in others  # (a batch-split operand: not a literal, so a shape)
+                    if (sk := shapes[k]) is not None and len(sk) == len(out) and sk[d] == n)
         rest_fit = all(s is None or len(s) == 0 or (len(s) == len(out) and s[d] == 1)
                        for k, s in enumerate(shapes) if k not in cut)
         if cut and rest_fit and all(layouts.split(eqn.inputs[k], d) in ((), axes)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Self
 
 import jax
 import jax.numpy as jnp
@@ -112,12 +112,13 @@ class PipelineRunner:
 
     @classmethod
     def from_plan(cls, pp: PipelineProgram, plan: Plan, devices: Sequence[Any],
-                  fuse: bool = True, param_copies: bool = True) -> PipelineRunner:
+                  fuse: bool = True, param_copies: bool = True) -> Self:
         """The runner for a pipeshard ``Plan`` of ``pp`` on ``devices`` (indexed by the plan's
         device ids); ``fuse``: a one-stage plan's step as one program (the default);
         ``param_copies``: data-parallel gradients reduced once per step (the default;
         ``runtime.param_copies``), not in each microbatch's backward."""
         layout = plan.pipeline
+        assert layout is not None, "a pipeshard plan has its pipeline layout"
         pieces = cut_pieces(pp.forward, list(layout.piece_positions))
         owner = list(layout.stage_of_piece)
         segments, home = plan_segments(pp, pieces, owner)

@@ -31,7 +31,8 @@ class StepState:
     """Values of one step: the step's own, per-microbatch activations and cotangents."""
 
     env: dict[int, Any]
-    placed: dict[tuple[int, int], Any] = field(default_factory=dict)
+    # per (value, stage, loss input or None): the value placed on that stage
+    placed: dict[tuple[int, int, int | None], Any] = field(default_factory=dict)
     acts: dict[tuple[int, int], Any] = field(default_factory=dict)
     cots: dict[tuple[int, int], Any] = field(default_factory=dict)
     # per (piece, microbatch): its forward's residuals (``runtime.vjp_residuals``)
@@ -39,7 +40,8 @@ class StepState:
     # per piece: its parameters' copies, made once per step (``runtime.param_copies``)
     copies: dict[int, list[Any]] = field(default_factory=dict)
     saved_cots: dict[tuple[int, int], list[Any]] = field(default_factory=dict)
-    accum: dict[int, list[Any] | None] = field(default_factory=dict)
+    # per piece: its parameters' gradients summed over the microbatches run so far
+    accum: dict[int, list[Any]] = field(default_factory=dict)
     # when given, every program the step runs is logged here (``runtime.pipeline_hlo``)
     calls: list[ProgramCall] | None = None
 

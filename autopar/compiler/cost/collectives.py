@@ -184,6 +184,7 @@ def allreduce_schedule(
     if n == 1:
         return AllReduceSchedule(algo, n, m, ())
     runs: tuple[tuple[Round, int], ...] = ()
+    rounds: tuple[Round, ...]
     if algo is AllReduceAlgorithm.PARAMETER_SERVER:
         rounds = (Round(n, m, n * m), Round(1, n * m, n * m))
     elif algo is AllReduceAlgorithm.NAIVE:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable
 
 from autopar.cluster import RuntimeCosts
@@ -17,7 +17,7 @@ from autopar.plan import CollectiveEstimate, CollectiveKind
 
 def dominant_float_dtype(graph: OpGraph) -> str:
     """The floating dtype carrying most flops' operands: the one whose peak rate applies."""
-    weights: Counter[str] = Counter()
+    weights: defaultdict[str, float] = defaultdict(float)
     for node in graph.nodes:
         if node.flops and node.outputs:
             weights[graph.tensors[node.outputs[0]].dtype] += node.flops

@@ -43,8 +43,8 @@ def dot_loops(lhs_shape: Sequence[int], rhs_shape: Sequence[int],
     the (operand, dimension) pairs it runs over). The output's dimensions are the
     non-contracting loops in this order."""
     (lhs_c, rhs_c), (lhs_b, rhs_b) = dimension_numbers
-    loops = [(BATCH, lhs_shape[lb], ((0, lb), (1, rb)))
-             for lb, rb in zip(lhs_b, rhs_b, strict=True)]
+    loops: list[tuple[str, int, tuple[tuple[int, int], ...]]] = [
+        (BATCH, lhs_shape[lb], ((0, lb), (1, rb))) for lb, rb in zip(lhs_b, rhs_b, strict=True)]
     loops += [(ROWS, lhs_shape[d], ((0, d),)) for d in range(len(lhs_shape))
               if d not in lhs_c and d not in lhs_b]
     loops += [(COLUMNS, rhs_shape[d], ((1, d),)) for d in range(len(rhs_shape))

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from autopar.compiler.graph.batch_split import (
@@ -182,13 +182,13 @@ def library_read_operands(
                 continue
             seen.add(t)
             p = producer.get(t)
-            folded = (
+            # folded into the library call: made by an elementwise op that feeds only it
+            if (
                 p is not None
                 and graph.nodes[p].primitive in FUSED_OPS
                 and readers.get(t, 0) == 1
                 and t not in outputs
-            )
-            if folded:
+            ):
                 stack.extend(graph.nodes[p].inputs)
             else:
                 read.add(t)
@@ -357,7 +357,7 @@ def _peak_live(
     counted: set[int],
     share,
     transient: Mapping[int, float],
-    lenders: set[int] = frozenset(),
+    lenders: Collection[int] = frozenset(),
 ) -> int:
     """Peak bytes of ``counted`` tensors alive at once in the memory-greedy order, with each
     node's ``transient`` bytes alive while it runs, less the temporaries that borrow the

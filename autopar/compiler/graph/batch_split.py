@@ -268,7 +268,8 @@ class _Propagator:
         strides = node.params.get("window_strides")
         if d is None and not others_split:
             return self.set_output(node, None)
-        if d is not None and window is not None and window[d] == 1 and strides[d] == 1:
+        if d is not None and window is not None and strides is not None and window[d] == 1 \
+                and strides[d] == 1:  # (a windowed op has both; its params are untyped)
             # Every split operand must agree on the dimension (select_and_scatter_add's source).
             if all(self.split.get(t) in (None, d) for t in node.inputs[1:]):
                 return self.set_output(node, d)

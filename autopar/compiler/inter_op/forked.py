@@ -73,7 +73,8 @@ def run_pulled(tasks: Sequence[Task], solve: Callable[[Task], Answer],
     for k, ((pid, _), reader) in enumerate(zip(children, readers, strict=True)):
         reader.join()
         os.waitpid(pid, 0)
-        status, payload = pickle.loads(received[k]) if received[k] else ("failed", None)
+        # nothing read: the child died before it wrote its answers
+        status, payload = pickle.loads(received[k]) if received[k] else ("failed", {})
         if status == "ok":
             answers.update(payload)
     # the tasks a failed child took: solved here

@@ -236,16 +236,18 @@ class LayerCostCache:
     def _solve_new(self, pp: PipelineProgram, signature: str, mesh: LogicalMesh,
                    options: IntraOpOptions, split: int) -> PieceCost:
         graph, paths, traced_from = self.graphs[signature]
+        work, state_per_parameter = self.work, self.state_per_parameter
+        assert work is not None and state_per_parameter is not None, "read by _prepare first"
         mesh_key = _mesh_key(mesh)
         built = self.built.pop((signature, mesh_key), None)
         if built is None:
             built = build_piece(graph, mesh, options, self.mesh_caches.setdefault(
-                mesh_key, MeshCaches()), self.work, self.num_microbatches)
+                mesh_key, MeshCaches()), work, self.num_microbatches)
         self.built[(signature, mesh_key)] = built  # the most recently used last
         while len(self.built) > BUILT_PROBLEMS_KEPT:
             del self.built[next(iter(self.built))]
         return solve_piece(pp, traced_from, graph, paths, mesh, options, built,
-                            self.state_per_parameter, self.num_microbatches, split)
+                            state_per_parameter, self.num_microbatches, split)
 
     def _record(self, key: tuple, cost: PieceCost) -> None:
         self.solved[key] = (cost, self.graphs[key[0]][2])

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import jax
@@ -218,17 +219,17 @@ def solve_piece(pp: PipelineProgram, piece: Piece, graph: OpGraph, paths: dict[s
     """``split`` > 1: the fastest plan among those splitting every parameter at least that
     many ways (``state_split_at_least``)."""
     problem, parts, per_step = built.problem, built.parts, built.per_step
-    limits = dict(solver=options.solver, time_limit_s=options.time_limit_s,
-                  relative_gap=options.relative_gap)
+    solve_limited = partial(solve, solver=options.solver, time_limit_s=options.time_limit_s,
+                            relative_gap=options.relative_gap)
     if split > 1:
         restricted, originals = restrict(problem, {
             u: np.asarray(c)
             for u, c in state_split_at_least(parts, options.batch_argnums, split).items()})
-        sub = solve(restricted, **limits)
+        sub = solve_limited(restricted)
         solution = replace(sub, choices=[int(originals[u][c])
                                          for u, c in enumerate(sub.choices)])
     else:
-        solution = solve(problem, **limits)
+        solution = solve_limited(problem)
     node_strategy, input_spec, _, tensor_spec, _ = read_solution(parts, solution.choices)
     per_microbatch_moves, per_step_moves = piece_collectives(
         parts, graph, node_strategy, tensor_spec, *gradient_nodes(graph))

@@ -72,17 +72,17 @@ def forward_value_specs(pp: PipelineProgram, piece: Piece, graph: OpGraph,
             # literal's ``convert_element_type``, as in ``jnp.where(m, x, -jnp.inf)``), and
             # a consumer must not wait on a match it may never get
             fwd_constant.update(eqn.outputs)
-        operands = []
+        matched: list[int | None] = []
         for v in eqn.inputs:
             if v in fwd_constant:
-                operands.append(None)
+                matched.append(None)
             elif v in tensor_of:
-                operands.append(tensor_of[v])
+                matched.append(tensor_of[v])
             else:
                 break  # an operand not matched: neither is this equation
         else:
             outs = results(eqn.outputs, lambda v: fwd.avals[v])
-            found = waiting.get(key(eqn.name, tuple(operands), outs, eqn.params))
+            found = waiting.get(key(eqn.name, tuple(matched), outs, eqn.params))
             if found:
                 tensor_of.update(zip(eqn.outputs, found.pop(0).outputs, strict=True))
     produced = {v for i in piece.eqns for v in fwd.eqns[i].outputs}

@@ -18,6 +18,7 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from autopar.compiler.inter_op.submesh import StageCandidate
@@ -98,21 +99,19 @@ def remat_candidates(sums: LayerSums, shape: tuple[int, ...], mode: str, *,
     are the stage's (see ``StageCandidate``); ``split``: the costs are those of the plans
     splitting every parameter at least that many ways (named so in the key)."""
     key = "x".join(map(str, shape)) + (f"{SPLIT_SUFFIX}{split}" if split > 1 else "")
-    common = dict(fixed_memory=sums.fixed_bytes, logical_mesh_shape=shape,
-                  tail_time=tail_time, host_time=host_time, param_bytes=param_bytes)
+    candidate = partial(StageCandidate, fixed_memory=sums.fixed_bytes, logical_mesh_shape=shape,
+                        tail_time=tail_time, host_time=host_time, param_bytes=param_bytes)
     found = []
     if mode != "layers":
-        found.append(StageCandidate(
+        found.append(candidate(
             time=sums.time_s + extra_time,
             activation_memory_per_microbatch=sums.activation_bytes,
             key=key,
-            **common,
         ))
     if mode != "none":
-        found.append(StageCandidate(
+        found.append(candidate(
             time=sums.remat_time_s + extra_time,
             activation_memory_per_microbatch=sums.boundary_bytes,
             key=key + REMAT_SUFFIX,
-            **common,
         ))
     return found

@@ -54,7 +54,8 @@ def price_seams(pp: PipelineProgram, units: Sequence[Piece],
     blocks make their forward values in. None where a value one block passes another has no
     layout it is made in (nothing to price it from)."""
     fwd = pp.forward
-    time_s, moves, disagreeing = 0.0, [], 0
+    time_s, disagreeing = 0.0, 0
+    moves: list[CollectiveEstimate] = []
     inside: set[int] = set()
     for k, unit in enumerate(units):
         if k:

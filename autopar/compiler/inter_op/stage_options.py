@@ -68,15 +68,15 @@ class StageDPOptions:
             raise InvalidOptionError(
                 f"memory_budget_bytes must be a finite non-negative number or None, got {budget!r}"
             )
-        name = schedule_name(self.schedule)
-        if name is None:
+        schedule = schedule_name(self.schedule)
+        if schedule is None:
             raise InvalidOptionError(
                 f"unknown pipeline schedule {self.schedule!r}; choices: "
                 f"{choices_text(ScheduleName)}"
             )
-        object.__setattr__(self, "schedule", name)
+        object.__setattr__(self, "schedule", schedule)
         # the chunk count the schedule takes (one stage divides every microbatch count)
-        check_schedule_options(name, 1, self.num_microbatches, self.num_chunks)
+        check_schedule_options(schedule, 1, self.num_microbatches, self.num_chunks)
 
     def activation_counts(self, num_stages: int) -> tuple[float, ...]:
         """Per stage of a ``num_stages``-stage pipeline, the microbatches' worth of its

@@ -56,6 +56,7 @@ def no_fit_error(
     if not math.isfinite(need):
         return PlanError(f"no stage partition of {where} has a candidate for every stage")
     budget = options.memory_budget_bytes
+    assert budget is not None, "without a budget every stage with candidates fits"
     chunks = f", {options.num_chunks} chunks per stage" if options.num_chunks > 1 else ""
     return NoStageFitsError(
         f"no stage assignment of {where} fits in {budget:.0f} bytes "

@@ -10,14 +10,18 @@ reduction and the update, once per step rather than once per microbatch
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections import defaultdict
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
+
+import numpy as np
 
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.fusion import kernel_bytes
 from autopar.compiler.graph.opgraph import SCAN_EXIT, OpGraph
 from autopar.compiler.graph.trace import build_graph
+from autopar.compiler.intra_op.edges import input_needs
 from autopar.compiler.intra_op.sharding_ilp import ProblemParts
 from autopar.ir.pipeline_program import PipelineProgram
 
@@ -74,8 +78,8 @@ def step_work(pp: PipelineProgram) -> StepWork:
     outer = pp.outer
     graph = build_graph(outer)
     after = set(pp.vg.outputs)
-    update: Counter[str] = Counter()
-    before: Counter[str] = Counter()
+    update: defaultdict[str, float] = defaultdict(float)
+    before: defaultdict[str, float] = defaultdict(float)
     moved = 0.0
     for node in graph.nodes:
         if node.id == pp.vg_index:
@@ -137,16 +141,16 @@ def amortise(problem: Any, parts: ProblemParts, graph: OpGraph, mesh: LogicalMes
         shards = strategy.output_specs[0].num_shards(sizes)
         return work.update_seconds(info.size / shards, mesh)
 
-    uses = []  # (tensor, producer variable, consumer variable, matrix)
+    uses: list[tuple[int, int, np.ndarray]] = []  # (producer, consumer variable, matrix)
     for u, k in updates.items():
         t = graph.nodes[u].inputs[k]
         if t not in table.tensor_home:
             continue
-        dst = table.variable_of(u)
-        strategies = dst.members[u]
-        matrix = parts.edges.use_matrix(
-            t, lambda s=strategies, k=k: [x.input_specs[k] for x in s], ("use", id(strategies), k))
-        uses.append((table.home_variable(t).index, dst.index, matrix))
+        consumer = table.variable_of(u)
+        strategies = consumer.members[u]
+        matrix = parts.edges.use_matrix(t, partial(input_needs, strategies, k),
+                                        ("use", id(strategies), k))
+        uses.append((table.home_variable(t).index, consumer.index, matrix))
     for var, node in zip(table.variables, problem.nodes, strict=True):
         costs = list(node.costs)
         for member, strategies in var.members.items():

@@ -311,9 +311,9 @@ class StageCostTable:
             raise InvalidOptionError(f"num_layers must be a positive integer, got {num_layers!r}")
         if not submeshes:
             raise InvalidOptionError("a stage cost table needs at least one submesh shape")
-        self.num_layers = int(num_layers)
+        self.num_layers: int = int(num_layers)
         self.submeshes: tuple[SubmeshShape, ...] = tuple(submeshes)
-        self._fn = fn
+        self._fn: CandidateFn = fn
         self._entries: dict[tuple[int, int, int], tuple[StageCandidate, ...]] = {}
 
     @classmethod

@@ -54,7 +54,8 @@ def state_ties(graph: OpGraph, tensor_home: dict[int, tuple[int, int]]) -> list[
     return ties
 
 
-def _input_needs(strategies: list[Strategy], k: int) -> list[ShardingSpec | None]:
+def input_needs(strategies: Sequence[Strategy], k: int) -> list[ShardingSpec | None]:
+    """The spec each of ``strategies`` reads its operand ``k`` in (None: any)."""
     return [s.input_specs[k] for s in strategies]
 
 
@@ -97,12 +98,13 @@ class ReshardingEdges:
         full_key = (id(src_list), out, key, info.shape, info.dtype)
         found = self._matrix_cache.get(full_key)
         if found is None:
-            needs = needs()
+            wanted = needs()
             # many strategies share a spec: price each distinct (producer, consumer) pair once
             src_index: dict[ShardingSpec, int] = {}
             rows = [src_index.setdefault(s.output_specs[out], len(src_index)) for s in src_list]
             need_index: dict[ShardingSpec, int] = {}
-            cols = [-1 if n is None else need_index.setdefault(n, len(need_index)) for n in needs]
+            cols = [-1 if n is None else need_index.setdefault(n, len(need_index))
+                    for n in wanted]
             found = self._priced(tuple(src_index), tuple(need_index), info)[np.ix_(rows, cols)]
             self._matrix_cache[full_key] = found
         return found
@@ -132,7 +134,8 @@ class ReshardingEdges:
         matrices: dict[tuple[int, int], np.ndarray] = {}
         notes: dict[tuple[int, int], list[str]] = {}
 
-        def add_use(tensor: int, dst_var: Variable, needs, key: tuple, note: str,
+        def add_use(tensor: int, dst_var: Variable,
+                    needs: Callable[[], Sequence[ShardingSpec | None]], key: tuple, note: str,
                     repeat: int = 1) -> None:
             src_var = table.home_variable(tensor)
             matrix = self.use_matrix(tensor, needs, key)
@@ -155,15 +158,14 @@ class ReshardingEdges:
             for k, t in enumerate(node.inputs):
                 if t not in table.tensor_home:
                     continue  # literal or constant: every device holds it whole
-                needs = partial(_input_needs, strategies, k)
-                add_use(t, var, needs, ("use", id(strategies), k), f"t{t}->n{node.id}.{k}",
-                        node.repeat)
+                add_use(t, var, partial(input_needs, strategies, k), ("use", id(strategies), k),
+                        f"t{t}->n{node.id}.{k}", node.repeat)
         for out_t, in_t in ties:
             in_member = table.tensor_home[in_t][0]
             in_var = table.variable_of(in_member)
             in_list = in_var.members[in_member]
-            needs = partial(_output_specs, in_list)
-            add_use(out_t, in_var, needs, ("tie", id(in_list)), f"tie t{out_t}=t{in_t}")
+            add_use(out_t, in_var, partial(_output_specs, in_list), ("tie", id(in_list)),
+                    f"tie t{out_t}=t{in_t}")
         return [
             ProblemEdge(
                 src, dst, matrix.tolist(), note="; ".join(notes[(src, dst)][:_NOTES_PER_EDGE])

@@ -133,6 +133,7 @@ def brute_force(problem: IntraOpProblem) -> tuple[list[int], float]:
             total[load > problem.memory_budget] = np.inf
     best = int(np.argmin(total))
     if not np.isfinite(total[best]):
+        assert problem.memory_budget is not None, "costs are finite (_check): only memory is inf"
         raise InfeasibleMemoryError(problem.memory_budget, min_peak_memory(problem))
     choices = [int(c) for c in grid[:, best]]
     return choices, evaluate(problem, choices)
@@ -194,9 +195,9 @@ def solve(problem: IntraOpProblem, *, solver: str = "auto", time_limit_s: float 
         # The LP relaxation is tight on these problems but fractional: its rounding, polished,
         # is often within the gap of the LP's bound, which proves it without a MIP search.
         bound, rounded = lp_rounding(model, max(time_limit_s - (time.perf_counter() - t0), 0.05))
-        start = local_search(r, rounded) if rounded else None
-        if start is not None:
-            plan = complete_choices(r, n, start)
+        polished = local_search(r, rounded) if rounded else None
+        if polished is not None:
+            plan = complete_choices(r, n, polished)
             value, lower = evaluate(problem, plan), r.const + model.scale * bound
             if value - lower <= relative_gap * abs(value):
                 t1 = time.perf_counter()

@@ -117,7 +117,8 @@ def _groups(m: np.ndarray) -> tuple[np.ndarray, list[int]]:
     """Group of each row (rows equal bit for bit) and each group's first row; a dict of row
     bytes is ~50x faster than ``np.unique(axis=0)`` on these small matrices."""
     ids: dict[bytes, int] = {}
-    of, reps = [], []
+    of: list[int] = []
+    reps: list[int] = []
     for i, row in enumerate(m + 0.0):  # + 0.0 turns -0.0 into 0.0
         of.append(ids.setdefault(row.tobytes(), len(ids)))
         if of[-1] == len(reps):
@@ -129,7 +130,9 @@ class _Rows:
     """Sparse rows collected as Python lists, turned into CSR once."""
 
     def __init__(self) -> None:
-        self.start, self.index, self.value = [0], [], []
+        self.start: list[int] = [0]
+        self.index: list[int] = []
+        self.value: list[float] = []
         self.lower: list[float] = []
         self.upper: list[float] = []
 

@@ -89,13 +89,16 @@ class IlpStatus(StrEnum):
     """How an intra-operator ILP ended: ``OPTIMAL`` (proven, or within the relative gap it was
     given), ``TIME_LIMIT`` (stopped at its limit with a plan: the better of it and the greedy
     plan), ``NO_SOLUTION`` (stopped with none: the greedy plan), ``SOLVER_ERROR`` (the solver
-    failed: the greedy plan), ``TRIVIAL`` (one choice per node: nothing to solve)."""
+    failed: the greedy plan), ``TRIVIAL`` (one choice per node: nothing to solve),
+    ``LEAST_MEMORY`` (the memory rows admit no plan but the memory model finds the least-memory
+    plan within the budget: that plan, not the cheapest; ``solve_intra_op``)."""
 
     OPTIMAL = "optimal"
     TIME_LIMIT = "time_limit"
     NO_SOLUTION = "no_solution"
     SOLVER_ERROR = "solver_error"
     TRIVIAL = "trivial"
+    LEAST_MEMORY = "least_memory"
 
 
 # The endings that did not prove their plan: planners name them in the plan's notes.

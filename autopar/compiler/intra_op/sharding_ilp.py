@@ -30,6 +30,7 @@ from autopar.compiler.intra_op.edges import ReshardingEdges, state_ties
 from autopar.compiler.intra_op.ilp import evaluate, least_memory_choices, solve
 from autopar.compiler.intra_op.memory_rows import live_sets, memory_vectors
 from autopar.compiler.intra_op.problem import (
+    IlpStatus,
     InfeasibleMemoryError,
     IntraOpProblem,
     IntraOpSolution,
@@ -52,7 +53,7 @@ from autopar.plan import CollectiveEstimate, ShardingSpec
 
 # The solution's status when the memory rows admit no plan but the memory model finds the
 # least-memory plan within the budget (``solve_intra_op``): that plan, not the cheapest.
-LEAST_MEMORY = "least_memory"
+LEAST_MEMORY = IlpStatus.LEAST_MEMORY
 
 # re-exported: the pass's public vocabulary lives in this module
 __all__ = [
@@ -286,18 +287,18 @@ def with_memory_budget(problem: IntraOpProblem, parts: ProblemParts,
                           live_sets=live_sets(parts.table, options.max_live_sets))
 
 
-def _check_least_memory(parts: ProblemParts, problem: IntraOpProblem,
+def _check_least_memory(parts: ProblemParts, problem: IntraOpProblem, budget: float,
                         options: IntraOpOptions) -> None:
     """Raise ``InfeasibleMemoryError`` when even the least-memory plan, its copies left out,
-    is over the budget by the memory model: each tensor there holds its smallest share, so no
-    plan's figure is lower, and the memory rows (cruder: they may admit a plan the model puts
-    over) would only make the MIP search for one (GPT 76.1B on a 128 x 8 mesh: 25 s of HiGHS
-    for an answer this gives in two)."""
+    is over ``budget`` (the problem's) by the memory model: each tensor there holds its
+    smallest share, so no plan's figure is lower, and the memory rows (cruder: they may admit
+    a plan the model puts over) would only make the MIP search for one (GPT 76.1B on a
+    128 x 8 mesh: 25 s of HiGHS for an answer this gives in two)."""
     choices = least_memory_choices(problem)
     floor = choices_memory(parts, choices, options, copies=False)
-    if floor.total > problem.memory_budget:
+    if floor.total > budget:
         least = choices_memory(parts, choices, options)
-        raise InfeasibleMemoryError(problem.memory_budget, least.total, floor.dominant())
+        raise InfeasibleMemoryError(budget, least.total, floor.dominant())
 
 
 def solve_intra_op(
@@ -322,7 +323,7 @@ def solve_intra_op(
         problem = with_memory_budget(problem, parts, options)
     build_time = time.perf_counter() - start
     if problem.memory_budget is not None:
-        _check_least_memory(parts, problem, options)
+        _check_least_memory(parts, problem, problem.memory_budget, options)
     try:
         solution = solve(problem, solver=options.solver, time_limit_s=options.time_limit_s,
                          relative_gap=options.relative_gap)

@@ -313,8 +313,10 @@ class DecisionVariables:
             if any(s.output_specs[out] in ambiguous for s in src_list):
                 found = [None]
             # the same follower of every tied layer shares one list (and its cached matrices)
+            followed = [s for s in found if s is not None]
             self._follow_cache[key] = (
-                None if None in found else self._interned.setdefault(tuple(found), found)
+                None if len(followed) < len(found)
+                else self._interned.setdefault(tuple(followed), followed)
             )
         chosen = self._follow_cache[key]
         if chosen is None:

@@ -45,7 +45,8 @@ def user_layout(args: Sequence[Any], in_paths: Sequence[str]) -> UserLayout | No
     for path, leaf in zip(in_paths, leaves, strict=True):
         sharding = getattr(leaf, "sharding", None)
         leaf_mesh = getattr(sharding, "mesh", None)
-        if leaf_mesh is None or getattr(leaf_mesh, "size", 1) < 2 or not hasattr(leaf, "ndim"):
+        if sharding is None or leaf_mesh is None or getattr(leaf_mesh, "size", 1) < 2 \
+                or not hasattr(leaf, "ndim"):
             continue
         if not getattr(leaf, "committed", True):
             continue

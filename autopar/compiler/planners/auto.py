@@ -10,7 +10,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from autopar.cluster import ClusterSpec, format_mesh_shape
 from autopar.compiler.cost.memory_model import parameter_inputs
@@ -41,6 +41,7 @@ from autopar.methods import (
     AutoParallel,
     DataParallel,
     Method,
+    OneStageMethod,
     PipeshardParallel,
     ShardParallel,
     Zero2Parallel,
@@ -54,6 +55,7 @@ OneStagePlanner = Callable[[StepProgram, ClusterSpec, IlpObserver | None, float,
 DEFER = 0.0
 PipelinePlanner = Callable[[StepProgram, PipeshardParallel, TracedStep, ClusterSpec],
                            PlannedProgram]
+M = TypeVar("M", bound=Method)
 
 
 def trace_auto(fn: Callable, args: Sequence[Any], method: AutoParallel,
@@ -116,9 +118,10 @@ def plan_auto(step: StepProgram, cluster: ClusterSpec, ilp_observer: IlpObserver
     # the budget (or rematerialised) only once the pipelines are planned, and only where that
     # fastest plan is estimated faster than every plan that fits (``CannotWinError``): at
     # published sizes those solves took most of the search (GPT 76.1B on 1,024 GPUs: 77 s)
-    deferred: list[tuple[str, Method, int]] = []
+    deferred: list[tuple[str, OneStageMethod, int]] = []
 
-    def plan_single(name: str, candidate: Method, beat: float | None) -> dict[str, Any] | None:
+    def plan_single(name: str, candidate: OneStageMethod,
+                    beat: float | None) -> dict[str, Any] | None:
         step.status.enter(name)
         single = StepProgram(step.traced, candidate, step.batch_argnums, fn=step.fn,
                              args=step.args, memo=step.memo)
@@ -139,7 +142,7 @@ def plan_auto(step: StepProgram, cluster: ClusterSpec, ilp_observer: IlpObserver
         return candidate_row(name, planned.plan, budget)
 
     beside = one_stage_beside.plans_beside(step, method, cluster, ilp_observer, deadline)
-    singles: list[tuple[str, Method, int]] = []  # planned beside the pipelines, by row
+    singles: list[tuple[str, OneStageMethod, int]] = []  # planned beside the pipelines, by row
     for name, candidate in _one_stage_candidates(method, cluster, step.annotations):
         if not within_budget(name):
             continue
@@ -169,9 +172,11 @@ def plan_auto(step: StepProgram, cluster: ClusterSpec, ilp_observer: IlpObserver
 
     def plan_pipelines() -> None:
         pipelined = _within(method.pipeline_method(), deadline)
+        traced = step.pipeline_traced
+        assert traced is not None, "trace_auto traces the pipeline's outer program with its cut"
         began = time.perf_counter()
         try:
-            found["pipeshard"] = plan_pipelined(step, pipelined, step.pipeline_traced, cluster)
+            found["pipeshard"] = plan_pipelined(step, pipelined, traced, cluster)
         except AutoparError as err:
             rows.append(failed_row("pipeshard", "pipeshard", err))
         finally:
@@ -198,7 +203,7 @@ def plan_auto(step: StepProgram, cluster: ClusterSpec, ilp_observer: IlpObserver
     if singles:
         one_stage_beside.trace_first(step, [c for _, c, _ in singles], cluster, budget)
 
-        def plan_one(name: str, candidate: Method) -> tuple[Any, Any, float]:
+        def plan_one(name: str, candidate: OneStageMethod) -> one_stage_beside.Planned:
             row = plan_single(name, candidate, DEFER)
             return row, found.get(name), phases.get(f"{name}_s", 0.0)
 
@@ -241,8 +246,9 @@ def plan_auto(step: StepProgram, cluster: ClusterSpec, ilp_observer: IlpObserver
             skipped.append(name)
             rows[index] = skipped_row(name)
             continue
-        rows[index] = plan_single(name, _within(candidate, deadline),
-                                  min(fits) if fits else None)
+        row = plan_single(name, _within(candidate, deadline), min(fits) if fits else None)
+        assert row is not None, "put off only when beat is DEFER; here it is a plan's estimate"
+        rows[index] = row
     fitting = [(n, p) for n, p in found.items() if fits_budget(p.plan, budget)]
     # A one-stage pipeline is the one-stage ShardParallel step cut into microbatches: what it
     # adds (each microbatch reduces its gradients, smaller programs) its stage costs do not
@@ -300,8 +306,9 @@ def plan_auto(step: StepProgram, cluster: ClusterSpec, ilp_observer: IlpObserver
     return PlannedProgram(best.traced, plan, best.pipeline, candidates=found)
 
 
-def _one_stage_candidates(method: AutoParallel, cluster: ClusterSpec,
-                          annotations: UserLayout | None = None) -> list[tuple[str, Method]]:
+def _one_stage_candidates(
+        method: AutoParallel, cluster: ClusterSpec,
+        annotations: UserLayout | None = None) -> list[tuple[str, OneStageMethod]]:
     """The full search's one-stage candidates by name. ShardParallel runs on every 2-D
     logical mesh the stage search gives a stage over the whole cluster (``logical_shapes``),
     where the ILP can put the batch on one axis and the model on the other, as a data x
@@ -309,7 +316,7 @@ def _one_stage_candidates(method: AutoParallel, cluster: ClusterSpec,
     where every collective on that axis is priced at the links between hosts and a 2-D mesh
     can lay out all it can (``logical_shapes``; at GPT-3 175B on 1,024 A100s that
     whole-model ILP took 38 s of a 188 s search)."""
-    found: list[tuple[str, Method]] = []
+    found: list[tuple[str, OneStageMethod]] = []
     whole = SubmeshShape(cluster.num_hosts, cluster.devices_per_host)
     two_axes = [s for s in logical_shapes(whole) if len(s) == 2]
     for candidate in method.one_stage_methods():
@@ -354,9 +361,9 @@ def _floor_without_recompute(step: StepProgram, method: Method, cluster: Cluster
     return step.memo.memory_floor(step.traced, step.batch_argnums, cluster.num_devices).total
 
 
-def _within(method: Method, deadline: float | None) -> Method:
+def _within(method: M, deadline: float | None) -> M:
     """``method`` with its ILP time limit cut to the seconds left before ``deadline``."""
-    if deadline is None or not hasattr(method, "time_limit_s"):
+    if deadline is None or not isinstance(method, ShardParallel | PipeshardParallel | AutoParallel):
         return method
     left = max(deadline - time.perf_counter(), 0.05)
     return dataclasses.replace(method, time_limit_s=min(method.time_limit_s, left))

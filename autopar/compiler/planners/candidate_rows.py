@@ -52,8 +52,8 @@ def failed_row(name: str, method: str, err: Exception) -> dict[str, Any]:
     """The row of a candidate that could not be planned, saying why; ``needs_bytes``: the
     least per-device memory it needed, where the error knows it (a memory budget no plan of it
     fits)."""
-    row = {"name": name, "method": method, "est_step_time_s": None, "fits": False,
-           "note": " ".join(str(err).split())}
+    row: dict[str, Any] = {"name": name, "method": method, "est_step_time_s": None,
+                           "fits": False, "note": " ".join(str(err).split())}
     needs = getattr(err, "min_peak_bytes", None) or getattr(err, "peak_bytes", None)
     if needs:
         row["needs_bytes"] = float(needs)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypedDict
 
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.batch_coupling import coupled_examples
@@ -19,6 +19,14 @@ from autopar.plan import InputSignature, MethodName, Plan, StagePlan
 # Full collections of Python's cyclic collector while planning: after this many collections of
 # the middle generation (Python's default is 10).
 FULL_COLLECTION_EVERY = 100
+
+
+class PlanPlace(TypedDict):
+    """Where a one-stage plan runs: the keyword arguments every one-stage planner takes."""
+
+    batch_argnums: tuple[int, ...]
+    cluster_name: str
+    devices_per_host: int
 
 
 @contextmanager

@@ -19,7 +19,11 @@ from autopar.compiler.cost.estimate import one_call_time_s
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.trace import TracedStep, build_graph, trace_step
 from autopar.compiler.planners.auto import plan_auto, trace_auto
-from autopar.compiler.planners.common import cut_into_microbatches, fewer_full_collections
+from autopar.compiler.planners.common import (
+    PlanPlace,
+    cut_into_microbatches,
+    fewer_full_collections,
+)
 from autopar.compiler.planners.data import plan_data_parallel
 from autopar.compiler.planners.step_program import (
     IlpObserver,
@@ -141,18 +145,20 @@ def _plan_pipelined(step: StepProgram, method: PipeshardParallel, traced: Traced
     from autopar.compiler.planners.schedule_choice import plan_pipeline
     from autopar.compiler.planners.stage_costs import layer_cost_cache
 
+    pipeline = step.pipeline
+    assert pipeline is not None, "a pipelined method's step is traced with its pipeline cut"
     step.status.enter("pipelines")
     cache = layer_cost_cache(method)
     cache.status = step.status
-    planned = PlannedProgram(traced, plan_pipeline(step.pipeline, method, cluster, cache=cache),
-                             step.pipeline)
+    planned = PlannedProgram(traced, plan_pipeline(pipeline, method, cluster, cache=cache),
+                             pipeline)
     planned.plan.batch_argnums = step.batch_argnums
-    dropped = step.pipeline.dropped_constraints
+    dropped = pipeline.dropped_constraints
     if dropped:
         planned.plan.notes.append(
             f"the loss function's {dropped} with_sharding_constraint call(s) are left out of "
             "the pipeline: each stage runs on its own submesh, in the plan's layouts")
-    inexact = step.pipeline.inexact_draws
+    inexact = pipeline.inexact_draws
     if inexact:
         planned.plan.notes.append(
             "the loss function draws random numbers that each microbatch draws anew, so they "
@@ -197,6 +203,7 @@ def _plan_one_stage_with_remat(step: StepProgram, cluster: ClusterSpec,
         if planned is not None:
             _check_can_win(planned.plan, beat)
         planned = _plan_rematerialised(step, cluster, planned, ilp_observer, beat)
+    assert planned is not None, "planned above unless remat='layers', which plans just above"
     return planned
 
 
@@ -322,9 +329,13 @@ def _plan_one_stage(
     planning time and the method's options in the plan. ``memo``: the step's shared traces,
     memory floors and sharding problems. ``beat``: see ``_plan_one_stage_with_remat``."""
     start = time.perf_counter()
+    if not isinstance(method, ShardParallel | DataParallel | Zero2Parallel | Zero3Parallel):
+        raise InvalidOptionError(
+            f"unknown method {type(method).__name__}; valid methods: "
+            + ", ".join(t.__name__ for t in METHOD_TYPES if t is not AutoParallel))
     mesh = logical_mesh_for(cluster, method.mesh_shape)
-    common = dict(batch_argnums=batch_argnums, cluster_name=cluster.name,
-                  devices_per_host=cluster.devices_per_host)
+    common = PlanPlace(batch_argnums=batch_argnums, cluster_name=cluster.name,
+                       devices_per_host=cluster.devices_per_host)
     if isinstance(method, ShardParallel):
         # imported here: the ILP stack (PuLP, strategies) loads only when a plan needs it
         from autopar.compiler.intra_op.problem import InfeasibleMemoryError
@@ -389,20 +400,16 @@ def _plan_one_stage(
                     else f"the device's {limit / 2**30:.1f} GiB")
             plan.notes.append(f"the fastest plan did not fit {what}; solved again with it as "
                               "the per-device memory budget")
-    elif isinstance(method, DataParallel | Zero2Parallel | Zero3Parallel):
+    else:
         # planned once per step and mesh: the full search comes back to one that did not fit
         memo = memo or TraceMemo()
-        key = (id(traced.graph), cluster, type(method).__name__, tuple(mesh.shape))
-        if key not in memo.fastest:
-            memo.fastest[key] = (
+        data_key = (id(traced.graph), cluster, type(method).__name__, tuple(mesh.shape))
+        if data_key not in memo.fastest:
+            memo.fastest[data_key] = (
                 plan_data_parallel(traced, mesh, **common) if isinstance(method, DataParallel)
                 else plan_zero(traced, mesh, stage=2 if isinstance(method, Zero2Parallel)
                                else 3, **common))
-        plan = memo.fastest[key]
-    else:
-        raise InvalidOptionError(
-            f"unknown method {type(method).__name__}; valid methods: "
-            + ", ".join(t.__name__ for t in METHOD_TYPES if t is not AutoParallel))
+        plan = memo.fastest[data_key]
     plan.planning.method_options = {"method": method.name.value,
                                     "mesh_shape": list(mesh.shape)}
     stage = plan.stages[0]

@@ -22,7 +22,7 @@ from autopar.cluster import ClusterSpec
 from autopar.compiler.inter_op.forked import Beside, available_cores, start_beside
 from autopar.compiler.planners.pipeline_search import driver_floor_s
 from autopar.compiler.planners.step_program import PlannedProgram, StepProgram, TraceNeeded
-from autopar.methods import AutoParallel, Method, ShardParallel
+from autopar.methods import AutoParallel, Method, OneStageMethod, ShardParallel
 from autopar.plan import Plan
 
 # Graphs smaller than this plan their one-stage candidates in this process: a fork costs tens
@@ -33,7 +33,8 @@ BESIDE_MIN_NODES = 5000
 # ``plan_one(name, candidate)``: the full search's planning of one candidate, its row (None:
 # put off until the pipelines are planned), the program and plan it found (None: none) and the
 # seconds it took
-PlanOne = Callable[[str, Method], tuple[dict[str, Any] | None, PlannedProgram | None, float]]
+Planned = tuple[dict[str, Any] | None, PlannedProgram | None, float]
+PlanOne = Callable[[str, OneStageMethod], Planned]
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ def trace_first(step: StepProgram, candidates: Sequence[Method], cluster: Cluste
     step.rematerialised()
 
 
-def start(step: StepProgram, singles: Sequence[tuple[str, Method]],
+def start(step: StepProgram, singles: Sequence[tuple[str, OneStageMethod]],
           plan_one: PlanOne) -> Beside:
     """A child planning ``singles`` (name, candidate) with ``plan_one``; its ``join`` gives
     ``(outcomes, fastest plans, memory floors)`` (``TraceMemo``'s)."""

@@ -306,8 +306,9 @@ def _partition(method: PipeshardParallel, table: StageCostTable, num_layers: int
                per_host: int, options: StageDPOptions) -> tuple[StagePartition, int]:
     if isinstance(method.stages, ManualStages):
         shapes = [SubmeshShape(h, d) for h, d in method.stages.submesh_shapes]
-        ranges = [tuple(r) for r in method.stages.layer_ranges]
-        return manual_stages(table, ranges, shapes, hosts, per_host, options), 1
+        # (manual_stages reads each range as a (start, end) pair)
+        return manual_stages(table, method.stages.layer_ranges, shapes, hosts, per_host,
+                             options), 1
     if options.schedule == ScheduleName.INTERLEAVED_1F1B or method.stages == "uniform":
         p = method.num_stages or 2
         v = options.num_chunks

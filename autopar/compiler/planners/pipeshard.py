@@ -236,6 +236,7 @@ def _layout(method: PipeshardParallel, partition: StagePartition, positions: Seq
     owner, ranges = piece_owners(len(partition.stages), chunks, partition, positions)
     cuts = [positions[a - 1] for a, _ in ranges[1:]]
     remat = tuple(is_remat_key(st.candidate.key) for st in partition.stages)
-    layout = PipelineLayout(method.schedule, chunks, tuple(positions), tuple(cuts), tuple(owner),
-                            remat, replicas)
+    # a schedule by name here: "auto" was resolved by ``schedule_choice`` before planning
+    layout = PipelineLayout(ScheduleName(method.schedule), chunks, tuple(positions),
+                            tuple(cuts), tuple(owner), remat, replicas)
     return layout, ranges

@@ -236,7 +236,7 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
         if devices not in most_in_flight:
             most_in_flight[devices] = _most_in_flight(options, devices, cluster, len(layers))
         most = most_in_flight[devices]
-        return min(c.memory(most) for c in candidates) > options.memory_budget_bytes
+        return not options.fits(min(c.memory(most) for c in candidates))
 
     def candidates(start: int, end: int, submesh: SubmeshShape) -> list[StageCandidate]:
         found = []

@@ -282,15 +282,15 @@ def plan_zero(
             # XLA (CPU, jax 0.10.2) gathered for GPT tiny and reduce-scattered with a 32-token
             # table; the cheaper way is pinned with constraints so the prediction does not rest
             # on XLA's heuristic
-            batch_operands = [(k, t) for k, t in enumerate(node.inputs)
-                              if split.split_dim.get(t) is not None]
-            gathered = dict.fromkeys(t for _, t in batch_operands)
+            batch_operands = [(k, t, dim) for k, t in enumerate(node.inputs)
+                              if (dim := split.split_dim.get(t)) is not None]
+            gathered = dict.fromkeys(t for _, t, _ in batch_operands)
             if graph.bytes_of(gathered) < c.nbytes:
-                for k, t in batch_operands:
+                for k, t, dim in batch_operands:
                     # split where made, whole where the scatter reads it: with the second
                     # constraint alone, XLA replicates the backward that computes the updates
                     ndim = graph.tensors[t].ndim
-                    tensor_specs[t] = ShardingSpec.split(ndim, split.split_dim[t], axes)
+                    tensor_specs[t] = ShardingSpec.split(ndim, dim, axes)
                     operand_specs[(node.id, k)] = ShardingSpec.replicated(ndim)
                 implied += [(CollectiveKind.ALL_GATHER, graph.tensors[t].nbytes)
                             for t in gathered]

@@ -16,6 +16,7 @@ import re
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import NoReturn
 
 from autopar.errors import AutoparError, InvalidOptionError, choices_text
 from autopar.frontend.cli.options import add_log_level
@@ -29,7 +30,7 @@ LOG_FORMAT = "autopar: %(levelname)s: %(message)s"
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line and an AutoparError, not usage text + exit."""
 
-    def error(self, message: str) -> None:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         raise InvalidOptionError(f"{message}; see 'autopar {self.prog.split()[-1]} --help'")
 
 
@@ -171,7 +172,7 @@ class _StderrHandler(logging.StreamHandler):
         super().__init__()
         self.progress = None  # an autopar.frontend.progress.Progress whose line to clear first
 
-    @property  # type: ignore[override]
+    @property
     def stream(self):
         return sys.stderr
 

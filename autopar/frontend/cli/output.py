@@ -42,7 +42,7 @@ def write_swimlane(report: CompileReport, path: str) -> None:
     """The plan's estimated pipeline schedule as a PNG swimlane."""
     plan = report.plan
     timeline = plan_timeline(plan)
-    if timeline is None:
+    if timeline is None or plan.pipeline is None:  # (a timeline: a pipelined plan)
         raise InvalidOptionError(
             f"--swimlane draws a pipeline schedule; this plan ({plan.method}, "
             f"{len(plan.stages)} stage(s)) has none"

@@ -72,7 +72,9 @@ def _plan(data: dict[str, Any], path: Path) -> Plan:
 def _report_of_document(doc: dict[str, Any], plan: Plan, path: Path) -> CompileReport:
     """A report from its ``to_dict`` document: what the document holds, the plan's otherwise."""
     report = CompileReport.from_plan(plan, model=str(doc.get("model") or path))
-    graph = doc.get("graph") if isinstance(doc.get("graph"), dict) else {}
+    graph = doc.get("graph")
+    if not isinstance(graph, dict):
+        graph = {}
     report.graph_nodes = _int(graph.get("nodes"))
     report.graph_edges = _int(graph.get("edges"))
     top = graph.get("top_primitives")

@@ -116,7 +116,8 @@ def _scatter_roles(ctx: StrategyContext, additive: bool) -> list[_Role]:
     for i, u in enumerate(upd_scatter):  # indices dims but the last (index vector) one
         if i in idx_batch:
             d = op_batch[idx_batch.index(i)]
-            places = ((_INDICES, i), (_UPDATES, u), (_OPERAND, d), (_OUTPUT, d))
+            places: tuple[tuple[int, int], ...] = (
+                (_INDICES, i), (_UPDATES, u), (_OPERAND, d), (_OUTPUT, d))
             roles.append(_Role("batch", i, places))
         elif additive:
             roles.append(_Role("batch", i, ((_INDICES, i), (_UPDATES, u)), reduces=True))
@@ -153,7 +154,7 @@ def _build(
     infos = {s: (ctx.outputs[0] if i < 0 else ctx.inputs[i]) for s, i in slots.items()}
     strategies: list[Strategy] = []
     for by_role in _assignments(ctx, roles):
-        dims = {s: [[] for _ in range(infos[s].ndim)] for s in slots}
+        dims: dict[int, list[list[str]]] = {s: [[] for _ in range(infos[s].ndim)] for s in slots}
         for role, axes in by_role.items():
             for slot, d in role.places:
                 dims[slot][d].extend(axes)
