@@ -19,8 +19,10 @@ import time
 from collections.abc import Sequence
 
 from autopar.cluster import ClusterSpec
+from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.inter_op.forked import available_cores
 from autopar.compiler.inter_op.layer_costs import LayerCostCache
+from autopar.compiler.inter_op.piece_cost import PieceCost
 from autopar.compiler.inter_op.remat import is_remat_key, state_split_of_key
 from autopar.compiler.inter_op.stages import StagePartition, place_submeshes
 from autopar.compiler.planners.pipeline_search import (
@@ -34,6 +36,7 @@ from autopar.compiler.planners.stage_costs import (
     stage_dp_options,
     submesh_mesh,
 )
+from autopar.ir.pipeline_pieces import Piece
 from autopar.ir.pipeline_program import PipelineProgram
 from autopar.ir.schedules import ScheduleName
 from autopar.methods import PipeshardParallel
@@ -92,45 +95,9 @@ def finish_pipeshard(search: PipeshardSearch, cluster_name: str | None = None) -
     cache.prefetch_whole(pp, [job for job, found in zip(jobs, stitched, strict=True)
                               if found is None], method.time_limit_s,
                          method.planning_workers or available_cores())
-    stages = []
-    for s, assignment in enumerate(partition.stages):
-        shape = assignment.candidate.logical_mesh_shape
-        mesh = meshes[s]
-        specs, values, compute, costs = {}, {}, 0.0, []
-        for k, piece in enumerate(pieces):
-            if layout.stage_of_piece[k] == s:
-                # at the method's time limit: this plan is what runs
-                cost = stitched[k] or cache.cost(
-                    pp, piece, mesh, time_limit_s=method.time_limit_s,
-                    split=state_split_of_key(assignment.candidate.key))
-                specs.update(cost.input_specs)
-                values.update(cost.value_specs)
-                compute += cost.compute_s
-                costs.append(cost)
-        c = assignment.candidate
-        compute = min(compute, c.time)
-        stages.append(StagePlan(
-            index=s,
-            layers=tuple(range(assignment.start, assignment.end)),
-            submesh_shape=(assignment.submesh.num_hosts, assignment.submesh.devices_per_host),
-            logical_mesh_shape=tuple(shape),
-            axis_names=tuple(mesh.axis_names),
-            device_ids=tuple(mesh.device_ids),
-            input_shardings=_input_paths(pp, specs),
-            # what the pieces compute, and what they read (which the runtime places so)
-            tensor_shardings=values | specs,
-            collectives=stage_collectives(costs, m),
-            est_time_s=c.time,
-            est_compute_time_s=compute,
-            est_communication_time_s=c.time - compute,
-            peak_memory_bytes=int(c.memory(dp_options.in_flight(s, len(partition.stages)),
-                                           versions[s])),
-            memory_breakdown={"fixed": int(c.fixed_memory),
-                              "activations_per_microbatch":
-                                  int(c.activation_memory_per_microbatch),
-                              # the versions past the one "fixed" holds (asynchronous)
-                              "stashed_weights": int((versions[s] - 1) * c.param_bytes)},
-        ))
+    stages = [_stage_plan(search, s, meshes[s], pieces, layout.stage_of_piece, stitched,
+                          versions[s])
+              for s in range(len(partition.stages))]
     end = time.perf_counter()
     timings = {
         "layers_s": search.layers_s,
@@ -139,27 +106,7 @@ def finish_pipeshard(search: PipeshardSearch, cluster_name: str | None = None) -
         "stage_plans_s": end - started,
         "total_s": search.layers_s + search.stage_costs_s + search.stage_dp_s + end - started,
     }
-    notes = []
-    if not partition.exact:
-        notes.append("stage search thinned its stage-time caps: not proven optimal")
-    if method.schedule == ScheduleName.INTERLEAVED_1F1B and method.stages == "auto":
-        notes.append("interleaved-1f1b uses uniform stages (equal layers on equal submeshes)")
-    if best.name.startswith("equal-"):
-        notes.append(f"the {best.name} split ({best.note}) is estimated faster than the stage "
-                     "DP's own stages on the whole step, so it is the plan")
-    if best.replicas > 1:
-        notes.append(f"the pipeline runs as {best.replicas} data-parallel replicas, each on "
-                     f"{hosts} host(s) with {m} of the {method.num_microbatches} microbatches; "
-                     "the replicas all-reduce each stage's gradients between hosts")
-    kept = [found for found in stitched if found is not None]
-    if kept:
-        gaps = [found.ilp_gap or 0.0 for found in kept]
-        notes.append(f"{len(kept)} of {len(pieces)} stage pieces run their repeated blocks' "
-                     "plans (the plans the stage search priced them by), the reshards where one "
-                     "block passes another a value in another layout priced: within "
-                     f"{max(gaps):.2%} of each piece's own ILP's optimum"
-                     + ("; the rest were solved whole" if len(kept) < len(pieces) else ""))
-    notes.extend(stage_ilp_notes(cache))
+    notes = _notes(search, stitched, len(pieces))
     estimate = best.estimate
     return Plan(
         method=MethodName.PIPESHARD,
@@ -191,6 +138,80 @@ def finish_pipeshard(search: PipeshardSearch, cluster_name: str | None = None) -
         ),
         notes=notes,
     )
+
+
+def _stage_plan(search: PipeshardSearch, s: int, mesh: LogicalMesh, pieces: Sequence[Piece],
+                stage_of_piece: Sequence[int], stitched: Sequence[PieceCost | None],
+                versions: int) -> StagePlan:
+    """Stage ``s`` of the search's best pipeline: its pieces' plans (their blocks' where
+    ``stitched``, else solved whole at the method's time limit: this plan is what runs), its
+    estimate and memory."""
+    pp, method, cache, best = search.pp, search.method, search.cache, search.best
+    partition, m = best.partition, best.num_microbatches
+    assignment = partition.stages[s]
+    c = assignment.candidate
+    specs, values, compute, costs = {}, {}, 0.0, []
+    for k, piece in enumerate(pieces):
+        if stage_of_piece[k] != s:
+            continue
+        cost = stitched[k] or cache.cost(pp, piece, mesh, time_limit_s=method.time_limit_s,
+                                         split=state_split_of_key(c.key))
+        specs.update(cost.input_specs)
+        values.update(cost.value_specs)
+        compute += cost.compute_s
+        costs.append(cost)
+    compute = min(compute, c.time)
+    dp_options = stage_dp_options(method, best.cluster, m)
+    return StagePlan(
+        index=s,
+        layers=tuple(range(assignment.start, assignment.end)),
+        submesh_shape=(assignment.submesh.num_hosts, assignment.submesh.devices_per_host),
+        logical_mesh_shape=tuple(c.logical_mesh_shape),
+        axis_names=tuple(mesh.axis_names),
+        device_ids=tuple(mesh.device_ids),
+        input_shardings=_input_paths(pp, specs),
+        # what the pieces compute, and what they read (which the runtime places so)
+        tensor_shardings=values | specs,
+        collectives=stage_collectives(costs, m),
+        est_time_s=c.time,
+        est_compute_time_s=compute,
+        est_communication_time_s=c.time - compute,
+        peak_memory_bytes=int(c.memory(dp_options.in_flight(s, len(partition.stages)),
+                                       versions)),
+        memory_breakdown={"fixed": int(c.fixed_memory),
+                          "activations_per_microbatch": int(c.activation_memory_per_microbatch),
+                          # the versions past the one "fixed" holds (asynchronous)
+                          "stashed_weights": int((versions - 1) * c.param_bytes)},
+    )
+
+
+def _notes(search: PipeshardSearch, stitched: Sequence[PieceCost | None],
+           num_pieces: int) -> list[str]:
+    """What the plan says about how its pipeline was found and its stages planned."""
+    method, best = search.method, search.best
+    notes = []
+    if not best.partition.exact:
+        notes.append("stage search thinned its stage-time caps: not proven optimal")
+    if method.schedule == ScheduleName.INTERLEAVED_1F1B and method.stages == "auto":
+        notes.append("interleaved-1f1b uses uniform stages (equal layers on equal submeshes)")
+    if best.name.startswith("equal-"):
+        notes.append(f"the {best.name} split ({best.note}) is estimated faster than the stage "
+                     "DP's own stages on the whole step, so it is the plan")
+    if best.replicas > 1:
+        notes.append(f"the pipeline runs as {best.replicas} data-parallel replicas, each on "
+                     f"{best.cluster.num_hosts} host(s) with {best.num_microbatches} of the "
+                     f"{method.num_microbatches} microbatches; the replicas all-reduce each "
+                     "stage's gradients between hosts")
+    kept = [found for found in stitched if found is not None]
+    if kept:
+        gaps = [found.ilp_gap or 0.0 for found in kept]
+        notes.append(f"{len(kept)} of {num_pieces} stage pieces run their repeated blocks' "
+                     "plans (the plans the stage search priced them by), the reshards where one "
+                     "block passes another a value in another layout priced: within "
+                     f"{max(gaps):.2%} of each piece's own ILP's optimum"
+                     + ("; the rest were solved whole" if len(kept) < num_pieces else ""))
+    notes.extend(stage_ilp_notes(search.cache))
+    return notes
 
 
 def stage_ilp_notes(cache: LayerCostCache) -> list[str]:
