@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import dataclass, field
 
 from autopar.cluster import format_mesh_shape
 from autopar.compiler.cost.estimate import (
@@ -176,6 +177,24 @@ def carried_state(graph: OpGraph, state_ids: set[int]) -> dict[str, int]:
     return {graph.outputs[j].path: state[k].tensor for j, k in pairs.items()}
 
 
+@dataclass
+class _ZeroLayout:
+    """What a ZeRO plan decides, filled in order by the steps of :func:`plan_zero`."""
+
+    split_inputs: dict[int, int]
+    split: BatchSplitResult
+    region: set[int]
+    state_ids: list[int]
+    params: set[int]
+    opt_state: set[int]
+    sharded_kinds: set[int]
+    seeds: dict[int, ShardingSpec]  # the state inputs' sharded layouts
+    layouts: dict[int, ShardingSpec]  # the update region's tensors reached from them
+    tensor_specs: dict[int, ShardingSpec] = field(default_factory=dict)
+    operand_specs: dict[tuple[int, int], ShardingSpec] = field(default_factory=dict)
+    param_gathers: list[int] = field(default_factory=list)
+
+
 def plan_zero(
     traced: TracedStep,
     mesh: LogicalMesh,
@@ -193,14 +212,54 @@ def plan_zero(
     n = mesh.num_devices
     axes = tuple(mesh.axis_names)
     axis_sizes = dict(zip(axes, mesh.shape, strict=True))
+    zero = _state_layouts(graph, mesh, stage, batch_argnums)
+    input_specs, output_specs = _io_specs(graph, zero, axes)
+    _constrain_update(graph, zero, stage)
+    collectives = summarize_collectives(_predicted(graph, zero, output_specs, axes), mesh,
+                                        tuple(range(mesh.ndim)))
+    split, layouts, seeds = zero.split, zero.layouts, zero.seeds
+    # split work (the batch's, the sharded state's update) over the devices, the rest whole
+    sharded = touched_by(graph, {t for t, d in split.split_dim.items() if d is not None}
+                         | {t for t, s in layouts.items() if not s.is_replicated})
+    compute_s = split_compute_time_s(graph, mesh, lambda node: n if sharded(node) else 1)
+    comm_s = sum(c.time_s for c in collectives)
+    shards = {t: n for t, d in split.split_dim.items() if d is not None}
+    shards.update({t: s.num_shards(axis_sizes) for t, s in zero.tensor_specs.items()
+                   if not s.is_replicated})
+    shards.update({t: s.num_shards(axis_sizes) for t, s in seeds.items()})
+    memory = estimate_memory(
+        graph, batch_argnums=batch_argnums, shards=shards,
+        resharded=resharded_operand_bytes(
+            graph, {use: s.num_shards(axis_sizes) for use, s in zero.operand_specs.items()},
+            shards),
+    ).breakdown()
+    name = MethodName.ZERO2 if stage == 2 else MethodName.ZERO3
+    notes = [
+        f"{len(zero.params)} state leaves read by the loss computation are parameters, "
+        f"{len(zero.opt_state)} are optimizer state; {len(seeds)} leaves sharded over "
+        f"{n} devices, {len(zero.sharded_kinds) - len(seeds)} replicated (no dimension "
+        f"divisible by {n})"
+    ]
+    return whole_mesh_plan(
+        name, mesh, graph, cluster_name=cluster_name, devices_per_host=devices_per_host,
+        batch_argnums=tuple(batch_argnums), compute_s=compute_s, comm_s=comm_s, memory=memory,
+        axis_names=axes, notes=notes, input_shardings=input_specs,
+        output_shardings=output_specs, tensor_shardings=zero.tensor_specs,
+        operand_shardings=zero.operand_specs, collectives=collectives,
+    )
 
-    # 1. the batch split, as in data parallelism
+
+def _state_layouts(graph: OpGraph, mesh: LogicalMesh, stage: int,
+                   batch_argnums: tuple[int, ...]) -> _ZeroLayout:
+    """The batch split, as in data parallelism; the state's parameters and optimizer state;
+    the sharded layouts of the state inputs (the optimizer state's, and with ZeRO-3 the
+    parameters'), pushed through the update region."""
+    n = mesh.num_devices
+    axes = tuple(mesh.axis_names)
     batch_ids = {io.tensor for io in graph.inputs if io.arg_index in batch_argnums}
     split_inputs = batch_split_inputs(graph, tuple(batch_argnums), n,
                                       format_mesh_shape(mesh.shape))
     split = propagate_batch_split(graph, split_inputs, n)
-
-    # 2. parameters vs optimizer state, then the sharded layouts of the state inputs
     region = batch_region(graph, split)
     state_ids = [io.tensor for io in graph.inputs if io.tensor not in batch_ids]
     params = classify_state(graph, state_ids, region)
@@ -211,127 +270,119 @@ def plan_zero(
         if (spec := state_shard_spec(graph.tensors[t].shape, n, axes)) is not None
     }
     layouts = propagate_state_layout(graph, seeds, region, split)
+    return _ZeroLayout(split_inputs, split, region, state_ids, params, opt_state,
+                       sharded_kinds, seeds, layouts)
 
-    # 3. input and output layouts; a state leaf's new value keeps that leaf's layout (it is
-    # the next step's input): whole parameters leave whole in ZeRO-2, so they are gathered
+
+def _io_specs(graph: OpGraph, zero: _ZeroLayout, axes: tuple[str, ...]
+              ) -> tuple[dict[str, ShardingSpec], dict[str, ShardingSpec]]:
+    """Input and output layouts by path. A state leaf's new value keeps that leaf's layout
+    (it is the next step's input): whole parameters leave whole in ZeRO-2, so they are
+    gathered."""
     input_specs: dict[str, ShardingSpec] = {}
     for io in graph.inputs:
         info = graph.tensors[io.tensor]
-        if io.tensor in split_inputs:
+        if io.tensor in zero.split_inputs:
             input_specs[io.path] = ShardingSpec.split(info.ndim, 0, axes)
         else:
-            input_specs[io.path] = seeds.get(io.tensor, ShardingSpec.replicated(info.ndim))
-    carried = carried_state(graph, set(state_ids))
+            input_specs[io.path] = zero.seeds.get(io.tensor, ShardingSpec.replicated(info.ndim))
+    carried = carried_state(graph, set(zero.state_ids))
     output_specs: dict[str, ShardingSpec] = {}
     for io in graph.outputs:
         info = graph.tensors[io.tensor]
-        d = split.split_dim.get(io.tensor)
+        d = zero.split.split_dim.get(io.tensor)
         if d is not None:
             output_specs[io.path] = ShardingSpec.split(info.ndim, d, axes)
         elif io.path in carried:
-            output_specs[io.path] = seeds.get(carried[io.path], ShardingSpec.replicated(info.ndim))
+            output_specs[io.path] = zero.seeds.get(carried[io.path],
+                                                   ShardingSpec.replicated(info.ndim))
         else:
             output_specs[io.path] = ShardingSpec.replicated(info.ndim)
+    return input_specs, output_specs
 
-    # 4. constraints: every update-region tensor reached gets its layout; a summed value the
-    # batch region still reads (a batch-norm mean) is constrained whole where it is made and
-    # sharded only where the update reads it: with the sharded constraint alone, XLA
-    # propagates that layout back into the forward and gathers there (85 small all-gathers in
-    # Wide-ResNet's batch norms)
-    tensor_specs: dict[int, ShardingSpec] = {}
-    operand_specs: dict[tuple[int, int], ShardingSpec] = {}
 
-    def constrain_uses(t: int, spec: ShardingSpec, in_region: bool) -> None:
-        for c in graph.consumers.get(t, ()):
-            if (c in region) == in_region:
-                for k, u in enumerate(graph.nodes[c].inputs):
-                    if u == t:
-                        operand_specs[(c, k)] = spec
+def _constrain_uses(graph: OpGraph, zero: _ZeroLayout, t: int, spec: ShardingSpec,
+                    in_region: bool) -> None:
+    """``spec`` on every use of ``t`` by a node inside (or outside) the batch region."""
+    for c in graph.consumers.get(t, ()):
+        if (c in zero.region) == in_region:
+            for k, u in enumerate(graph.nodes[c].inputs):
+                if u == t:
+                    zero.operand_specs[(c, k)] = spec
 
-    for t, spec in layouts.items():
-        if t in seeds:
+
+def _constrain_update(graph: OpGraph, zero: _ZeroLayout, stage: int) -> None:
+    """Every update-region tensor reached gets its layout. A summed value the batch region
+    still reads (a batch-norm mean) is constrained whole where it is made and sharded only
+    where the update reads it: with the sharded constraint alone, XLA propagates that layout
+    back into the forward and gathers there (85 small all-gathers in Wide-ResNet's batch
+    norms). ZeRO-3's sharded parameters are read whole by the forward and backward."""
+    for t, spec in zero.layouts.items():
+        if t in zero.seeds:
             continue  # an input: in_shardings place it
-        if graph.producer.get(t) in region and any(
-            c in region for c in graph.consumers.get(t, ())
+        if graph.producer.get(t) in zero.region and any(
+            c in zero.region for c in graph.consumers.get(t, ())
         ):
-            tensor_specs[t] = ShardingSpec.replicated(spec.ndim)
-            constrain_uses(t, spec, in_region=False)
+            zero.tensor_specs[t] = ShardingSpec.replicated(spec.ndim)
+            _constrain_uses(graph, zero, t, spec, in_region=False)
         else:
-            tensor_specs[t] = spec
-    param_gathers = sorted(params & set(seeds)) if stage == 3 else []
-    for t in param_gathers:
+            zero.tensor_specs[t] = spec
+    zero.param_gathers = sorted(zero.params & set(zero.seeds)) if stage == 3 else []
+    for t in zero.param_gathers:
         # the forward and backward read each sharded parameter whole: XLA gathers it there
-        constrain_uses(t, ShardingSpec.replicated(graph.tensors[t].ndim), in_region=True)
+        _constrain_uses(graph, zero, t, ShardingSpec.replicated(graph.tensors[t].ndim),
+                        in_region=True)
 
-    # 5. predicted communication: a reduction whose result is constrained to a sharded layout
-    # is a reduce-scatter; each sharded tensor leaving as a whole output is all-gathered
+
+def _predicted(graph: OpGraph, zero: _ZeroLayout, output_specs: dict[str, ShardingSpec],
+               axes: tuple[str, ...]) -> list[tuple[CollectiveKind, int]]:
+    """The collectives the plan implies: a reduction whose result is constrained to a
+    sharded layout is a reduce-scatter; each sharded tensor leaving as a whole output is
+    all-gathered (as are ZeRO-3's parameters where they are read)."""
     implied: list[tuple[CollectiveKind, int]] = []
-    scattered: set[int] = set()  # the summed gradients a device keeps a slice of
-    for c in split.collectives:
+    for c in zero.split.collectives:
         node = graph.nodes[c.node]
         out = node.outputs[0]
-        result_spec = tensor_specs.get(out)
+        result_spec = zero.tensor_specs.get(out)
         if c.kind is not CollectiveKind.ALL_REDUCE or result_spec is None \
                 or result_spec.is_replicated:
             implied.append((c.kind, c.nbytes))
             continue
         if node.primitive.startswith("scatter"):
-            # an embedding gradient scattered into a sharded table: either gather the batch's
-            # ids and updates and scatter into this device's rows, or scatter the local batch
-            # into a whole table and reduce-scatter it (the same formula per byte). Left free,
-            # XLA (CPU, jax 0.10.2) gathered for GPT tiny and reduce-scattered with a 32-token
-            # table; the cheaper way is pinned with constraints so the prediction does not rest
-            # on XLA's heuristic
-            batch_operands = [(k, t, dim) for k, t in enumerate(node.inputs)
-                              if (dim := split.split_dim.get(t)) is not None]
-            gathered = dict.fromkeys(t for _, t, _ in batch_operands)
-            if graph.bytes_of(gathered) < c.nbytes:
-                for k, t, dim in batch_operands:
-                    # split where made, whole where the scatter reads it: with the second
-                    # constraint alone, XLA replicates the backward that computes the updates
-                    ndim = graph.tensors[t].ndim
-                    tensor_specs[t] = ShardingSpec.split(ndim, dim, axes)
-                    operand_specs[(node.id, k)] = ShardingSpec.replicated(ndim)
-                implied += [(CollectiveKind.ALL_GATHER, graph.tensors[t].nbytes)
-                            for t in gathered]
+            gathered = _scattered_embedding(graph, zero, node.id, c.nbytes, axes)
+            if gathered is not None:
+                implied += gathered
                 continue
-            tensor_specs[out] = ShardingSpec.replicated(result_spec.ndim)
-            constrain_uses(out, result_spec, in_region=False)
-        scattered.add(out)
+            zero.tensor_specs[out] = ShardingSpec.replicated(result_spec.ndim)
+            _constrain_uses(graph, zero, out, result_spec, in_region=False)
         implied.append((CollectiveKind.REDUCE_SCATTER, c.nbytes))
     for io in graph.outputs:
-        spec = layouts.get(io.tensor)
+        spec = zero.layouts.get(io.tensor)
         if spec is not None and output_specs[io.path].is_replicated:
             implied.append((CollectiveKind.ALL_GATHER, graph.tensors[io.tensor].nbytes))
-    implied += [(CollectiveKind.ALL_GATHER, graph.tensors[t].nbytes) for t in param_gathers]
-    collectives = summarize_collectives(implied, mesh, tuple(range(mesh.ndim)))
-    # split work (the batch's, the sharded state's update) over the devices, the rest whole
-    sharded = touched_by(graph, {t for t, d in split.split_dim.items() if d is not None}
-                         | {t for t, s in layouts.items() if not s.is_replicated})
-    compute_s = split_compute_time_s(graph, mesh, lambda node: n if sharded(node) else 1)
-    comm_s = sum(c.time_s for c in collectives)
+    implied += [(CollectiveKind.ALL_GATHER, graph.tensors[t].nbytes)
+                for t in zero.param_gathers]
+    return implied
 
-    intermediate_shards = {t: n for t, d in split.split_dim.items() if d is not None}
-    intermediate_shards.update({t: s.num_shards(axis_sizes) for t, s in tensor_specs.items()
-                                if not s.is_replicated})
-    shards = dict(intermediate_shards)
-    shards.update({t: s.num_shards(axis_sizes) for t, s in seeds.items()})
-    memory = estimate_memory(
-        graph, batch_argnums=batch_argnums, shards=shards,
-        resharded=resharded_operand_bytes(
-            graph, {use: s.num_shards(axis_sizes) for use, s in operand_specs.items()}, shards),
-    ).breakdown()
-    name = MethodName.ZERO2 if stage == 2 else MethodName.ZERO3
-    notes = [
-        f"{len(params)} state leaves read by the loss computation are parameters, "
-        f"{len(opt_state)} are optimizer state; {len(seeds)} leaves sharded over "
-        f"{n} devices, {len(sharded_kinds) - len(seeds)} replicated (no dimension divisible "
-        f"by {n})"
-    ]
-    return whole_mesh_plan(
-        name, mesh, graph, cluster_name=cluster_name, devices_per_host=devices_per_host,
-        batch_argnums=tuple(batch_argnums), compute_s=compute_s, comm_s=comm_s, memory=memory,
-        axis_names=axes, notes=notes, input_shardings=input_specs,
-        output_shardings=output_specs, tensor_shardings=tensor_specs,
-        operand_shardings=operand_specs, collectives=collectives,
-    )
+
+def _scattered_embedding(graph: OpGraph, zero: _ZeroLayout, node_id: int, nbytes: int,
+                         axes: tuple[str, ...]) -> list[tuple[CollectiveKind, int]] | None:
+    """An embedding gradient scattered into a sharded table: either gather the batch's ids
+    and updates and scatter into this device's rows (the gathers returned, constraints set),
+    or scatter the local batch into a whole table and reduce-scatter it (None: the same
+    formula per byte, the cheaper way chosen). Left free, XLA (CPU, jax 0.10.2) gathered for
+    GPT tiny and reduce-scattered with a 32-token table; the cheaper way is pinned with
+    constraints so the prediction does not rest on XLA's heuristic."""
+    node = graph.nodes[node_id]
+    batch_operands = [(k, t, dim) for k, t in enumerate(node.inputs)
+                      if (dim := zero.split.split_dim.get(t)) is not None]
+    gathered = dict.fromkeys(t for _, t, _ in batch_operands)
+    if graph.bytes_of(gathered) >= nbytes:
+        return None
+    for k, t, dim in batch_operands:
+        # split where made, whole where the scatter reads it: with the second constraint
+        # alone, XLA replicates the backward that computes the updates
+        ndim = graph.tensors[t].ndim
+        zero.tensor_specs[t] = ShardingSpec.split(ndim, dim, axes)
+        zero.operand_specs[(node.id, k)] = ShardingSpec.replicated(ndim)
+    return [(CollectiveKind.ALL_GATHER, graph.tensors[t].nbytes) for t in gathered]
