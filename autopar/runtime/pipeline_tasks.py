@@ -14,7 +14,7 @@ decides when each runs and where its values go.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,19 +97,44 @@ def piece_tasks(pp: PipelineProgram, piece: Piece, stage: int, mesh: Mesh,
         return [hold(v, g) if v in copies.params else g
                 for v, g in zip(params, grads[:n_params], strict=True)]
 
+    run = _forward_run(pp, piece, layers, t, hold if held or copies.copies else None)
+    _jit_tasks(t, run, param_grads, mesh, specs)
+    return t
+
+
+def _forward_run(pp: PipelineProgram, piece: Piece, layers: Sequence[Piece], t: PieceTasks,
+                 hold: Callable[[int, Any], Any] | None
+                 ) -> Callable[[list[Any], list[Any]], tuple[list[Any], list[Any]]]:
+    """The piece's forward on its differentiated and other inputs: its float and other
+    outputs. Rematerialised (``layers``), each layer under ``jax.checkpoint``; otherwise its
+    equations with what it makes held to the plan's layouts (``hold``), a stage's whole units
+    of a layer scan run as one shorter scan."""
+    fwd = pp.forward
+
     def run(diff_vals: list[Any], nondiff_vals: list[Any]) -> tuple[list[Any], list[Any]]:
-        env = dict(zip(diff, diff_vals, strict=True))
-        env.update(zip(nondiff, nondiff_vals, strict=True))
-        if rematerialise:
+        env = dict(zip(t.diff, diff_vals, strict=True))
+        env.update(zip(t.nondiff, nondiff_vals, strict=True))
+        if layers:
             for layer in layers:
                 ins = [v for v in layer.inputs if v in env]
                 outs = jax.checkpoint(layer_function(fwd, layer, ins))([env[v] for v in ins])
                 env.update(zip(layer.outputs, outs, strict=True))
-        else:  # a stage's whole units of a layer scan run as one shorter scan
-            run_forward_eqns(fwd, piece.eqns, env, pp.layer_scans,
-                             hold if held or copies.copies else None, copies.bind)
-        return [env[v] for v in float_out], [env[v] for v in other_out]
+        else:
+            run_forward_eqns(fwd, piece.eqns, env, pp.layer_scans, hold, t.copies.bind)
+        return [env[v] for v in t.float_outputs], [env[v] for v in t.other_outputs]
 
+    return run
+
+
+def _jit_tasks(t: PieceTasks, run: Callable[[list[Any], list[Any]], tuple[list[Any], list[Any]]],
+               param_grads: Callable[[Sequence[Any]], list[Any]], mesh: Mesh,
+               specs: dict[int, Any]) -> None:
+    """``t``'s jitted tasks around ``run``: the forward keeps what the backward needs
+    (``ResidualLayout``); the backward variants each a schedule's (the fused one adding into
+    the donated accumulators, the split input and weight halves of the zero-bubble
+    schedules, and each a first form that makes the accumulators)."""
+    n_params = len(t.params)
+    copies = t.copies
     layout = ResidualLayout()
 
     def forward(diff_vals, nondiff_vals):
@@ -138,7 +163,7 @@ def piece_tasks(pp: PipelineProgram, piece: Piece, stage: int, mesh: Mesh,
     def backward_weight_first(params, residuals, cots):
         return param_grads(grads_of(params, residuals, cots))
 
-    copied = [v for v in params if v in copies.params]
+    copied = [v for v in t.params if v in copies.params]
     t.make_copies = jax.jit(lambda values: [copies.make(x, v, mesh, specs.get(v))
                                             for v, x in zip(copied, values, strict=True)])
     t.forward = jax.jit(forward)
@@ -147,7 +172,6 @@ def piece_tasks(pp: PipelineProgram, piece: Piece, stage: int, mesh: Mesh,
     t.backward_weight = jax.jit(backward_weight, donate_argnums=(3,))
     t.backward_first = jax.jit(backward_first)
     t.backward_weight_first = jax.jit(backward_weight_first)
-    return t
 
 
 def _batch_axes(pp: PipelineProgram, specs: dict[int, Any]) -> tuple[str, ...]:
