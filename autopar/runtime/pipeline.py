@@ -40,6 +40,22 @@ from autopar.runtime.program_calls import ProgramCall, TaskRecord, abstract_args
 from autopar.runtime.shard import partition_spec
 
 
+def _stage_meshes(stages: Sequence[StageDevices], devices: Sequence[Any]
+                  ) -> tuple[list[Mesh], NamedSharding]:
+    """Each stage's mesh over ``devices`` (indexed by the plan's device ids), and where the
+    step's small outputs go: every device of the plan, in plan order (one stage: its own mesh,
+    so that the outputs fed back into the next step, the new state's scalars among them, lie
+    on the one mesh its one program runs on)."""
+    by_id = dict(enumerate(devices))
+    meshes = [Mesh(np.array([by_id[i] for i in s.device_ids]).reshape(s.mesh_shape),
+                   s.axis_names) for s in stages]
+    if len(stages) == 1:
+        return meshes, NamedSharding(meshes[0], PartitionSpec())
+    every = sorted({d for s in stages for d in s.device_ids})
+    return meshes, NamedSharding(Mesh(np.array([by_id[i] for i in every]), ("all",)),
+                                 PartitionSpec())
+
+
 class PipelineRunner:
     """Executes a ``PipelineProgram`` cut into ``pieces`` with a schedule."""
 
@@ -64,11 +80,7 @@ class PipelineRunner:
         self.segments, self.home = list(segments), dict(home)
         self.m = schedule.num_microbatches
         self.micro = pp.batch_size // self.m
-        by_id = dict(enumerate(devices))  # plan device ids index the given devices
-        self.meshes = [
-            Mesh(np.array([by_id[i] for i in s.device_ids]).reshape(s.mesh_shape), s.axis_names)
-            for s in stages
-        ]
+        self.meshes, self.everywhere = _stage_meshes(stages, devices)
         # per stage: forward value id -> ShardingSpec the stage's plan gives it
         self.specs = [dict(d) for d in specs] if specs is not None else [{} for _ in stages]
         self.consumers = input_consumers(self.pieces)
@@ -90,14 +102,6 @@ class PipelineRunner:
         self.draw_fns = [jax.jit(draw_function(d)) for d in pp.draws]
         self.input_split_fns = self._input_split_fns()
         self.records: list[TaskRecord] = []
-        # every device of the plan, in plan order: where the step's small outputs go (one
-        # stage: its own mesh, so that the outputs fed back into the next step, the new
-        # state's scalars among them, lie on the one mesh its one program runs on)
-        self.everywhere = NamedSharding(
-            Mesh(np.array([by_id[i] for i in sorted({d for s in stages
-                                                      for d in s.device_ids})]), ("all",)),
-            PartitionSpec()) if len(stages) > 1 else NamedSharding(self.meshes[0],
-                                                                   PartitionSpec())
         self.shared_outputs = shared_outputs(pp)
         mb = self.micro
         self._microbatches = jax.jit(
