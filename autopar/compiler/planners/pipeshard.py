@@ -72,8 +72,7 @@ def finish_pipeshard(search: PipeshardSearch, cluster_name: str | None = None) -
     ILP's optimum (``LayerCostCache.stitched_cost``), else solved whole on the stage's
     logical mesh (one ILP), whose input shardings the runtime places."""
     started = time.perf_counter()
-    pp, method, cluster, cache = search.pp, search.method, search.cluster, search.cache
-    found, best, graph = search.found, search.best, search.graph
+    pp, method, cache, best = search.pp, search.method, search.cache, search.best
     partition, chunks, m, group = best.partition, best.chunks, best.num_microbatches, best.cluster
     positions = list(best.positions)
     hosts, per_host = group.num_hosts, group.devices_per_host
@@ -107,14 +106,22 @@ def finish_pipeshard(search: PipeshardSearch, cluster_name: str | None = None) -
         "total_s": search.layers_s + search.stage_costs_s + search.stage_dp_s + end - started,
     }
     notes = _notes(search, stitched, len(pieces))
+    return _plan(search, stages, layout, timings, notes, cluster_name)
+
+
+def _plan(search: PipeshardSearch, stages: list[StagePlan], layout: PipelineLayout,
+          timings: dict[str, float], notes: list[str], cluster_name: str | None) -> Plan:
+    """The plan of the search's best pipeline, its stages planned, with its record."""
+    pp, method, cache, best = search.pp, search.method, search.cache, search.best
+    partition, m = best.partition, best.num_microbatches
     estimate = best.estimate
     return Plan(
         method=MethodName.PIPESHARD,
         mesh_shape=(len(stages),),
-        cluster=cluster_name or cluster.name,
+        cluster=cluster_name or search.cluster.name,
         stages=stages,
         est_step_time_s=estimate.total_s,
-        total_flops=3.0 * graph.total_flops * method.num_microbatches,
+        total_flops=3.0 * search.graph.total_flops * method.num_microbatches,
         num_microbatches=method.num_microbatches,
         signature=[
             InputSignature(path, tuple(int(d) for d in pp.outer.avals[v].shape),
@@ -133,7 +140,7 @@ def finish_pipeshard(search: PipeshardSearch, cluster_name: str | None = None) -
             },
             estimated_idle_fraction=estimate.idle_fraction,
             theoretical_idle_fraction=estimate.theoretical_idle_fraction,
-            candidates=[c.summary() | {"chosen": c is best} for c in found],
+            candidates=[c.summary() | {"chosen": c is best} for c in search.found],
             estimate=estimate.to_dict(),
         ),
         notes=notes,
