@@ -36,14 +36,13 @@ from autopar.compiler.inter_op.stages import (
 )
 from autopar.compiler.inter_op.step_parts import step_work
 from autopar.compiler.planners.stage_costs import (
-    CostClock,
     check_stage_mesh,
     layer_cost_cache,
     range_pieces,
-    stage_cost_table,
     stage_dp_options,
     submesh_mesh,
 )
+from autopar.compiler.planners.stage_table import CostClock, stage_cost_table
 from autopar.errors import PlanError
 from autopar.ir.pipeline_program import PipelineProgram
 from autopar.ir.schedules import ScheduleName

@@ -13,7 +13,8 @@ from autopar.cluster import load_cluster
 from autopar.compiler.graph.trace import build_graph
 from autopar.compiler.inter_op import piece_cost
 from autopar.compiler.inter_op.layers import layer_positions
-from autopar.compiler.planners.stage_costs import layer_cost_cache, stage_cost_table
+from autopar.compiler.planners.stage_costs import layer_cost_cache
+from autopar.compiler.planners.stage_table import stage_cost_table
 from autopar.ir.pipeline_program import build_pipeline_program
 from autopar.models import get_model
 

@@ -13,7 +13,7 @@ import autopar
 from autopar.cluster import load_cluster
 from autopar.compiler.graph.trace import build_graph
 from autopar.compiler.inter_op.layers import layer_positions
-from autopar.compiler.planners import stage_costs
+from autopar.compiler.planners import stage_costs, stage_table
 from autopar.ir.pipeline_pieces import cut_pieces, piece_roles
 from autopar.ir.pipeline_program import build_pipeline_program
 from autopar.models import get_model
@@ -33,10 +33,10 @@ def test_a_stage_receives_its_share_of_the_activations_on_each_device(monkeypatc
         seen.append((tuple(shape), kw["split"], kw["extra_time"], sums.param_bytes))
         return real(sums, shape, mode, **kw)
 
-    real = stage_costs.remat_candidates
-    monkeypatch.setattr(stage_costs, "remat_candidates", remat_candidates)
+    real = stage_table.remat_candidates
+    monkeypatch.setattr(stage_table, "remat_candidates", remat_candidates)
     cache = stage_costs.layer_cost_cache(method)
-    table = stage_costs.stage_cost_table(pp, positions, method, cluster, cache, prefetch_on=())
+    table = stage_table.stage_cost_table(pp, positions, method, cluster, cache, prefetch_on=())
     whole = len(table.submeshes) - 1  # both hosts
     table.candidates(1, 2, whole)  # the second layer: it receives the first's activations
     fwd = pp.forward

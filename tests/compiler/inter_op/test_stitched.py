@@ -18,7 +18,7 @@ from autopar.compiler.graph.opgraph import TensorInfo
 from autopar.compiler.graph.trace import build_graph
 from autopar.compiler.inter_op import layer_costs
 from autopar.compiler.inter_op.layers import layer_positions
-from autopar.compiler.planners import stage_costs
+from autopar.compiler.planners import stage_costs, stage_table
 from autopar.ir.pipeline_pieces import cut_pieces
 from autopar.ir.pipeline_program import build_pipeline_program
 from autopar.models import get_model
@@ -34,7 +34,7 @@ def _gpt_layer(cluster):
     pp = build_pipeline_program(model.train_step, model.abstract_inputs(), (1,), 2)
     positions = layer_positions(pp, build_graph(pp.forward), 2, cluster.num_devices)
     cache = stage_costs.layer_cost_cache(method)
-    table = stage_costs.stage_cost_table(pp, positions, method, cluster, cache, prefetch_on=())
+    table = stage_table.stage_cost_table(pp, positions, method, cluster, cache, prefetch_on=())
     mesh = stage_costs.submesh_mesh(cluster, table.submeshes[-1], (2, 4))
     second = cut_pieces(pp.forward, positions)[1]
     return pp, cache, mesh, second

@@ -21,10 +21,10 @@ from autopar.compiler.planners.pipeline_search import driver_floor_s, search_pip
 from autopar.compiler.planners.pipeshard import stage_ilp_notes
 from autopar.compiler.planners.stage_costs import (
     STAGE_COST_TIME_LIMIT_S,
-    CostClock,
     layer_cost_cache,
     range_piece,
 )
+from autopar.compiler.planners.stage_table import CostClock
 from autopar.errors import PlanError, format_bytes
 from autopar.ir.pipeline_program import build_pipeline_program
 from autopar.models import get_model
