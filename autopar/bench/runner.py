@@ -122,6 +122,8 @@ def run_case(case: BenchCase, options: RunOptions, phase: Phase) -> dict[str, An
                                pipeline_layers=case.pipeline_layers,
                                memory_budget_bytes=None if case.local else NO_MEMORY_LIMIT)
     local = _local_run(case, model, options, phase) if case.local else None
+    # the search's own choice, by estimate (locally the clock may keep another candidate)
+    row["search_est_step_time_s"] = searched.plan.est_step_time_s
     if local is not None:
         from autopar.bench.measure import measured_default
 
