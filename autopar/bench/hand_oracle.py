@@ -72,16 +72,20 @@ def state_in_layout(jitted: Any, args: Sequence[Any]) -> Any:
 
 
 def plan_pinned(traced: Any, mesh: Any, pins: Mapping[str, ShardingSpec], *,
-                cluster_name: str, devices_per_host: int, time_limit_s: float = 30.0):
+                cluster_name: str, devices_per_host: int, time_limit_s: float = 30.0,
+                caches: Any = None):
     """autopar's one-stage ShardParallel plan of ``traced`` on ``mesh`` (a LogicalMesh) with
-    the inputs in ``pins`` fixed (empty: the free ILP); the Plan."""
+    the inputs in ``pins`` fixed (empty: the free ILP); the Plan. ``caches``: a
+    ``MeshCaches`` the plans of ``traced`` on this same mesh share (pinned or free: pins key
+    their own input lists), or None for a fresh one."""
     from autopar.compiler.intra_op.sharding_ilp import IntraOpOptions
     from autopar.compiler.planners.shard import plan_shard_parallel
 
     options = IntraOpOptions(time_limit_s=time_limit_s, batch_argnums=(1,),
                              pinned_inputs=dict(pins))
     return plan_shard_parallel(traced, mesh, options, batch_argnums=(1,),
-                               cluster_name=cluster_name, devices_per_host=devices_per_host)
+                               cluster_name=cluster_name, devices_per_host=devices_per_host,
+                               caches=caches)
 
 
 # -- what a plan moves -----------------------------------------------------------------------

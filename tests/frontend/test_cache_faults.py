@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -36,8 +37,12 @@ HANG_GUARD_S = 180  # a passing run takes seconds; this only keeps a broken one 
 
 
 def _env(cache_dir: Path) -> dict[str, str]:
+    # two simulated devices; the session's other XLA flags (fast CPU compiles, conftest.py)
+    # are kept, so the scripts compile as the tests' own processes do
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
+                   os.environ.get("XLA_FLAGS", ""))
     env = dict(os.environ, AUTOPAR_CACHE_DIR=str(cache_dir), JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+               XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=2".strip())
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     return env
 

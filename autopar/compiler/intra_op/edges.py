@@ -76,8 +76,12 @@ class ReshardingEdges:
         self._matrix_cache: dict[tuple, np.ndarray] = table.caches.matrices
 
     def cost(self, src: ShardingSpec, dst: ShardingSpec, info: TensorInfo) -> ReshardCost:
-        """Resharding ``info``-typed data from ``src`` to ``dst`` on the table's mesh."""
-        key = (src, dst, info.shape, info.dtype)
+        """Resharding ``info``-typed data from ``src`` to ``dst`` on the table's mesh.
+
+        Cached by what the cost depends on: the specs, the tensor's rank and its bytes (not
+        its shape or dtype: tensors of one size and rank reshard alike, about half the
+        lookups of a model's build)."""
+        key = (src, dst, info.nbytes, info.ndim)
         found = self._cost_cache.get(key)
         if found is None:
             found = reshard_cost(src, dst, info, self.table.mesh)
@@ -114,7 +118,7 @@ class ReshardingEdges:
         """Seconds [src][need] (and a last column of zeros: no need) between distinct specs,
         cached by the specs themselves: ops with different strategy lists often produce and
         need the same few specs of a tensor type."""
-        key = ("priced", srcs, needs, info.shape, info.dtype)
+        key = ("priced", srcs, needs, info.nbytes, info.ndim)
         small = self._matrix_cache.get(key)
         if small is None:
             small = np.zeros((len(srcs), len(needs) + 1))

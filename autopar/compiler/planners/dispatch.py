@@ -339,7 +339,7 @@ def _plan_one_stage(
     if isinstance(method, ShardParallel):
         # imported here: the ILP stack (PuLP, strategies) loads only when a plan needs it
         from autopar.compiler.intra_op.problem import InfeasibleMemoryError
-        from autopar.compiler.intra_op.sharding_ilp import IntraOpOptions
+        from autopar.compiler.intra_op.sharding_ilp import IntraOpOptions, MeshCaches
         from autopar.compiler.planners.shard import plan_shard_parallel
 
         budget = method.memory_budget_bytes
@@ -369,13 +369,15 @@ def _plan_one_stage(
         # again (at GPT-3 175B on 1,024 devices a build is about 10 s), also when the full
         # search comes back to it (``beat``)
         built = memo.problems.setdefault(key, {})
+        caches = memo.mesh_caches.setdefault((id(traced.graph), cluster, tuple(mesh.shape)),
+                                             MeshCaches())
 
         def solve_within(budget: float | None) -> Plan:
             options = IntraOpOptions(memory_budget_bytes=budget, solver=method.solver,
                                      time_limit_s=method.time_limit_s,
                                      batch_argnums=batch_argnums, pinned_inputs=pins)
             return plan_shard_parallel(traced, mesh, options, ilp_observer=ilp_observer,
-                                       built=built, **common)
+                                       built=built, caches=caches, **common)
 
         # the memory rows make the ILP slower, so they are added only when the unconstrained
         # plan does not fit the budget (the device's memory unless one is given): the

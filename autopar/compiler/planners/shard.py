@@ -14,6 +14,7 @@ from autopar.compiler.intra_op.sharding_ilp import (
     LEAST_MEMORY,
     IntraOpOptions,
     IntraOpResult,
+    MeshCaches,
     solve_intra_op,
 )
 from autopar.compiler.planners.common import whole_mesh_plan
@@ -47,12 +48,15 @@ def plan_shard_parallel(
     devices_per_host: int,
     ilp_observer: Callable[[Any, Any], None] | None = None,
     built: dict | None = None,
+    caches: MeshCaches | None = None,
 ) -> Plan:
     """Solve the sharding ILP for ``traced`` on ``mesh`` and return the plan. ``built``: the
     problems built so far for this step (``solve_intra_op``), to solve one again under a
-    memory budget."""
+    memory budget. ``caches``: strategy lists, resharding costs and edge matrices shared with
+    other builds on this same mesh (``MeshCaches``; pinned inputs key their own lists, so
+    solves with and without pins may share them)."""
     graph = traced.graph
-    result = solve_intra_op(graph, mesh, options, built=built)
+    result = solve_intra_op(graph, mesh, options, caches=caches, built=built)
     if ilp_observer is not None:
         ilp_observer(result.problem, result.solution)
     sizes = {a: mesh.axis_size(a) for a in mesh.axis_names}

@@ -50,6 +50,11 @@ class TraceMemo:
     # candidate whose fastest plan did not fit once it knows what fits (``CannotWinError``)
     problems: dict[tuple, Any] = field(default_factory=dict)
     fastest: dict[tuple, Plan] = field(default_factory=dict)
+    # the sharding ILP's strategy lists, resharding costs and edge matrices (``MeshCaches``)
+    # by (graph, cluster, mesh shape): what the builds of one graph on one mesh share, pinned
+    # or not (pins key their own input lists), e.g. the full search's free ``shard`` candidate
+    # and the user's layout pinned on the same mesh
+    mesh_caches: dict[tuple, Any] = field(default_factory=dict)
     # False in a forked child: a trace it would need raises ``TraceNeeded`` instead
     may_trace: bool = True
 
