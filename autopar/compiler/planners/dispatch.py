@@ -336,75 +336,11 @@ def _plan_one_stage(
     mesh = logical_mesh_for(cluster, method.mesh_shape)
     common = PlanPlace(batch_argnums=batch_argnums, cluster_name=cluster.name,
                        devices_per_host=cluster.devices_per_host)
+    memo = memo or TraceMemo()
     if isinstance(method, ShardParallel):
-        # imported here: the ILP stack (PuLP, strategies) loads only when a plan needs it
-        from autopar.compiler.intra_op.problem import InfeasibleMemoryError
-        from autopar.compiler.intra_op.sharding_ilp import IntraOpOptions, MeshCaches
-        from autopar.compiler.planners.shard import plan_shard_parallel
-
-        budget = method.memory_budget_bytes
-        limit = float(budget if budget is not None else cluster.device.memory_bytes)
-        # no plan holds less of a tensor than the most its shape can be split on the mesh: a
-        # step whose floor is over the budget is answered before its ILP is built (at
-        # published sizes the build, and the memory-constrained solve after it, take minutes;
-        # GPT 529.6B on a 315 x 8 mesh splits its parameters 8 ways at most)
-        devices = len(mesh.device_ids)
-        memo = memo or TraceMemo()
-        floor = memo.memory_floor(traced, batch_argnums, devices)
-        if floor.total > limit:
-            raise InfeasibleMemoryError(limit, floor.total, floor.dominant(), split_over=devices)
-        floor = memo.mesh_memory_floor(traced, batch_argnums, tuple(mesh.shape))
-        if floor.total > limit:
-            raise InfeasibleMemoryError(limit, floor.total, floor.dominant(), split_over=devices,
-                                        mesh_shape=tuple(mesh.shape))
-        pins = (optimizer_state_pins(traced.graph, mesh, batch_argnums)
-                if method.prefer_reduce_scatter else {})
-        pins.update(_checked_pins(method.pinned_inputs, traced, mesh))
-
-        # what the fastest plan and its problem depend on (not the budget, nor the time limit
-        # the full search cuts as its time budget runs out)
-        key = (id(traced.graph), cluster, tuple(mesh.shape), method.solver,
-               method.prefer_reduce_scatter, method.pinned_inputs)
-        # the problem built for the fastest plan is solved again under the budget, not built
-        # again (at GPT-3 175B on 1,024 devices a build is about 10 s), also when the full
-        # search comes back to it (``beat``)
-        built = memo.problems.setdefault(key, {})
-        caches = memo.mesh_caches.setdefault((id(traced.graph), cluster, tuple(mesh.shape)),
-                                             MeshCaches())
-
-        def solve_within(budget: float | None) -> Plan:
-            options = IntraOpOptions(memory_budget_bytes=budget, solver=method.solver,
-                                     time_limit_s=method.time_limit_s,
-                                     batch_argnums=batch_argnums, pinned_inputs=pins)
-            return plan_shard_parallel(traced, mesh, options, ilp_observer=ilp_observer,
-                                       built=built, caches=caches, **common)
-
-        # the memory rows make the ILP slower, so they are added only when the unconstrained
-        # plan does not fit the budget (the device's memory unless one is given): the
-        # unconstrained optimum, when it fits, is the constrained one
-        if key not in memo.fastest:
-            memo.fastest[key] = solve_within(None)
-        plan = memo.fastest[key]
-        if plan.peak_memory_bytes > limit:
-            # its estimate as the step's (below: the runtime's call added)
-            _check_can_win(plan, beat,
-                           plan.stages[0].est_time_s + one_call_time_s(cluster.runtime))
-            fastest = plan
-            try:
-                plan = solve_within(limit)
-            except InfeasibleMemoryError as err:
-                # the least memory known: the least-memory plan's or the fastest plan's
-                if fastest.peak_memory_bytes < err.min_peak_bytes:
-                    raise InfeasibleMemoryError(err.budget, fastest.peak_memory_bytes,
-                                                err.dominant) from None
-                raise
-            what = ("the memory budget" if budget is not None
-                    else f"the device's {limit / 2**30:.1f} GiB")
-            plan.notes.append(f"the fastest plan did not fit {what}; solved again with it as "
-                              "the per-device memory budget")
+        plan = _plan_shard(traced, method, cluster, mesh, common, ilp_observer, memo, beat)
     else:
         # planned once per step and mesh: the full search comes back to one that did not fit
-        memo = memo or TraceMemo()
         data_key = (id(traced.graph), cluster, type(method).__name__, tuple(mesh.shape))
         if data_key not in memo.fastest:
             memo.fastest[data_key] = (
@@ -422,6 +358,86 @@ def _plan_one_stage(
                               "communication_s": stage.est_communication_time_s,
                               "runtime_s": runtime}
     plan.planning.planning_time_s = time.perf_counter() - start
+    return plan
+
+
+def _check_floors(traced: TracedStep, batch_argnums: tuple[int, ...], mesh: LogicalMesh,
+                  memo: TraceMemo, limit: float) -> None:
+    """No plan holds less of a tensor than the most its shape can be split on the mesh: a
+    step whose floor is over ``limit`` is answered (``InfeasibleMemoryError``) before its ILP
+    is built (at published sizes the build, and the memory-constrained solve after it, take
+    minutes; GPT 529.6B on a 315 x 8 mesh splits its parameters 8 ways at most)."""
+    from autopar.compiler.intra_op.problem import InfeasibleMemoryError
+
+    devices = len(mesh.device_ids)
+    floor = memo.memory_floor(traced, batch_argnums, devices)
+    if floor.total > limit:
+        raise InfeasibleMemoryError(limit, floor.total, floor.dominant(), split_over=devices)
+    floor = memo.mesh_memory_floor(traced, batch_argnums, tuple(mesh.shape))
+    if floor.total > limit:
+        raise InfeasibleMemoryError(limit, floor.total, floor.dominant(), split_over=devices,
+                                    mesh_shape=tuple(mesh.shape))
+
+
+def _plan_shard(traced: TracedStep, method: ShardParallel, cluster: ClusterSpec,
+                mesh: LogicalMesh, common: PlanPlace, ilp_observer: IlpObserver | None,
+                memo: TraceMemo, beat: float | None) -> Plan:
+    """ShardParallel's one-stage plan: the fastest (kept in ``memo``), solved again under the
+    budget where it is over it (``beat``: see ``_plan_one_stage_with_remat``)."""
+    batch_argnums = common["batch_argnums"]
+    # imported here: the ILP stack (PuLP, strategies) loads only when a plan needs it
+    from autopar.compiler.intra_op.problem import InfeasibleMemoryError
+    from autopar.compiler.intra_op.sharding_ilp import IntraOpOptions, MeshCaches
+    from autopar.compiler.planners.shard import plan_shard_parallel
+
+    budget = method.memory_budget_bytes
+    limit = float(budget if budget is not None else cluster.device.memory_bytes)
+    _check_floors(traced, batch_argnums, mesh, memo, limit)
+    pins = (optimizer_state_pins(traced.graph, mesh, batch_argnums)
+            if method.prefer_reduce_scatter else {})
+    pins.update(_checked_pins(method.pinned_inputs, traced, mesh))
+
+    # what the fastest plan and its problem depend on (not the budget, nor the time limit
+    # the full search cuts as its time budget runs out)
+    key = (id(traced.graph), cluster, tuple(mesh.shape), method.solver,
+           method.prefer_reduce_scatter, method.pinned_inputs)
+    # the problem built for the fastest plan is solved again under the budget, not built
+    # again (at GPT-3 175B on 1,024 devices a build is about 10 s), also when the full
+    # search comes back to it (``beat``)
+    built = memo.problems.setdefault(key, {})
+    caches = memo.mesh_caches.setdefault((id(traced.graph), cluster, tuple(mesh.shape)),
+                                         MeshCaches())
+
+    def solve_within(budget: float | None) -> Plan:
+        options = IntraOpOptions(memory_budget_bytes=budget, solver=method.solver,
+                                 time_limit_s=method.time_limit_s,
+                                 batch_argnums=batch_argnums, pinned_inputs=pins)
+        return plan_shard_parallel(traced, mesh, options, ilp_observer=ilp_observer,
+                                   built=built, caches=caches, **common)
+
+    # the memory rows make the ILP slower, so they are added only when the unconstrained
+    # plan does not fit the budget (the device's memory unless one is given): the
+    # unconstrained optimum, when it fits, is the constrained one
+    if key not in memo.fastest:
+        memo.fastest[key] = solve_within(None)
+    plan = memo.fastest[key]
+    if plan.peak_memory_bytes > limit:
+        # its estimate as the step's (below: the runtime's call added)
+        _check_can_win(plan, beat,
+                       plan.stages[0].est_time_s + one_call_time_s(cluster.runtime))
+        fastest = plan
+        try:
+            plan = solve_within(limit)
+        except InfeasibleMemoryError as err:
+            # the least memory known: the least-memory plan's or the fastest plan's
+            if fastest.peak_memory_bytes < err.min_peak_bytes:
+                raise InfeasibleMemoryError(err.budget, fastest.peak_memory_bytes,
+                                            err.dominant) from None
+            raise
+        what = ("the memory budget" if budget is not None
+                else f"the device's {limit / 2**30:.1f} GiB")
+        plan.notes.append(f"the fastest plan did not fit {what}; solved again with it as "
+                          "the per-device memory budget")
     return plan
 
 
