@@ -174,3 +174,25 @@ class LogicalMesh:
             )
         except KeyError as err:
             raise MeshError(f"logical mesh is missing field {err}") from None
+
+
+def mesh_shape_choices(num_devices: int) -> list[str]:
+    """Valid 1-D and 2-D mesh shapes for ``num_devices`` devices, for error messages."""
+    shapes = [str(num_devices)]
+    shapes += [f"{a}x{num_devices // a}" for a in range(1, num_devices + 1) if num_devices % a == 0]
+    return shapes
+
+
+def logical_mesh_for(cluster: ClusterSpec, mesh_shape: tuple[int, ...] | None) -> LogicalMesh:
+    """The logical mesh over the whole cluster (default: one axis over all its devices)."""
+    n = cluster.num_devices
+    shape = tuple(mesh_shape) if mesh_shape else (n,)
+    count = 1
+    for d in shape:
+        count *= d
+    if count != n:
+        raise MeshError(
+            f"mesh shape {format_mesh_shape(shape)} covers {count} devices but the cluster "
+            f"'{cluster.name}' has {n}; valid shapes: {', '.join(mesh_shape_choices(n))}"
+        )
+    return LogicalMesh.from_cluster(cluster, shape)

@@ -14,9 +14,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from autopar.cluster import ClusterSpec, format_mesh_shape
+from autopar.cluster import ClusterSpec
 from autopar.compiler.cost.estimate import one_call_time_s
-from autopar.compiler.cost.mesh import LogicalMesh
+from autopar.compiler.cost.mesh import LogicalMesh, logical_mesh_for
 from autopar.compiler.graph.trace import TracedStep, build_graph, trace_step
 from autopar.compiler.planners.auto import plan_auto, trace_auto
 from autopar.compiler.planners.common import (
@@ -36,7 +36,6 @@ from autopar.errors import (
     BatchSizeError,
     CannotWinError,
     InvalidOptionError,
-    MeshError,
     NoLossFunctionError,
     PlanError,
 )
@@ -292,28 +291,6 @@ def _checked_pins(pinned: Sequence[tuple[str, Any]], traced: TracedStep,
                 f"pinned spec of {path!r} must have {ranks[path]} dims over the mesh axes "
                 f"{', '.join(mesh.axis_names)}; got {spec.dims}")
     return dict(pinned)
-
-
-def mesh_shape_choices(num_devices: int) -> list[str]:
-    """Valid 1-D and 2-D mesh shapes for ``num_devices`` devices, for error messages."""
-    shapes = [str(num_devices)]
-    shapes += [f"{a}x{num_devices // a}" for a in range(1, num_devices + 1) if num_devices % a == 0]
-    return shapes
-
-
-def logical_mesh_for(cluster: ClusterSpec, mesh_shape: tuple[int, ...] | None) -> LogicalMesh:
-    """The logical mesh over the whole cluster (default: one axis over all its devices)."""
-    n = cluster.num_devices
-    shape = tuple(mesh_shape) if mesh_shape else (n,)
-    count = 1
-    for d in shape:
-        count *= d
-    if count != n:
-        raise MeshError(
-            f"mesh shape {format_mesh_shape(shape)} covers {count} devices but the cluster "
-            f"'{cluster.name}' has {n}; valid shapes: {', '.join(mesh_shape_choices(n))}"
-        )
-    return LogicalMesh.from_cluster(cluster, shape)
 
 
 def _plan_one_stage(
