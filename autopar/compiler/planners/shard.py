@@ -8,6 +8,7 @@ from typing import Any
 from autopar.compiler.cost.estimate import summarize_collectives
 from autopar.compiler.cost.memory_model import estimate_memory, resharded_operand_bytes
 from autopar.compiler.cost.mesh import LogicalMesh
+from autopar.compiler.graph.opgraph import OpGraph
 from autopar.compiler.graph.trace import TracedStep
 from autopar.compiler.intra_op.problem import IlpStatus
 from autopar.compiler.intra_op.sharding_ilp import (
@@ -60,18 +61,7 @@ def plan_shard_parallel(
     if ilp_observer is not None:
         ilp_observer(result.problem, result.solution)
     sizes = {a: mesh.axis_size(a) for a in mesh.axis_names}
-    input_specs = {io.path: result.input_spec[io.tensor] for io in graph.inputs}
-    ties = dict(result.ties)
-    output_specs: dict[str, ShardingSpec] = {}
-    for io in graph.outputs:
-        spec = result.input_spec.get(ties.get(io.tensor, -1)) or result.tensor_spec.get(io.tensor)
-        output_specs[io.path] = spec or ShardingSpec.replicated(graph.tensors[io.tensor].ndim)
-    tensor_specs = {
-        t: spec
-        for node in graph.nodes
-        for t, spec in zip(node.outputs, result.node_strategy[node.id].output_specs, strict=True)
-        if graph.tensors[t].ndim > 0
-    }
+    input_specs, output_specs, tensor_specs = _layouts(graph, result)
     collectives = _collectives(result, mesh)
     compute_s = sum(s.compute_time_s for s in result.node_strategy.values())
     comm_s = sum(c.time_s for c in collectives)
@@ -87,25 +77,7 @@ def plan_shard_parallel(
         "variables_before_merging": graph.num_nodes + len(graph.inputs),
         "decision_variables": len(result.variables),
     }
-    notes = []
-    used = {a for spec in result.tensor_spec.values() for axes in spec.dims for a in axes}
-    for axis, size in zip(mesh.axis_names, mesh.shape, strict=True):
-        if size > 1 and axis not in used:
-            notes.append(
-                f"mesh axis '{axis}' (size {size}) splits no tensor: no dimension it divides "
-                "was worth splitting, so its devices hold replicas"
-            )
-    if solution.status == IlpStatus.NO_SOLUTION:
-        notes.append(f"the ILP solver ({solution.solver}) found no plan within its time limit: "
-                     "the greedy plan is used, not proven optimal")
-    elif solution.status == "solver_error":
-        notes.append(f"the ILP solver ({solution.solver}) failed (see the warning logged): "
-                     "the greedy plan is used, not proven optimal")
-    elif solution.status == LEAST_MEMORY:
-        notes.append("the memory rows of the ILP admitted no plan within the memory budget; "
-                     "the least-memory plan, which the memory model finds within it, is used")
-    elif not solution.proven_optimal and solution.status != IlpStatus.TRIVIAL:
-        notes.append(f"ILP stopped at its time limit ({solution.status}): not proven optimal")
+    notes = _notes(result, mesh)
     return whole_mesh_plan(
         MethodName.SHARD,
         mesh,
@@ -124,3 +96,47 @@ def plan_shard_parallel(
         operand_shardings=dict(result.operand_specs),
         collectives=collectives,
     )
+
+
+def _layouts(graph: OpGraph, result: IntraOpResult
+             ) -> tuple[dict[str, ShardingSpec], dict[str, ShardingSpec], dict[int, ShardingSpec]]:
+    """The solved plan's input and output layouts by path (an output tied to an input, the
+    next step's state, leaves as that input came) and every computed tensor's layout."""
+    input_specs = {io.path: result.input_spec[io.tensor] for io in graph.inputs}
+    ties = dict(result.ties)
+    output_specs: dict[str, ShardingSpec] = {}
+    for io in graph.outputs:
+        spec = result.input_spec.get(ties.get(io.tensor, -1)) or result.tensor_spec.get(io.tensor)
+        output_specs[io.path] = spec or ShardingSpec.replicated(graph.tensors[io.tensor].ndim)
+    tensor_specs = {
+        t: spec
+        for node in graph.nodes
+        for t, spec in zip(node.outputs, result.node_strategy[node.id].output_specs, strict=True)
+        if graph.tensors[t].ndim > 0
+    }
+    return input_specs, output_specs, tensor_specs
+
+
+def _notes(result: IntraOpResult, mesh: LogicalMesh) -> list[str]:
+    """What the plan says about its mesh axes and how its ILP ended."""
+    solution = result.solution
+    notes: list[str] = []
+    used = {a for spec in result.tensor_spec.values() for axes in spec.dims for a in axes}
+    for axis, size in zip(mesh.axis_names, mesh.shape, strict=True):
+        if size > 1 and axis not in used:
+            notes.append(
+                f"mesh axis '{axis}' (size {size}) splits no tensor: no dimension it divides "
+                "was worth splitting, so its devices hold replicas"
+            )
+    if solution.status == IlpStatus.NO_SOLUTION:
+        notes.append(f"the ILP solver ({solution.solver}) found no plan within its time limit: "
+                     "the greedy plan is used, not proven optimal")
+    elif solution.status == "solver_error":
+        notes.append(f"the ILP solver ({solution.solver}) failed (see the warning logged): "
+                     "the greedy plan is used, not proven optimal")
+    elif solution.status == LEAST_MEMORY:
+        notes.append("the memory rows of the ILP admitted no plan within the memory budget; "
+                     "the least-memory plan, which the memory model finds within it, is used")
+    elif not solution.proven_optimal and solution.status != IlpStatus.TRIVIAL:
+        notes.append(f"ILP stopped at its time limit ({solution.status}): not proven optimal")
+    return notes
