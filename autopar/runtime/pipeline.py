@@ -20,8 +20,7 @@ from typing import Any, Self
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar.ir.pipeline_pieces import Piece, cut_pieces, input_consumers
 from autopar.ir.pipeline_program import PipelineProgram
@@ -34,26 +33,16 @@ from autopar.plan import Plan
 from autopar.runtime.distributed import put
 from autopar.runtime.fused_step import FusedStep
 from autopar.runtime.param_copies import sum_copies
-from autopar.runtime.pipeline_state import StageDevices, StepState, microbatch_mean, shared_outputs
+from autopar.runtime.pipeline_state import (
+    StageDevices,
+    StepState,
+    microbatch_mean,
+    shared_outputs,
+    stage_meshes,
+)
 from autopar.runtime.pipeline_tasks import PieceTasks, piece_tasks
 from autopar.runtime.program_calls import ProgramCall, TaskRecord, abstract_args
 from autopar.runtime.shard import partition_spec
-
-
-def _stage_meshes(stages: Sequence[StageDevices], devices: Sequence[Any]
-                  ) -> tuple[list[Mesh], NamedSharding]:
-    """Each stage's mesh over ``devices`` (indexed by the plan's device ids), and where the
-    step's small outputs go: every device of the plan, in plan order (one stage: its own mesh,
-    so that the outputs fed back into the next step, the new state's scalars among them, lie
-    on the one mesh its one program runs on)."""
-    by_id = dict(enumerate(devices))
-    meshes = [Mesh(np.array([by_id[i] for i in s.device_ids]).reshape(s.mesh_shape),
-                   s.axis_names) for s in stages]
-    if len(stages) == 1:
-        return meshes, NamedSharding(meshes[0], PartitionSpec())
-    every = sorted({d for s in stages for d in s.device_ids})
-    return meshes, NamedSharding(Mesh(np.array([by_id[i] for i in every]), ("all",)),
-                                 PartitionSpec())
 
 
 class PipelineRunner:
@@ -80,7 +69,7 @@ class PipelineRunner:
         self.segments, self.home = list(segments), dict(home)
         self.m = schedule.num_microbatches
         self.micro = pp.batch_size // self.m
-        self.meshes, self.everywhere = _stage_meshes(stages, devices)
+        self.meshes, self.everywhere = stage_meshes(stages, devices)
         # per stage: forward value id -> ShardingSpec the stage's plan gives it
         self.specs = [dict(d) for d in specs] if specs is not None else [{} for _ in stages]
         self.consumers = input_consumers(self.pieces)

@@ -4,11 +4,14 @@ results every device gets, and the microbatches' mean (``runtime.pipeline`` and
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autopar.ir.pipeline_program import PipelineProgram
 from autopar.ir.program import carried_inputs
@@ -85,3 +88,19 @@ def microbatch_mean(parts: list[Any]) -> Any:
     if not is_averaged(parts[0]):
         return parts[-1]
     return (sum(parts[1:], parts[0]) / len(parts)).astype(parts[0].dtype)
+
+
+def stage_meshes(stages: Sequence[StageDevices], devices: Sequence[Any]
+                  ) -> tuple[list[Mesh], NamedSharding]:
+    """Each stage's mesh over ``devices`` (indexed by the plan's device ids), and where the
+    step's small outputs go: every device of the plan, in plan order (one stage: its own mesh,
+    so that the outputs fed back into the next step, the new state's scalars among them, lie
+    on the one mesh its one program runs on)."""
+    by_id = dict(enumerate(devices))
+    meshes = [Mesh(np.array([by_id[i] for i in s.device_ids]).reshape(s.mesh_shape),
+                   s.axis_names) for s in stages]
+    if len(stages) == 1:
+        return meshes, NamedSharding(meshes[0], PartitionSpec())
+    every = sorted({d for s in stages for d in s.device_ids})
+    return meshes, NamedSharding(Mesh(np.array([by_id[i] for i in every]), ("all",)),
+                                 PartitionSpec())
