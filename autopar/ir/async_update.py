@@ -26,7 +26,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from autopar.errors import PlanError
-from autopar.ir.pipeline_pieces import Piece, input_consumers
+from autopar.ir.pieces import Piece
+from autopar.ir.pipeline_pieces import input_consumers
 from autopar.ir.pipeline_program import PipelineProgram
 
 _LOSS = -1  # tag of values computed from the loss function's loss and aux

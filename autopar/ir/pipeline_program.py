@@ -27,12 +27,13 @@ import jax
 import numpy as np
 
 from autopar.errors import BatchSizeError, NoLossFunctionError, PlanError
-from autopar.ir.flatten import StepJaxpr, flatten_jaxpr, flatten_step, trace_jaxpr
+from autopar.ir.flatten import StepJaxpr, flatten_step, trace_jaxpr
 from autopar.ir.loss_markers import PIPELINE_BOUNDARY, VALUE_AND_GRAD, LossFunction
 from autopar.ir.program import FlatProgram, TensorKind, run_eqns
 from autopar.ir.random_draws import RandomDraw, rewrite_draws
 from autopar.ir.scan_split import split_forward, split_step
 from autopar.ir.scan_units import LayerScan
+from autopar.ir.walk import flatten_jaxpr
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autopar.ir.pipeline_pieces import Piece, input_consumers
+from autopar.ir.pieces import Piece
+from autopar.ir.pipeline_pieces import input_consumers
 from autopar.ir.pipeline_program import PipelineProgram
 from autopar.ir.program import TensorKind
 

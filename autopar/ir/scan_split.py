@@ -35,9 +35,9 @@ from typing import Any
 
 import jax
 
-from autopar.ir.flatten import flatten_closed_jaxpr
 from autopar.ir.program import FlatEqn, FlatProgram, TensorKind
 from autopar.ir.scan_units import LayerScan, ScanUnit
+from autopar.ir.walk import flatten_closed_jaxpr
 
 # Primitives that act element by element on operands of one shape (rank-0 operands broadcast):
 # slicing their leading axis commutes with them, so they can run once per layer slice.

@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from autopar.ir.pipeline_pieces import Piece, cut_pieces, input_consumers
+from autopar.ir.pieces import Piece, cut_pieces
+from autopar.ir.pipeline_pieces import input_consumers
 from autopar.ir.pipeline_program import PipelineProgram
 from autopar.ir.pipeline_segments import Segment, plan_segments
 from autopar.ir.program import run_eqns

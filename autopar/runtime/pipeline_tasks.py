@@ -21,9 +21,10 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from autopar.ir.pipeline_pieces import Piece, piece_roles
+from autopar.ir.layered_grad import piece_function
+from autopar.ir.pieces import Piece
+from autopar.ir.pipeline_pieces import piece_roles
 from autopar.ir.pipeline_program import PipelineProgram
-from autopar.ir.remat_loss import layer_function
 from autopar.ir.scan_units import run_forward_eqns
 from autopar.runtime.param_copies import ParamCopies, plan_param_copies
 from autopar.runtime.shard import partition_spec
@@ -117,7 +118,7 @@ def _forward_run(pp: PipelineProgram, piece: Piece, layers: Sequence[Piece], t: 
         if layers:
             for layer in layers:
                 ins = [v for v in layer.inputs if v in env]
-                outs = jax.checkpoint(layer_function(fwd, layer, ins))([env[v] for v in ins])
+                outs = jax.checkpoint(piece_function(fwd, layer, ins))([env[v] for v in ins])
                 env.update(zip(layer.outputs, outs, strict=True))
         else:
             run_forward_eqns(fwd, piece.eqns, env, pp.layer_scans, hold, t.copies.bind)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 import autopar
-from autopar.ir.pipeline_pieces import LayerRanges, PieceSlicer, cut_pieces
+from autopar.ir.pieces import LayerRanges, PieceSlicer, cut_pieces
 from autopar.ir.pipeline_program import build_pipeline_program
 from autopar.models import get_model
 

@@ -29,7 +29,8 @@ import autopar
 from autopar.api import local_cluster
 from autopar.compiler.planners.pipeshard import plan_pipeshard
 from autopar.errors import DistributedError
-from autopar.ir.pipeline_pieces import cut_pieces, piece_roles
+from autopar.ir.pieces import cut_pieces
+from autopar.ir.pipeline_pieces import piece_roles
 from autopar.ir.pipeline_program import build_pipeline_program
 from autopar.runtime.distributed import _local_cpu_devices, _size_cpu_thread_pool, host_layout
 

@@ -19,9 +19,9 @@ from tanh_mlp import tanh_mlp_step
 import autopar
 from autopar.api import local_cluster
 from autopar.compiler.planners.pipeshard import plan_pipeshard
-from autopar.ir.flatten import flatten_closed_jaxpr
 from autopar.ir.pipeline_program import build_pipeline_program
 from autopar.ir.schedules import TaskKind
+from autopar.ir.walk import flatten_closed_jaxpr
 from autopar.models import get_model
 from autopar.plan import ShardingSpec
 from autopar.runtime.param_copies import plan_param_copies

@@ -27,13 +27,14 @@ from autopar.compiler.inter_op.piece_cost import (
     stopped_early,
 )
 from autopar.compiler.inter_op.remat import LayerSums, state_split_levels
-from autopar.compiler.inter_op.repeats import RepeatGrid, find_repeats
 from autopar.compiler.inter_op.seams import STAGE_GAP, price_seams, stitched_gap
 from autopar.compiler.inter_op.step_parts import StepWork, step_work
 from autopar.compiler.intra_op.problem import IlpStatus
 from autopar.compiler.intra_op.sharding_ilp import IntraOpOptions, MeshCaches
-from autopar.ir.pipeline_pieces import Piece, PieceRoles, PieceSlicer, piece_roles
+from autopar.ir.pieces import Piece, PieceSlicer
+from autopar.ir.pipeline_pieces import PieceRoles, piece_roles
 from autopar.ir.pipeline_program import PipelineProgram
+from autopar.ir.repeats import RepeatGrid, find_repeats
 from autopar.plan import ShardingSpec
 
 # Fewer layer ILPs than this are solved here, one by one, when the stage search asks: forking

@@ -46,7 +46,8 @@ from autopar.compiler.intra_op.sharding_ilp import (
     state_split_at_least,
 )
 from autopar.ir.flatten import flatten_step
-from autopar.ir.pipeline_pieces import Piece, piece_roles
+from autopar.ir.pieces import Piece
+from autopar.ir.pipeline_pieces import piece_roles
 from autopar.ir.pipeline_program import PipelineProgram
 from autopar.ir.scan_units import run_forward_eqns, whole_unit_runs
 from autopar.plan import CollectiveEstimate, ShardingSpec

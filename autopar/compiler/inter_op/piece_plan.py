@@ -30,7 +30,7 @@ from typing import Any
 
 from autopar.compiler.graph.opgraph import OpGraph
 from autopar.compiler.intra_op.sharding_ilp import ProblemParts, reshard_collectives
-from autopar.ir.pipeline_pieces import Piece
+from autopar.ir.pieces import Piece
 from autopar.ir.pipeline_program import PipelineProgram
 from autopar.ir.program import TensorKind
 from autopar.plan import CollectiveEstimate, ShardingSpec

@@ -30,7 +30,8 @@ from typing import Any
 
 from autopar.cluster import ClusterSpec, RuntimeCosts
 from autopar.compiler.cost.collectives import allreduce_time
-from autopar.ir.pipeline_pieces import Piece, piece_roles
+from autopar.ir.pieces import Piece
+from autopar.ir.pipeline_pieces import piece_roles
 from autopar.ir.pipeline_program import PipelineProgram
 from autopar.ir.pipeline_segments import plan_segments
 from autopar.ir.schedule_orders import make_schedule

@@ -26,7 +26,7 @@ import numpy as np
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.cost.resharding import reshard_cost
 from autopar.compiler.graph.opgraph import TensorInfo
-from autopar.ir.pipeline_pieces import Piece
+from autopar.ir.pieces import Piece
 from autopar.ir.pipeline_program import PipelineProgram
 from autopar.plan import CollectiveEstimate, ShardingSpec
 

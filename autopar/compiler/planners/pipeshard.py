@@ -36,7 +36,7 @@ from autopar.compiler.planners.stage_costs import (
     stage_dp_options,
     submesh_mesh,
 )
-from autopar.ir.pipeline_pieces import Piece
+from autopar.ir.pieces import Piece
 from autopar.ir.pipeline_program import PipelineProgram
 from autopar.ir.schedules import ScheduleName
 from autopar.methods import PipeshardParallel

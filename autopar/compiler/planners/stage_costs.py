@@ -21,7 +21,7 @@ from autopar.compiler.inter_op.stages import (
 )
 from autopar.compiler.intra_op.sharding_ilp import IntraOpOptions
 from autopar.errors import InvalidOptionError, MeshError
-from autopar.ir.pipeline_pieces import LayerRanges, Piece, cut_pieces
+from autopar.ir.pieces import LayerRanges, Piece, cut_pieces
 from autopar.ir.pipeline_program import PipelineProgram
 from autopar.ir.schedules import ScheduleName
 from autopar.methods import PipeshardParallel

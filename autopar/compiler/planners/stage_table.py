@@ -32,7 +32,8 @@ from autopar.compiler.inter_op.stages import (
 )
 from autopar.compiler.planners.stage_costs import stage_dp_options, stage_meshes, submesh_mesh
 from autopar.errors import InvalidOptionError, PlanError
-from autopar.ir.pipeline_pieces import LayerRanges, Piece, cut_pieces, piece_roles
+from autopar.ir.pieces import LayerRanges, Piece, cut_pieces
+from autopar.ir.pipeline_pieces import piece_roles
 from autopar.ir.pipeline_program import PipelineProgram
 from autopar.ir.schedules import ScheduleName
 from autopar.methods import PipeshardParallel

@@ -20,7 +20,8 @@ from autopar.compiler.inter_op.pipeline_cost import replica_allreduce_time
 from autopar.compiler.planners.candidate_screens import cut_one_stage as _cut_one_stage
 from autopar.compiler.planners.stage_costs import layer_cost_cache
 from autopar.compiler.planners.stage_table import stage_cost_table
-from autopar.ir.pipeline_pieces import cut_pieces, piece_roles
+from autopar.ir.pieces import cut_pieces
+from autopar.ir.pipeline_pieces import piece_roles
 from autopar.ir.pipeline_program import build_pipeline_program
 from autopar.models import get_model
 

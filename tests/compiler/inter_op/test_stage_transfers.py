@@ -14,7 +14,8 @@ from autopar.cluster import load_cluster
 from autopar.compiler.graph.trace import build_graph
 from autopar.compiler.inter_op.layers import layer_positions
 from autopar.compiler.planners import stage_costs, stage_table
-from autopar.ir.pipeline_pieces import cut_pieces, piece_roles
+from autopar.ir.pieces import cut_pieces
+from autopar.ir.pipeline_pieces import piece_roles
 from autopar.ir.pipeline_program import build_pipeline_program
 from autopar.models import get_model
 

@@ -16,7 +16,8 @@ from autopar.compiler.inter_op.remat import (
 )
 from autopar.compiler.inter_op.submesh import SubmeshShape
 from autopar.compiler.planners.stage_costs import layer_cost_cache, submesh_mesh
-from autopar.ir.pipeline_pieces import cut_pieces, piece_roles
+from autopar.ir.pieces import cut_pieces
+from autopar.ir.pipeline_pieces import piece_roles
 from autopar.ir.pipeline_program import build_pipeline_program
 from autopar.models import get_model
 

@@ -19,7 +19,7 @@ from autopar.compiler.graph.trace import build_graph
 from autopar.compiler.inter_op import layer_costs
 from autopar.compiler.inter_op.layers import layer_positions
 from autopar.compiler.planners import stage_costs, stage_table
-from autopar.ir.pipeline_pieces import cut_pieces
+from autopar.ir.pieces import cut_pieces
 from autopar.ir.pipeline_program import build_pipeline_program
 from autopar.models import get_model
 from autopar.plan import ShardingSpec

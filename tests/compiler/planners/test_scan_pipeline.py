@@ -20,7 +20,8 @@ from serial_reference import serial_run
 import autopar
 from autopar.cluster import load_cluster
 from autopar.compiler.planners.pipeshard import plan_pipeshard
-from autopar.ir.pipeline_pieces import cut_pieces, stage_scan_iterations
+from autopar.ir.pieces import cut_pieces
+from autopar.ir.pipeline_pieces import stage_scan_iterations
 from autopar.ir.pipeline_program import build_pipeline_program
 from autopar.ir.scan_units import whole_unit_runs
 from autopar.ir.schedules import ScheduleName, is_async

@@ -21,7 +21,7 @@ from autopar.cluster import load_cluster
 from autopar.compiler.inter_op.stages import SubmeshShape
 from autopar.compiler.planners.pipeshard import plan_pipeshard
 from autopar.compiler.planners.stage_costs import layer_cost_cache, submesh_mesh
-from autopar.ir.pipeline_pieces import cut_pieces
+from autopar.ir.pieces import cut_pieces
 from autopar.ir.pipeline_program import build_pipeline_program
 from autopar.ir.scan_units import run_forward_eqns, whole_unit_runs
 from autopar.models import get_model

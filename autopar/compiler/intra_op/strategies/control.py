@@ -71,8 +71,8 @@ from autopar.compiler.intra_op.strategies.data_common import (
     replicated_strategy,
     spec_name,
 )
-from autopar.ir.flatten import INLINED_CALLS
 from autopar.ir.program import SCAN_ENTER, SCAN_EXIT
+from autopar.ir.walk import INLINED_CALLS
 from autopar.plan import ShardingSpec
 
 __all__ = ["RULES", "elementwise_body", "repeated", "replicated_strategy"]

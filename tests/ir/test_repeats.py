@@ -12,11 +12,11 @@ import autopar
 from autopar.cluster import load_cluster
 from autopar.compiler.graph.trace import build_graph
 from autopar.compiler.inter_op.layers import layer_positions
-from autopar.compiler.inter_op.repeats import RepeatGrid, find_repeats
 from autopar.compiler.inter_op.submesh import SubmeshShape
 from autopar.compiler.planners.stage_costs import layer_cost_cache, submesh_mesh
-from autopar.ir.pipeline_pieces import cut_pieces
+from autopar.ir.pieces import cut_pieces
 from autopar.ir.pipeline_program import build_pipeline_program
+from autopar.ir.repeats import RepeatGrid, find_repeats
 from autopar.models import get_model
 
 
