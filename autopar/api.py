@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from autopar.cluster import ClusterSpec, load_cluster
 from autopar.compiler.graph.trace import TracedStep
 from autopar.compiler.planners.status import PlanningStatus
 from autopar.errors import InvalidOptionError, PlanError
@@ -27,34 +26,17 @@ from autopar.frontend.static_leaves import array_leaves, signature_part
 from autopar.ir.flatten import argument_names
 from autopar.methods import METHOD_TYPES, AutoParallel, Method, PipeshardParallel
 from autopar.plan import Plan
-from autopar.runtime.distributed import global_devices, host_layout, same_plan_everywhere
+from autopar.runtime.distributed import global_devices, same_plan_everywhere
 from autopar.runtime.executables import build_executable
+from autopar.runtime.local_cluster import local_cluster
 from autopar.runtime.measured_choice import measured_chooser
 from autopar.runtime.shard import ShardedProgram
 
 if TYPE_CHECKING:
     from autopar.runtime.pipeline_hlo import StepCollectives
 
-# Between the processes of a multi-process run data crosses sockets (gloo collectives, the
-# cross-host transfer server), an order of magnitude slower than inside one process: the
-# planner should see that link as the slow one (a rough figure for loopback; calibrate for
-# real hosts).
 # seconds of planning before its progress line shows (on a terminal only)
 PROGRESS_DELAY_S = 3.0
-MULTIPROCESS_INTER_HOST = {"bandwidth_bytes_per_s": 1e9, "latency_s": 1e-4}
-
-
-def local_cluster(devices: Sequence[Any] | None = None) -> ClusterSpec:
-    """A description of ``devices`` (default: every device of the run): one host per process
-    holding some of them (``jax.distributed``: one host per process, devices per host = its
-    local devices), the devices host-major as :func:`autopar.runtime.distributed.global_devices`
-    lists them; a single-process run is one host."""
-    devices = list(global_devices() if devices is None else devices)
-    hosts, per_host = host_layout(devices)
-    fields = load_cluster("cpu-sim").to_dict() | {"name": f"local-{devices[0].platform}"}
-    if hosts > 1:
-        fields["inter_host"] = dict(MULTIPROCESS_INTER_HOST)
-    return ClusterSpec.from_dict(fields).with_devices(hosts, per_host)
 
 
 @dataclass(frozen=True)

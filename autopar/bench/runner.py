@@ -89,8 +89,8 @@ class _Local:
 def case_cluster(case: BenchCase, options: RunOptions) -> ClusterSpec:
     """The described cluster (with ``case.hosts``), or the local devices as one host."""
     if case.cluster is None:  # a local case
-        from autopar.api import local_cluster
         from autopar.bench.measure import local_devices
+        from autopar.runtime.local_cluster import local_cluster
 
         return local_cluster(local_devices(case.devices or options.devices))
     cluster = load_cluster(case.cluster)

@@ -30,12 +30,11 @@ same trace, so value ids agree.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
-import jax
-
 from autopar.ir.program import FlatEqn, FlatProgram, TensorKind
+from autopar.ir.program_builder import ProgramBuilder, one_eqn, slice_aval
 from autopar.ir.scan_units import LayerScan, ScanUnit
 from autopar.ir.walk import flatten_closed_jaxpr
 
@@ -58,81 +57,6 @@ class SplitForward:
     forward: FlatProgram
     slices: dict[int, tuple[int, ...]]
     scans: tuple[LayerScan, ...]
-
-
-class _Builder:
-    """A program's equations rebuilt in order, with new values numbered after the old."""
-
-    def __init__(self, program: FlatProgram) -> None:
-        self.program = program
-        self.eqns: list[FlatEqn] = []
-        self.avals = dict(program.avals)
-        self.kinds = dict(program.kinds)
-        self.values = dict(program.values)
-        self.next_id = max(program.avals, default=-1) + 1
-
-    def value(self, aval: Any, kind: str = TensorKind.INTERMEDIATE, constant: Any = None) -> int:
-        vid = self.next_id
-        self.next_id += 1
-        self.avals[vid] = aval
-        self.kinds[vid] = kind
-        if kind in (TensorKind.CONST, TensorKind.LITERAL):
-            self.values[vid] = constant
-        return vid
-
-    def copy(self, eqn: FlatEqn, **changes: Any) -> int:
-        index = len(self.eqns)
-        self.eqns.append(replace(eqn, index=index, **changes))
-        return index
-
-    def emit(self, primitive: Any, params: dict[str, Any], inputs: Sequence[int],
-             outputs: Sequence[int]) -> int:
-        index = len(self.eqns)
-        self.eqns.append(FlatEqn(index, primitive, dict(params), tuple(inputs), tuple(outputs)))
-        return index
-
-    def slice(self, vid: int, i: int) -> tuple[int, int]:
-        """Emit ``vid[i:i + 1]``; returns (equation index, slice id)."""
-        aval = self.avals[vid]
-        out = self.value(slice_aval(aval))
-        prim, params = _one_eqn(lambda x: jax.lax.slice_in_dim(x, i, i + 1), aval)
-        return self.emit(prim, params, [vid], [out]), out
-
-    def concat(self, parts: Sequence[int], out: int) -> int:
-        """Emit ``out = concatenate(parts, axis 0)``."""
-        prim, params = _one_eqn(lambda *xs: jax.lax.concatenate(xs, 0),
-                                *[self.avals[p] for p in parts])
-        return self.emit(prim, params, parts, [out])
-
-    def reshape(self, vid: int, out: int) -> int:
-        """Emit ``out = reshape(vid)`` to ``out``'s shape (a slice squeezed, or stacked)."""
-        shape = tuple(self.avals[out].shape)
-        prim, params = _one_eqn(lambda x: jax.lax.reshape(x, shape), self.avals[vid])
-        return self.emit(prim, params, [vid], [out])
-
-    def same(self, vid: int, out: int) -> int:
-        """Emit ``out = copy(vid)``: a result under an id of its own."""
-        prim, params = _one_eqn(lambda x: jax.numpy.array(x, copy=True), self.avals[vid])
-        return self.emit(prim, params, [vid], [out])
-
-    def program_with(self, in_ids: Sequence[int], in_paths: Sequence[str]) -> FlatProgram:
-        p = self.program
-        return FlatProgram(self.eqns, self.avals, self.kinds, self.values, list(in_ids),
-                           list(p.out_ids), list(in_paths), list(p.out_paths), p.in_tree,
-                           p.out_tree, [(0, len(in_ids))] if p.in_tree is None
-                           else list(p.arg_leaf_ranges))
-
-
-def slice_aval(aval: Any) -> jax.ShapeDtypeStruct:
-    """The aval of one leading-axis slice (``[1, ...]``) of ``aval``."""
-    return jax.ShapeDtypeStruct((1, *aval.shape[1:]), aval.dtype)
-
-
-def _one_eqn(fn: Any, *avals: Any) -> tuple[Any, dict[str, Any]]:
-    """The primitive and parameters of the single equation ``fn`` traces to."""
-    args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
-    (eqn,) = jax.make_jaxpr(fn)(*args).jaxpr.eqns
-    return eqn.primitive, dict(eqn.params)
 
 
 def find_layer_scans(forward: FlatProgram, diff_inputs: Sequence[int]) -> dict[int, list[int]]:
@@ -165,7 +89,7 @@ def split_forward(forward: FlatProgram, diff_inputs: Sequence[int]) -> SplitForw
     scans = find_layer_scans(forward, diff_inputs)
     if not scans:
         return None
-    b = _Builder(forward)
+    b = ProgramBuilder(forward)
     slices: dict[int, tuple[int, ...]] = {}
     for fids in scans.values():
         for fid in fids:
@@ -188,7 +112,7 @@ def split_forward(forward: FlatProgram, diff_inputs: Sequence[int]) -> SplitForw
     return SplitForward(b.program_with(in_ids, in_paths), slices, tuple(split))
 
 
-def _inline_scan(b: _Builder, e: FlatEqn, slices: dict[int, tuple[int, ...]]) -> LayerScan:
+def _inline_scan(b: ProgramBuilder, e: FlatEqn, slices: dict[int, tuple[int, ...]]) -> LayerScan:
     p = e.params
     nc, nk, length = p["num_consts"], p["num_carry"], int(p["length"])
     consts, carry, xs = e.inputs[:nc], list(e.inputs[nc:nc + nk]), e.inputs[nc + nk:]
@@ -218,7 +142,7 @@ def _inline_scan(b: _Builder, e: FlatEqn, slices: dict[int, tuple[int, ...]]) ->
     return LayerScan(e, tuple(units), tuple(order), bool(p["reverse"]))
 
 
-def _inline_iteration(b: _Builder, body: FlatProgram, leading: Sequence[int],
+def _inline_iteration(b: ProgramBuilder, body: FlatProgram, leading: Sequence[int],
                       x_ids: Sequence[int], carry_out: Sequence[int], y_ids: Sequence[int],
                       shared: dict[int, int]) -> None:
     """Emit one iteration of ``body``: its consts and carries read ``leading``, each ``xs``
@@ -279,7 +203,7 @@ def split_step(outer: FlatProgram, vg_index: int, fwd_in_ids: Sequence[int],
     grads = {vg.outputs[first_grad + k]: fid for k, fid in enumerate(diff_inputs)
              if fid in slices}
     stacked = _stacked_values(outer, vg_index, seeds | set(grads))
-    b = _Builder(outer)
+    b = ProgramBuilder(outer)
     parts: dict[int, list[int]] = {}
     whole = set(outer.in_ids) | set(outer.values)
     input_splits: set[int] = set()
@@ -343,7 +267,7 @@ def split_step(outer: FlatProgram, vg_index: int, fwd_in_ids: Sequence[int],
     return SplitStep(program, new_vg, frozenset(input_splits))
 
 
-def _split_sum(b: _Builder, e: FlatEqn, slices: Sequence[int]) -> None:
+def _split_sum(b: ProgramBuilder, e: FlatEqn, slices: Sequence[int]) -> None:
     """A sum over the leading axis (a global gradient norm's) as one sum per slice, where the
     slice lives, then the partial sums added: no stage gathers the whole stacked value."""
     out = e.outputs[0]
@@ -354,7 +278,7 @@ def _split_sum(b: _Builder, e: FlatEqn, slices: Sequence[int]) -> None:
     partial = [b.value(aval) for _ in slices]
     for vid, p in zip(slices, partial, strict=True):
         b.copy(e, inputs=(vid,), outputs=(p,))
-    prim, params = _one_eqn(lambda x, y: x + y, aval, aval)
+    prim, params = one_eqn(lambda x, y: x + y, aval, aval)
     total = partial[0]
     for k, p in enumerate(partial[1:], start=2):
         made = out if k == len(partial) else b.value(aval)

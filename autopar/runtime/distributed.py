@@ -3,7 +3,7 @@
 Every process runs the same script with the same data. :func:`initialize` (before any JAX
 computation) connects the process to the others; then ``jax.devices()`` lists every process's
 devices, ``autopar.parallelize`` plans for all of them (one host per process, see
-``autopar.api.local_cluster``) and every process runs the same driver, each executing the work
+``autopar.runtime.local_cluster``) and every process runs the same driver, each executing the work
 of its own devices. Values cross processes with :func:`put`; :func:`to_host` gives a step's
 outputs as numpy on every process.
 

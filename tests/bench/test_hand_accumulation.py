@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 import autopar
-from autopar.api import local_cluster
 from autopar.bench.hand_accumulation import accumulation_step, jit_accumulation
 from autopar.bench.measure import make_inputs
 from autopar.compiler.planners import dispatch
 from autopar.errors import InvalidOptionError
 from autopar.models import get_model
+from autopar.runtime.local_cluster import local_cluster
 
 # the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
 pytestmark = pytest.mark.e2e

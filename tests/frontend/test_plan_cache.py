@@ -19,7 +19,6 @@ import pytest
 import repo_paths
 
 import autopar
-from autopar.api import local_cluster
 from autopar.cluster import load_cluster
 from autopar.compiler.graph.trace import trace_step
 from autopar.compiler.planners.dispatch import plan_traced
@@ -36,6 +35,7 @@ from autopar.frontend.plan_cache import (
 from autopar.ir.flatten import flatten_step
 from autopar.models import get_model
 from autopar.plan import FORMAT_VERSION
+from autopar.runtime.local_cluster import local_cluster
 
 # the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
 pytestmark = pytest.mark.e2e

@@ -14,12 +14,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import autopar
-from autopar.api import local_cluster
 from autopar.compiler.graph.trace import trace_step
 from autopar.compiler.planners import dispatch
 from autopar.errors import InvalidOptionError
 from autopar.plan import ShardingSpec
 from autopar.report.text import CompileReport
+from autopar.runtime.local_cluster import local_cluster
 
 # the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
 pytestmark = pytest.mark.e2e

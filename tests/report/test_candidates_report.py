@@ -11,11 +11,11 @@ import pytest
 from tanh_mlp import tanh_mlp_step
 
 import autopar
-from autopar.api import local_cluster
 from autopar.compiler.graph.trace import trace_step
 from autopar.compiler.planners import dispatch
 from autopar.report.html import render_html, section_ids
 from autopar.report.text import CompileReport, candidate_table
+from autopar.runtime.local_cluster import local_cluster
 
 
 @pytest.fixture(scope="module")

@@ -26,13 +26,13 @@ import repo_paths
 from tanh_mlp import tanh_mlp_step
 
 import autopar
-from autopar.api import local_cluster
 from autopar.compiler.planners.pipeshard import plan_pipeshard
 from autopar.errors import DistributedError
 from autopar.ir.pieces import cut_pieces
 from autopar.ir.pipeline_pieces import piece_roles
 from autopar.ir.pipeline_program import build_pipeline_program
 from autopar.runtime.distributed import _local_cpu_devices, _size_cpu_thread_pool, host_layout
+from autopar.runtime.local_cluster import local_cluster
 
 # the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
 pytestmark = pytest.mark.e2e

@@ -12,11 +12,11 @@ from hlo_loops import program_while_lines
 from serial_reference import assert_runner_matches_serial
 
 import autopar
-from autopar.api import local_cluster
 from autopar.compiler.planners.pipeshard import plan_pipeshard
 from autopar.ir.pipeline_program import build_pipeline_program
 from autopar.runtime.fused_step import FusedStep
 from autopar.runtime.hlo import count_collectives
+from autopar.runtime.local_cluster import local_cluster
 from autopar.runtime.pipeline import PipelineRunner
 from autopar.runtime.pipeline_hlo import step_collectives
 

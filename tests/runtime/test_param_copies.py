@@ -17,13 +17,13 @@ from serial_reference import assert_runner_matches_serial
 from tanh_mlp import tanh_mlp_step
 
 import autopar
-from autopar.api import local_cluster
 from autopar.compiler.planners.pipeshard import plan_pipeshard
 from autopar.ir.pipeline_program import build_pipeline_program
 from autopar.ir.schedules import TaskKind
 from autopar.ir.walk import flatten_closed_jaxpr
 from autopar.models import get_model
 from autopar.plan import ShardingSpec
+from autopar.runtime.local_cluster import local_cluster
 from autopar.runtime.param_copies import plan_param_copies
 from autopar.runtime.pipeline import PipelineRunner
 from autopar.runtime.pipeline_hlo import step_collectives

@@ -8,9 +8,9 @@ import optax
 import pytest
 
 import autopar
-from autopar.api import local_cluster
 from autopar.compiler.planners.pipeshard import plan_pipeshard
 from autopar.ir.pipeline_program import build_pipeline_program
+from autopar.runtime.local_cluster import local_cluster
 from autopar.runtime.pipeline import PipelineRunner
 
 # the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')

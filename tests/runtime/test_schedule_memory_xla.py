@@ -48,13 +48,13 @@ import pytest
 from tanh_mlp import tanh_mlp_step
 
 import autopar
-from autopar.api import local_cluster
 from autopar.compiler.planners.pipeshard import plan_pipeshard
 from autopar.compiler.planners.stage_costs import layer_cost_cache
 from autopar.ir.pipeline_program import build_pipeline_program
 from autopar.ir.schedule_orders import activation_counts
 from autopar.ir.schedules import ScheduleName, TaskKind
 from autopar.models import get_model
+from autopar.runtime.local_cluster import local_cluster
 from autopar.runtime.pipeline import PipelineRunner
 
 # the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')

@@ -177,7 +177,7 @@ def _cluster(args: argparse.Namespace) -> tuple[ClusterSpec, bool]:
             cluster = cluster.with_hosts(args.hosts)
         return cluster, False
     set_local_devices(args.devices if args.devices is not None else 8)
-    from autopar.api import local_cluster
+    from autopar.runtime.local_cluster import local_cluster
 
     return local_cluster(), True
 

@@ -5,7 +5,6 @@ that runs is solved under the method's time limit."""
 from dataclasses import replace
 
 import autopar
-from autopar.api import local_cluster
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.trace import build_graph
 from autopar.compiler.inter_op.layers import layer_positions
@@ -13,6 +12,7 @@ from autopar.compiler.inter_op.piece_cost import piece_signature, solve_status
 from autopar.compiler.planners.stage_costs import layer_cost_cache, range_piece
 from autopar.ir.pipeline_program import build_pipeline_program
 from autopar.models import get_model
+from autopar.runtime.local_cluster import local_cluster
 
 
 def test_identical_layers_met_on_different_meshes_share_their_solves():

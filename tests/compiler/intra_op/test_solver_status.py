@@ -11,10 +11,10 @@ import pulp
 import pytest
 
 import autopar
-from autopar.api import local_cluster
 from autopar.compiler.intra_op import mip
 from autopar.compiler.intra_op.ilp import evaluate, solve
 from autopar.compiler.intra_op.problem import IntraOpProblem, ProblemEdge, ProblemNode
+from autopar.runtime.local_cluster import local_cluster
 
 # the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
 pytestmark = pytest.mark.e2e

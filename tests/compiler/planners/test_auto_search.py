@@ -11,7 +11,6 @@ import pytest
 from tanh_mlp import tanh_mlp_step
 
 import autopar
-from autopar.api import local_cluster
 from autopar.cluster import RuntimeCosts, load_cluster
 from autopar.compiler.cost.memory_floor import memory_floor
 from autopar.compiler.cost.mesh import LogicalMesh
@@ -29,6 +28,7 @@ from autopar.errors import PlanError, format_bytes
 from autopar.ir.pipeline_program import build_pipeline_program
 from autopar.models import get_model
 from autopar.plan import Plan
+from autopar.runtime.local_cluster import local_cluster
 
 # the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
 pytestmark = pytest.mark.e2e
