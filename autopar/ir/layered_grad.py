@@ -18,12 +18,13 @@ a repeated block and no cuts given, is differentiated whole.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import pairwise
 from typing import Any
 
 import jax
 
 from autopar.ir.loss_markers import LossFunction, expand_value_and_grad
-from autopar.ir.pieces import Piece, cut_pieces
+from autopar.ir.pieces import Piece, PieceSlicer, cut_pieces
 from autopar.ir.program import FlatProgram, TensorKind, run_eqns
 from autopar.ir.repeats import find_repeats
 from autopar.ir.walk import flatten_jaxpr
@@ -101,27 +102,64 @@ def piece_function(forward: FlatProgram, piece: Piece, inputs: Sequence[int]) ->
     return run
 
 
+def _pieces_function(forward: FlatProgram, piece: Piece, inputs: Sequence[int],
+                     units: Sequence[Piece], shared: dict[tuple, Callable]) -> Callable:
+    """``piece`` as a function like ``piece_function``'s that runs its ``units`` (pieces of
+    it, in order) each as the ``jax.jit`` function it shares with its identical units."""
+
+    def run(values: list[Any]) -> list[Any]:
+        env = dict(zip(inputs, values, strict=True))
+        run_shared(forward, units, env, shared, jax.jit)
+        return [env[v] for v in piece.outputs]
+
+    return run
+
+
+def run_shared(forward: FlatProgram, pieces: Sequence[Piece], env: dict[int, Any],
+               shared: dict[tuple, Callable], call: PieceCall,
+               units: Callable[[Piece], Sequence[Piece]] | None = None) -> None:
+    """Run ``pieces`` in order on ``env`` (value id -> value), each through ``call`` of the
+    function it shares with its identical pieces (``shared``, filled here). ``units``: a
+    piece's blocks, where a piece holds several: its function runs each block as a shared
+    ``jax.jit`` call, so that JAX differentiates each distinct block once even where the
+    pieces (a rematerialised step's layers, cut where the clustering balanced them) differ."""
+    for piece in pieces:
+        inputs = [v for v in piece.inputs if v in env]
+        key = (call, piece_key(forward, piece, inputs))
+        if key not in shared:
+            inner = units(piece) if units is not None else ()
+            shared[key] = call(_pieces_function(forward, piece, inputs, inner, shared)
+                               if len(inner) > 1 else piece_function(forward, piece, inputs))
+        env.update(zip(piece.outputs, shared[key]([env[v] for v in inputs]), strict=True))
+
+
 def layered_value_and_grad(loss: LossFunction, positions: Sequence[int] | None = None,
                            call: PieceCall = jax.jit) -> Callable[..., list[Any]] | None:
     """[loss, *aux, *grads] like ``loss.value_and_grad``, the forward cut before the
     equations at ``positions`` of ``loss_forward(loss)`` (default: at its repeated block's
     boundaries) and each piece run through ``call`` of the function it shares with its
-    identical pieces. None where the default finds no block to cut at."""
+    identical pieces; with ``positions`` given, a piece holding several repeated blocks runs
+    them as shared ``jax.jit`` calls inside. None where the default finds no block to cut
+    at."""
     forward = loss_forward(loss)
-    cuts = list(positions) if positions is not None else block_cuts(forward)
+    blocks = block_cuts(forward)
+    cuts = list(positions) if positions is not None else blocks
     if cuts is None:
         return None
     pieces = cut_pieces(forward, cuts)
     shared: dict[tuple, Callable] = {}
+    units = None
+    if positions is not None and blocks:
+        slicer = PieceSlicer(forward)
+
+        def units(piece: Piece) -> list[Piece]:
+            a, b = piece.eqns[0], piece.eqns[-1] + 1
+            bounds = [a, *(c for c in blocks if a < c < b), b]
+            return [slicer.piece(x, y, k) for k, (x, y) in enumerate(pairwise(bounds))]
 
     def run_forward(values: list[Any]) -> list[Any]:
         env = dict(zip(forward.in_ids, values, strict=True))
-        for piece in pieces:
-            inputs = [v for v in piece.inputs if v in env]
-            key = piece_key(forward, piece, inputs)
-            if key not in shared:
-                shared[key] = call(piece_function(forward, piece, inputs))
-            env.update(zip(piece.outputs, shared[key]([env[v] for v in inputs]), strict=True))
+        run_shared(forward, pieces, env, shared, call, units)
         return [env[v] if v in env else forward.values[v] for v in forward.out_ids]
 
     def value_and_grad(*operands: Any) -> list[Any]:

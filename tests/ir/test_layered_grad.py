@@ -31,7 +31,7 @@ def _close(got, want):
     assert len(got) == len(want)
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                                   rtol=2e-6, atol=1e-7)
+                                   rtol=1e-5, atol=1e-6)
 
 
 def test_gpt_layers_are_differentiated_once_each_and_give_the_same_step():
@@ -50,8 +50,11 @@ def test_gpt_layers_are_differentiated_once_each_and_give_the_same_step():
     layered = flatten_step(model.train_step, args)
     whole = flatten_step(model.train_step, args, expand_loss=expand_value_and_grad)
     _close(_run(layered, args), _run(whole, args))
-    remat = flatten_step_rematerialised(model.train_step, args, cuts)
-    _close(_run(remat, args), _run(whole, args))
+    want = _run(whole, args)
+    # rematerialised layers of one block, and of two (each block then a shared call inside)
+    for positions in (cuts, cuts[1::2]):
+        remat = flatten_step_rematerialised(model.train_step, args, positions)
+        _close(_run(remat, args), want)
 
 
 def _step(scales, tables):

@@ -132,11 +132,19 @@ def classify_state(graph: OpGraph, state_ids: Iterable[int], region: set[int]) -
     return {t for t in state_ids if any(c in region for c in graph.consumers.get(t, ()))}
 
 
-def parameter_inputs(graph: OpGraph, batch_argnums: Iterable[int]) -> set[int]:
+def parameter_inputs(graph: OpGraph, batch_argnums: Iterable[int]) -> frozenset[int]:
     """Tensor ids of the state leaves the forward and backward read (see the module
     docstring): the batch split, pushed through the graph, ends at the gradient reductions;
-    the nodes those depend on are the batch region; a state leaf it reads is a parameter."""
-    batch_args = set(batch_argnums)
+    the nodes those depend on are the batch region; a state leaf it reads is a parameter.
+    Computed once per graph and batch arguments (``OpGraph.derived``)."""
+    batch_args = frozenset(batch_argnums)
+    key = ("parameter_inputs", batch_args)
+    if key not in graph.derived:
+        graph.derived[key] = frozenset(_parameter_inputs(graph, batch_args))
+    return graph.derived[key]
+
+
+def _parameter_inputs(graph: OpGraph, batch_args: frozenset[int]) -> set[int]:
     batch = [io.tensor for io in graph.inputs if io.arg_index in batch_args
              and graph.tensors[io.tensor].ndim > 0]
     split = propagate_batch_split(graph, dict.fromkeys(batch, 0), 1)
@@ -399,7 +407,10 @@ def _borrowers(spans: Mapping[int, tuple[int, int]], lenders: Mapping[int, int],
     the temporary lives, and holds no other borrower at the time."""
     buffers = sorted(lenders, key=lambda t: (share(t), lenders[t]))
     sizes = [share(t) for t in buffers]
-    held: dict[int, list[tuple[int, int]]] = {}
+    # per buffer, the spans of its borrowers: disjoint, kept sorted by start (and so by end),
+    # so a new span can only overlap its neighbours in that order
+    starts: dict[int, list[int]] = {}
+    ends: dict[int, list[int]] = {}
     out = set()
     for t in sorted(spans, key=lambda t: (-share(t), spans[t])):
         start, end = spans[t]
@@ -407,10 +418,12 @@ def _borrowers(spans: Mapping[int, tuple[int, int]], lenders: Mapping[int, int],
         for b in buffers[bisect.bisect_left(sizes, size):]:
             if end > lenders[b] or (end == lenders[b] and share(b) != size):
                 continue  # alive once the output is written (unless written over it in place)
-            taken = held.setdefault(b, [])
-            if any(s <= end and start <= e for s, e in taken):
+            first, last = starts.setdefault(b, []), ends.setdefault(b, [])
+            k = bisect.bisect_right(first, end)  # spans starting after this one ends
+            if k and last[k - 1] >= start:  # the latest span starting within it still lives
                 continue
-            taken.append((start, end))
+            first.insert(k, start)
+            last.insert(k, end)
             out.add(t)
             break
     return out

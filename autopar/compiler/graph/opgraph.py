@@ -51,8 +51,9 @@ class TensorInfo:
         except TypeError:  # extended dtypes such as PRNG keys
             return 8
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
+        # read for every tensor by every memory estimate and ILP build: computed once
         return self.size * self.itemsize
 
 
@@ -113,6 +114,10 @@ class OpGraph:
     inputs: list[GraphIO]
     outputs: list[GraphIO]
     loops: list[ScanLoop] = field(default_factory=list)
+    # facts other passes read off the graph, by what they are and their arguments: the graph
+    # does not change once built, so each is computed once (``memory_model.parameter_inputs``,
+    # read by every memory estimate of the step)
+    derived: dict[tuple, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @cached_property
     def producer(self) -> dict[int, int]:
