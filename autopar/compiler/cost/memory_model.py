@@ -5,23 +5,11 @@ that do not reuse an input's buffer (the updated state, unless the caller donate
 largest set of temporaries alive at once. Each tensor counts its per-device share under the
 plan's sharding.
 
-Temporaries follow XLA rather than the jaxpr: XLA fuses chains of elementwise, shape and
-slicing ops into loops, so their intermediates never exist in memory. A temporary is counted
-only where XLA has to write it out: results of ops it does not fuse into a loop (dots,
-convolutions, reductions, sorts, scatters, control flow), operands those ops read, values read
-by more than one op, and the step's outputs. Liveness then runs in program order; a loop
-writes its result over an operand of the same size that it reads for the last time.
-
-A reduction reads its operand's loop in place (input fusion), unless it is big: XLA's CPU
-backend hands a sum, max or min over a float operand of at least ``LIBRARY_MIN_ELEMENTS``
-elements per device to its kernel library (YNNPACK), which reads its operands from memory. It
-folds in the elementwise ops that feed only it (the square of a variance, the product of a
-scale's gradient); the values those read are written out. (A layer norm over replicated
-activations keeps its input, its centred input and its normalised output for the backward.)
-
-The step's outputs hold buffers of their own for the whole step, but XLA lends an output's
-buffer to temporaries that die before the output is written (one at a time, each no bigger
-than the buffer); only the temporaries that find no such buffer add to the peak.
+Temporaries follow XLA rather than the jaxpr (``written_values``: which values XLA writes to
+memory at all); liveness then runs in a memory-greedy order (XLA's scheduler keeps memory
+low). The step's outputs hold buffers of their own for the whole step, but XLA lends an
+output's buffer to temporaries that die before the output is written (one at a time, each no
+bigger than the buffer); only the temporaries that find no such buffer add to the peak.
 
 A scan region (``ir.program``) is counted as its body's values at one iteration's size: the
 loop reuses them from iteration to iteration. What outlives the loop is its exits' results:
@@ -41,42 +29,9 @@ import heapq
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from autopar.compiler.graph.batch_split import (
-    SHAPE_PRESERVING,
-    BatchSplitResult,
-    propagate_batch_split,
-)
-from autopar.compiler.graph.opgraph import SCAN_ENTER, OpGraph
-
-# Ops XLA folds into the loop of their consumer (or that are free views).
-FUSED_OPS = SHAPE_PRESERVING | frozenset(
-    """
-    broadcast_in_dim reshape squeeze expand_dims transpose iota slice dynamic_slice
-    concatenate pad select_n clamp rev gather
-    """.split()
-)
-# Ops whose results are their operands' buffers (a barrier only orders the program; a scan
-# region's enter hands the body its operand, or a slice of it the body reads in place).
-ALIASING_OPS = frozenset({"optimization_barrier", SCAN_ENTER})
-# Ops that read their operands in place from the producer's loop (input fusion): reductions.
-READS_FUSED_OPERANDS = frozenset(
-    "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split()
-)
-
-# Reductions XLA's CPU backend gives its kernel library (YNNPACK) when the operand or the
-# result has at least LIBRARY_MIN_ELEMENTS elements (per device); the library reads its
-# operands from memory instead of fusing their loops.
-LIBRARY_REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min".split())
-LIBRARY_MIN_ELEMENTS = 4096
-
-# Elementwise ops XLA will not duplicate into several consumers' loops (too costly to redo);
-# a cheap one read by several consumers is recomputed in each instead of written out.
-EXPENSIVE_OPS = frozenset(
-    """
-    exp exp2 expm1 log log1p tanh logistic div rem pow sqrt rsqrt cbrt erf erf_inv atan2 sin
-    cos tan asin acos atan sinh cosh asinh acosh atanh lgamma digamma igamma
-    """.split()
-)
+from autopar.compiler.cost.written_values import FUSED_OPS, materialized_temporaries
+from autopar.compiler.graph.batch_split import BatchSplitResult, propagate_batch_split
+from autopar.compiler.graph.opgraph import OpGraph
 
 BREAKDOWN_KEYS: tuple[str, ...] = (
     "parameters", "optimizer_state", "batch", "updated_state", "activations",
@@ -150,87 +105,6 @@ def _parameter_inputs(graph: OpGraph, batch_args: frozenset[int]) -> set[int]:
     split = propagate_batch_split(graph, dict.fromkeys(batch, 0), 1)
     state = [io.tensor for io in graph.inputs if io.arg_index not in batch_args]
     return classify_state(graph, state, batch_region(graph, split))
-
-
-def _is_float(dtype: str) -> bool:
-    return "float" in dtype
-
-
-def library_read_operands(
-    graph: OpGraph, shards: Mapping[int, int] | None = None
-) -> set[int]:
-    """Tensors a library reduction reads from memory (see the module docstring): walking up
-    from each reduction big enough for the library (``shards[t]``: how many ways tensor ``t``
-    is split, default whole), through the elementwise ops that feed only it (folded into the
-    library call), to the values those read."""
-    shards = shards or {}
-    producer = graph.producer
-    readers: dict[int, int] = {}
-    for node in graph.nodes:
-        for t in set(node.inputs):
-            readers[t] = readers.get(t, 0) + 1
-    outputs = {io.tensor for io in graph.outputs}
-
-    def elements(t: int) -> int:
-        return graph.tensors[t].size // max(1, shards.get(t, 1))
-
-    read: set[int] = set()
-    for node in graph.nodes:
-        if node.primitive not in LIBRARY_REDUCTIONS or not node.inputs:
-            continue
-        operand = node.inputs[0]
-        if not _is_float(graph.tensors[operand].dtype) or max(
-            elements(operand), *(elements(t) for t in node.outputs)
-        ) < LIBRARY_MIN_ELEMENTS:
-            continue
-        stack, seen = [operand], set()
-        while stack:
-            t = stack.pop()
-            if t in seen or graph.tensors[t].kind == "literal":
-                continue
-            seen.add(t)
-            p = producer.get(t)
-            # folded into the library call: made by an elementwise op that feeds only it
-            if (
-                p is not None
-                and graph.nodes[p].primitive in FUSED_OPS
-                and readers.get(t, 0) == 1
-                and t not in outputs
-            ):
-                stack.extend(graph.nodes[p].inputs)
-            else:
-                read.add(t)
-    return read
-
-
-def materialized_temporaries(
-    graph: OpGraph, shards: Mapping[int, int] | None = None
-) -> set[int]:
-    """Intermediate tensors XLA writes to memory (see the module docstring) when tensor ``t``
-    is split ``shards[t]`` ways (default: whole; it decides which reductions go to the
-    kernel library)."""
-    consumers: dict[int, list[str]] = {}
-    for node in graph.nodes:
-        for t in set(node.inputs):
-            consumers.setdefault(t, []).append(node.primitive)
-    outputs = {io.tensor for io in graph.outputs}
-    library_reads = library_read_operands(graph, shards)
-    kept = set()
-    for node in graph.nodes:
-        if node.primitive in ALIASING_OPS:
-            continue
-        fused_producer = node.primitive in FUSED_OPS
-        for t in node.outputs:
-            readers = consumers.get(t, [])
-            if (
-                not fused_producer
-                or t in outputs
-                or t in library_reads
-                or (len(readers) > 1 and node.primitive in EXPENSIVE_OPS)
-                or any(r not in FUSED_OPS and r not in READS_FUSED_OPERANDS for r in readers)
-            ):
-                kept.add(t)
-    return kept
 
 
 def estimate_memory(

@@ -10,11 +10,8 @@ set's sum under the budget.
 
 from __future__ import annotations
 
-from autopar.compiler.cost.memory_model import (
-    last_reads,
-    materialized_temporaries,
-    memory_greedy_order,
-)
+from autopar.compiler.cost.memory_model import last_reads, memory_greedy_order
+from autopar.compiler.cost.written_values import materialized_temporaries
 from autopar.compiler.intra_op.variables import DecisionVariables, input_key
 
 
