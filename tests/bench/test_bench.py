@@ -111,7 +111,10 @@ def test_local_rows_have_measured_times_hlo_counts_and_cost_model_ratios(smoke):
         assert measured["tflops_per_device"] > 0
         model = row["cost_model"]
         assert model["measured_over_default"] > 0 and model["measured_over_calibrated"] > 0
-        assert model["est_calibrated_s"] > model["est_default_s"]  # half the flops: slower
+        # half the flops: every plan slower, so the calibrated search's best is slower than
+        # the default search's own (not than the plan the clock kept, which may be estimated
+        # slower than the search's choice: a loaded run kept one)
+        assert model["est_calibrated_s"] > row["search_est_step_time_s"]
         timed = {b["name"]: b for b in row["baselines"] if b["measured_step_time_s"]}
         assert {"single-device", "data-parallel"} <= set(timed)
         for b in timed.values():
