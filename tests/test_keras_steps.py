@@ -4,10 +4,11 @@ pipelines included, gives the plain ``jax.jit`` step's losses and updated state.
 
 import os
 
-os.environ["KERAS_BACKEND"] = "jax"  # before keras is imported: its backend is fixed then
+# before keras is imported (in the tests, so that collecting this module, as the fast tier
+# does too, does not import it): its backend is fixed then
+os.environ["KERAS_BACKEND"] = "jax"
 
 import jax  # noqa: E402
-import keras  # noqa: E402
 import pytest  # noqa: E402
 
 import autopar  # noqa: E402
@@ -18,6 +19,8 @@ pytestmark = pytest.mark.e2e
 
 
 def keras_parts():
+    import keras
+
     keras.utils.set_random_seed(0)
     model = keras.Sequential([
         keras.Input((8,)),
@@ -35,6 +38,8 @@ def keras_parts():
 
 
 def make_step(model, optimizer, value_and_grad):
+    import keras
+
     loss_object = keras.losses.MeanSquaredError()
 
     def compute_loss(trainable, non_trainable, x, y):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import autopar
 from autopar.ir.flatten import flatten_step, trace_jaxpr
@@ -34,11 +35,16 @@ def _close(got, want):
                                    rtol=1e-5, atol=1e-6)
 
 
-def test_gpt_layers_are_differentiated_once_each_and_give_the_same_step():
+def _gpt_case():
     model = get_model("gpt", "tiny", num_layers=4).with_value_and_grad(autopar.value_and_grad)
     state = model.init_state(jax.random.PRNGKey(0))
     args = (state, model.make_batch(jax.random.PRNGKey(1)))
     loss, avals = _loss_of(model.train_step, args)
+    return model, args, loss, avals
+
+
+def test_gpt_layers_are_differentiated_once_each():
+    _, _, loss, avals = _gpt_case()
     cuts = block_cuts(loss_forward(loss))
     assert cuts is not None and len(cuts) >= 4  # a block per transformer layer at least
     expanded = layered_value_and_grad(loss)
@@ -47,10 +53,17 @@ def test_gpt_layers_are_differentiated_once_each_and_give_the_same_step():
     bodies = [e.params["jaxpr"] for e in traced.jaxpr.eqns if e.primitive.name in ("jit", "pjit")]
     # forward, and backward, of every piece: the four identical blocks share one jaxpr each
     assert len(bodies) > len({id(b) for b in bodies}) + 4
+
+
+# compiles and runs the steps it compares: the end-to-end tier (the fast tier is -m 'not e2e')
+@pytest.mark.e2e
+def test_gpt_layered_plain_and_rematerialised_steps_equal_the_whole_forwards():
+    model, args, loss, _ = _gpt_case()
+    cuts = block_cuts(loss_forward(loss))
     layered = flatten_step(model.train_step, args)
     whole = flatten_step(model.train_step, args, expand_loss=expand_value_and_grad)
-    _close(_run(layered, args), _run(whole, args))
     want = _run(whole, args)
+    _close(_run(layered, args), want)
     # rematerialised layers of one block, and of two (each block then a shared call inside)
     for positions in (cuts, cuts[1::2]):
         remat = flatten_step_rematerialised(model.train_step, args, positions)

@@ -19,7 +19,9 @@ def test_a_candidate_that_cannot_beat_a_fitting_plan_is_not_solved_under_the_bud
     cluster = load_cluster("cpu-sim")
     roomy = dispatch.plan(dispatch.trace(model.train_step, args, autopar.ShardParallel(),
                                          (1,)), cluster).plan
-    budget = 0.9 * roomy.peak_memory_bytes
+    # 0.8: a budget the fastest plan overfills and a budgeted ILP meets in well under a second
+    # (at 0.9 the memory rows make that MIP take about 9 s; what is checked is the same)
+    budget = 0.8 * roomy.peak_memory_bytes
     method = autopar.ShardParallel(remat="auto", memory_budget_bytes=budget)
     step = dispatch.trace(model.train_step, args, method, (1,))
 
