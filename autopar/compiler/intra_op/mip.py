@@ -311,11 +311,6 @@ def _run_highs(
         h.cbLogging.subscribe(log)
     h.setOptionValue("time_limit", float(limit))
     h.setOptionValue("mip_rel_gap", gap)
-    # The model comes presolved (``presolve.py``): HiGHS's own presolve removed about 1% of
-    # its rows and columns and took about 40% of the MIP's time on the zoo's 2-D meshes (GPT
-    # tiny on 2x4: 1.0 of 2.5 s); without it their solve time fell by about a third, at the
-    # same optima (2026-11-28; GPT-39B's and 175B's plans and estimates unchanged).
-    h.setOptionValue("presolve", "off")
     lp = highspy.HighsLp()
     lp.num_col_, lp.num_row_ = model.num_columns, model.num_rows
     lp.col_cost_ = model.cost
