@@ -13,6 +13,7 @@ from autopar.errors import (
 )
 from autopar.frontend.plan_cache import PlanCacheWarning
 from autopar.ir.loss_markers import grad, mark_pipeline_boundary, value_and_grad
+from autopar.method_builders import pinned
 from autopar.methods import (
     AutoParallel,
     DataParallel,
@@ -21,7 +22,6 @@ from autopar.methods import (
     ShardParallel,
     Zero2Parallel,
     Zero3Parallel,
-    pinned,
 )
 from autopar.plan import Plan, ShardingSpec, StagePlan
 from autopar.runtime import distributed

@@ -4,7 +4,7 @@ A :class:`ClusterSpec` describes hardware: hosts, devices per host, one device t
 per dtype, memory) and two links (inside a host, between hosts). Shipped descriptions live in
 ``autopar/clusters/NAME.json``; :func:`load_cluster` also reads any JSON file of the same
 layout, so a user can plan for a cluster they do not have. ``autopar profile`` writes one from
-measurements of the present devices.
+measurements of the present devices (``autopar.calibration_samples``).
 
 Link bandwidths are per device and per direction: the bandwidth one device can push into the
 link while all devices of its group do the same (the "one link per worker" of the cost model).
@@ -28,14 +28,10 @@ from typing import Any
 from autopar.errors import InvalidOptionError, MeshError, choices_text
 
 __all__ = [
-    "CALIBRATED_KINDS",
     "ClusterSpec",
-    "CollectiveSample",
-    "MatmulSample",
     "DeviceSpec",
     "LinkSpec",
     "RuntimeCosts",
-    "RuntimeSample",
     "available_clusters",
     "format_mesh_shape",
     "load_cluster",
@@ -362,70 +358,3 @@ def parse_mesh_shape(text: str) -> tuple[int, ...]:
 def format_mesh_shape(shape: Sequence[int]) -> str:
     """``(2, 4)`` -> ``"2x4"``."""
     return "x".join(str(d) for d in shape)
-
-
-# ---------------------------------------------------------------- measurements
-# What `autopar profile` measures on the present devices (runtime/calibrate.py) and the fit
-# turns into a ClusterSpec (compiler/cost/calibration_fit.py): plain data both read.
-
-# The collectives `autopar profile` times (collective-permute is one round: nothing to fit).
-CALIBRATED_KINDS: tuple[str, ...] = (
-    "all-reduce", "all-gather", "reduce-scatter", "all-to-all",
-)
-
-
-@dataclass(frozen=True)
-class CollectiveSample:
-    """One timed collective: ``kind`` over axis ``axis`` of mesh ``mesh`` (``"2x4"``, ``"y"``), a
-    group of ``group_size`` devices, ``nbytes`` in the cost model's full-tensor convention;
-    ``seconds``: the median time of one call of a program holding just that collective (the
-    call's dispatch included: the fit takes it out, see :func:`fit_link`)."""
-
-    kind: str
-    mesh: str
-    axis: str
-    group_size: int
-    nbytes: float
-    seconds: float
-
-    @property
-    def label(self) -> str:
-        """``"2x4:y"``."""
-        return f"{self.mesh}:{self.axis}"
-
-
-@dataclass(frozen=True)
-class MatmulSample:
-    """One timed ``m x k`` by ``k x n`` matmul in ``dtype``; ``concurrent``: every device ran one
-    at the same time (``seconds`` is then the time of the slowest, i.e. of the whole call)."""
-
-    dtype: str
-    m: int
-    n: int
-    k: int
-    seconds: float
-    concurrent: bool
-
-    @property
-    def flops(self) -> float:
-        """``2 m n k``, as :mod:`autopar.compiler.graph.op_costs` counts a matmul."""
-        return 2.0 * self.m * self.n * self.k
-
-    @property
-    def flops_per_s(self) -> float:
-        """Attained rate of one device."""
-        return self.flops / self.seconds
-
-
-@dataclass(frozen=True)
-class RuntimeSample:
-    """One timed runtime operation (``autopar profile``): ``kind`` is ``call`` (an empty
-    jitted program over ``devices`` devices), ``task`` (an empty jitted program on one
-    device, as a pipeline task is launched), ``transfer`` (``jax.device_put`` of ``nbytes``
-    to another device) or ``accumulate`` (a donated ``acc + g`` of ``nbytes``); ``seconds``:
-    the median of the timed calls."""
-
-    kind: str
-    devices: int
-    nbytes: float
-    seconds: float

@@ -24,7 +24,7 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import autopar  # noqa: E402
-from autopar.bench.outputs import machine_text  # noqa: E402
+from autopar.bench.machine import machine_text  # noqa: E402
 from autopar.bench.suites import NO_MEMORY_LIMIT  # noqa: E402
 from autopar.cluster import load_cluster  # noqa: E402
 from autopar.compiler.planners import dispatch  # noqa: E402

@@ -18,7 +18,7 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from autopar.bench.outputs import machine_text  # noqa: E402
+from autopar.bench.machine import machine_text  # noqa: E402
 from autopar.bench.planning import full_search, planning_times  # noqa: E402
 from autopar.bench.suites import NO_MEMORY_LIMIT  # noqa: E402
 from autopar.cluster import load_cluster  # noqa: E402

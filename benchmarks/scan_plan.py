@@ -21,7 +21,7 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from autopar.bench.outputs import load_average, machine_text  # noqa: E402
+from autopar.bench.machine import load_average, machine_text  # noqa: E402
 from autopar.cluster import load_cluster  # noqa: E402
 from autopar.compiler.cost.mesh import LogicalMesh, parse_mesh_shape  # noqa: E402
 from autopar.compiler.graph.trace import TracedStep, trace_step  # noqa: E402

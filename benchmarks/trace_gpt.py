@@ -19,7 +19,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
-from autopar.bench.outputs import machine_text  # noqa: E402
+from autopar.bench.machine import machine_text  # noqa: E402
 from autopar.cluster import load_cluster  # noqa: E402
 from autopar.compiler.graph.trace import trace_step  # noqa: E402
 from autopar.compiler.planners.dispatch import plan_traced  # noqa: E402

@@ -5,10 +5,10 @@ import json
 
 import pytest
 
+from autopar.calibration_samples import RuntimeSample
 from autopar.cluster import (
     ClusterSpec,
     RuntimeCosts,
-    RuntimeSample,
     available_clusters,
     load_cluster,
 )

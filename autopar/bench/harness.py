@@ -15,9 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autopar.bench.outputs import JsonlWriter, RunInfo, load_average, machine_info, markdown_page
+from autopar.bench.machine import load_average, machine_info
+from autopar.bench.outputs import JsonlWriter, RunInfo, markdown_page
 from autopar.bench.plots import write_plots
-from autopar.bench.runner import Phase, RunOptions, run_case, run_scaling_point
+from autopar.bench.runner import Phase, RunOptions, run_case
+from autopar.bench.scaling_point import run_scaling_point
 from autopar.bench.suites import Suite
 from autopar.errors import AutoparError
 

@@ -191,7 +191,7 @@ def plan_pinned(run: PublishedRun, within_device: bool = True) -> PlannedRun:
     with it unbounded); the fastest estimate that fits the device memory (else the
     fastest)."""
     from autopar.errors import InvalidOptionError, PlanError
-    from autopar.methods import pinned
+    from autopar.method_builders import pinned
 
     found = []
     skipped: list[str] = []

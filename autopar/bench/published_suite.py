@@ -15,7 +15,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from autopar.bench.outputs import JsonlWriter, load_average, machine_info, machine_text
+from autopar.bench.machine import load_average, machine_info, machine_text
+from autopar.bench.outputs import JsonlWriter
 from autopar.bench.published import (
     PUBLISHED_RUNS,
     PlannedRun,

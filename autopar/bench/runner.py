@@ -1,10 +1,11 @@
-"""Running one benchmark case or scaling point: plan, compare, and (locally) run and time.
+"""Running one benchmark case: plan, compare, and (locally) run and time.
 
 A case's row (a plain dict, one JSON line) holds the full search's planning times by phase,
 its estimated step time and TFLOPS per device, the plan's summary and predicted
 communication, the baselines planned in the same process (so ratios compare like with like)
 and, for local cases, the measured step times, the collectives counted in the compiled HLO and
-the cost model's error under the default and the calibrated cluster descriptions.
+the cost model's error under the default and the calibrated cluster descriptions. A scaling
+point (planning only) is ``scaling_point``'s.
 """
 
 from __future__ import annotations
@@ -31,14 +32,7 @@ from autopar.bench.planning import (
     same_plan,
     tflops_per_device,
 )
-from autopar.bench.suites import (
-    MEGATRON_FAMILIES,
-    NO_MEMORY_LIMIT,
-    Baseline,
-    BenchCase,
-    ScalingAxis,
-    ScalingPoint,
-)
+from autopar.bench.suites import MEGATRON_FAMILIES, NO_MEMORY_LIMIT, Baseline, BenchCase
 from autopar.cluster import ClusterSpec, load_cluster
 from autopar.errors import AutoparError
 from autopar.models import ZooModel, get_model
@@ -139,7 +133,7 @@ def run_case(case: BenchCase, options: RunOptions, phase: Phase) -> dict[str, An
         "ilp_solves": ilp_solves(plan), "est_step_time_s": est,
         "est_tflops_per_device": tflops_per_device(flops, est, cluster.num_devices),
         "plan": plan_summary(plan), "predicted_communication": predicted_communication(plan),
-        "estimate": dict(plan.planning.estimate), "candidates": _candidates(plan),
+        "estimate": dict(plan.planning.estimate), "candidates": candidate_summaries(plan),
         "measured": None, "cost_model": None, "simple_vs_default": None,
     })
     row["notes"] += list(plan.notes)
@@ -211,7 +205,9 @@ def _simple_vs_default(row: dict[str, Any]) -> dict[str, Any] | None:
             "ratio": simple[best] / measured}
 
 
-def _candidates(plan: Plan) -> list[dict[str, Any]]:
+def candidate_summaries(plan: Plan) -> list[dict[str, Any]]:
+    """The full search's candidates as a row keeps them: name, method, estimate, whether it
+    fits and whether it was chosen, and its note."""
     return [{k: c.get(k) for k in ("name", "method", "est_step_time_s", "fits", "chosen",
                                    "note")} for c in candidate_rows(plan)]
 
@@ -366,50 +362,3 @@ def _what_if(case: BenchCase, model: ZooModel, est_s: float, devices: int,
         "published_setting": pub.setting,
         "comparable": case.comparable,
     }
-
-
-def run_scaling_point(point: ScalingPoint, phase: Phase) -> dict[str, Any]:
-    """Plan one scaling point with the full search; its planning times by phase."""
-    overrides = dict(point.overrides) | {"num_layers": point.num_layers}
-    model = get_model(point.model, point.size, **overrides)
-    cluster = load_cluster(point.cluster)
-    cluster = cluster.with_devices(point.hosts, point.devices_per_host or cluster.devices_per_host)
-    wall = time.perf_counter()
-    with phase(f"scaling: {point.name}"):
-        searched = full_search(model, cluster, microbatches=point.microbatches,
-                               pipeline_layers=point.pipeline_layers,
-                               memory_budget_bytes=NO_MEMORY_LIMIT)
-    plan = searched.plan
-    x = point.num_layers if point.axis is ScalingAxis.LAYERS else cluster.num_devices
-    return {
-        "kind": "scaling", "axis": point.axis.value, "x": x, "case": point.name,
-        "model": point.model, "size": point.size, "num_layers": point.num_layers,
-        "cluster": cluster.name, "hosts": cluster.num_hosts, "devices": cluster.num_devices,
-        "microbatches": point.microbatches, "batch": getattr(model.config, "batch_size", None),
-        "planning": planning_times(searched.trace_s, plan),
-        "ilp_solves": ilp_solves(plan),
-        "est_step_time_s": plan.est_step_time_s, "plan": plan_summary(plan),
-        "estimate": dict(plan.planning.estimate), "bound_by": bound_by(plan),
-        "candidates": _candidates(plan),
-        "wall_s": time.perf_counter() - wall,
-    }
-
-
-_BOUND_PARTS = {
-    "compute_s": "compute", "communication_s": "communication inside the mesh",
-    "runtime_s": "the runtime's call", "schedule_s": "the pipeline's stages (compute and "
-    "communication per microbatch, bubbles included)", "tails_s": "the stages' gradient "
-    "reduction and update (with replicas: their all-reduce between hosts)",
-    "before_s": "preprocessing", "host_s": "the driver on the host",
-}
-
-
-def bound_by(plan: Plan) -> str:
-    """What the plan's estimated step time is mostly made of (its largest part)."""
-    parts = {k: float(v) for k, v in plan.planning.estimate.items()
-             if k in _BOUND_PARTS and isinstance(v, int | float)}
-    if not parts:
-        return ""
-    key = max(parts, key=parts.__getitem__)
-    total = plan.est_step_time_s or 1.0
-    return f"{_BOUND_PARTS[key]} ({parts[key] / total:.0%})"

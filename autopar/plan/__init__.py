@@ -6,16 +6,10 @@ May import: ``autopar.errors``, ``autopar.ir`` (the schedule names) and this pac
 other room reads it.
 """
 
+from autopar.plan.planning_record import PlanningRecord
 from autopar.plan.specs import CollectiveEstimate, CollectiveKind, ShardingSpec, collective_kind
 from autopar.plan.stage import StagePlan
-from autopar.plan.step import (
-    FORMAT_VERSION,
-    InputSignature,
-    MethodName,
-    PipelineLayout,
-    Plan,
-    PlanningRecord,
-)
+from autopar.plan.step import FORMAT_VERSION, InputSignature, MethodName, PipelineLayout, Plan
 
 __all__ = [
     "FORMAT_VERSION",

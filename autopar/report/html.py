@@ -14,22 +14,16 @@ import os
 from typing import Any
 
 from autopar.cluster import format_mesh_shape
+from autopar.errors import format_bytes
+from autopar.report.candidates import candidate_table, stage_ilp_statuses
 from autopar.report.pictures import (
     mesh_png_bytes,
     stage_colours,
     swimlane_png_bytes,
     write_bytes_atomic,
 )
-from autopar.report.text import (
-    CompileReport,
-    _mesh_text,
-    candidate_table,
-    format_bytes,
-    format_count,
-    format_seconds,
-    plan_timeline,
-    stage_ilp_statuses,
-)
+from autopar.report.text import CompileReport, _mesh_text, plan_timeline
+from autopar.report.units import format_count, format_seconds
 
 _CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222;

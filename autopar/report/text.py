@@ -12,6 +12,14 @@ from autopar.ir.schedule_timeline import Timeline, render_text, stage_timeline
 from autopar.ir.schedules import is_async
 from autopar.plan import Plan
 from autopar.report.async_text import async_facts, async_lines, async_timeline
+from autopar.report.candidates import (
+    candidate_lines,
+    ilp_status_lines,
+    measured_step_time_s,
+    measured_text,
+    stage_ilp_statuses,
+)
+from autopar.report.units import format_count, format_seconds
 
 
 @dataclass
@@ -155,13 +163,13 @@ class CompileReport:
             "  compile time      "
             + ("-" if self.compile_time_s is None else f"{self.compile_time_s:.2f} s"),
             f"  est. step time    {format_seconds(plan.est_step_time_s)}"
-            + _measured_text(plan),
+            + measured_text(plan),
             f"  per-device memory {format_bytes(plan.peak_memory_bytes)}"
             + ("" if self.xla_memory_bytes is None
                else f" (XLA's memory analysis: {format_bytes(self.xla_memory_bytes)})"),
             *_estimate_lines(plan),
             *_breakdown_lines(plan),
-            *_candidate_lines(plan),
+            *candidate_lines(plan),
             "",
             "stages",
             f"  {'#':>2}  {'layers':<10} {'submesh':<8} {'logical':<8} {'est time':>10} "
@@ -188,7 +196,7 @@ class CompileReport:
                 f"(p-1)/(m+p-1) = {_theoretical(len(plan.stages), plan.num_microbatches):.3f}"
                 + (f", measured {self.measured_idle_fraction:.3f}"
                    if self.measured_idle_fraction is not None else ""),
-                *_ilp_status_lines(plan),
+                *ilp_status_lines(plan),
                 *async_lines(plan, format_seconds),
                 "  swimlane (estimated; one column per forward slot):",
             ]
@@ -270,84 +278,6 @@ def _estimate_lines(plan: Plan) -> list[str]:
     return ["                    " + ", ".join(shown)] if shown else []
 
 
-def measured_step_time_s(plan: Plan) -> float | None:
-    """The plan's step as timed on the devices it was planned for, when the full search timed
-    its candidates there (``AutoParallel.measure_candidates``); else None."""
-    for c in plan.planning.candidates:
-        if c.get("chosen") and c.get("measured_step_time_s") is not None:
-            return float(c["measured_step_time_s"])
-    return None
-
-
-def _measured_text(plan: Plan) -> str:
-    measured = measured_step_time_s(plan)
-    return "" if measured is None else f" (measured {format_seconds(measured)} on these devices)"
-
-
-def candidate_table(plan: Plan) -> list[tuple[str, str, str, str, str, str]]:
-    """The candidates the search compared as rows (mark, name, method, est. step, ratio to
-    the chosen plan, note), fastest first; [] when the plan records none."""
-    rows = []
-    chosen = plan.est_step_time_s
-    ranked = sorted(plan.planning.candidates,
-                    key=lambda c: (c.get("est_step_time_s") is None,
-                                   c.get("est_step_time_s") or 0.0))
-    for c in ranked:
-        est = c.get("est_step_time_s")
-        note = str(c.get("note") or "")
-        if c.get("fits") is False and est is not None and "budget" not in note:
-            note = (note + "; " if note else "") + "does not fit the memory budget"
-        measured = c.get("measured_step_time_s")
-        if measured is not None:
-            note = (f"measured {format_seconds(float(measured))} here"
-                    + ("; " + note if note else ""))
-        rows.append(("*" if c.get("chosen") else "", str(c.get("name", "?")),
-                     str(c.get("method", "?")),
-                     "-" if est is None else format_seconds(float(est)),
-                     "-" if est is None or not chosen else f"{float(est) / chosen:.2f}x",
-                     note))
-    return rows
-
-
-def _candidate_lines(plan: Plan) -> list[str]:
-    rows = candidate_table(plan)
-    if not rows:
-        return []
-    width = max(len(r[1]) for r in rows)
-    lines = ["", f"candidates compared ({len(rows)}; * the plan; est. step and its ratio to "
-                 "the plan's)"]
-    for mark, name, method, est, ratio, note in rows:
-        lines.append(f"  {mark:1} {name:<{width}} {method:<10} {est:>11} {ratio:>7}"
-                     + (f"  {note}" if note else ""))
-    if not plan.is_pipelined:  # a pipelined plan says it with its schedule
-        lines += [line.replace("stage-cost ILPs", "the pipelined candidates' stage-cost ILPs")
-                  for line in _ilp_status_lines(plan)]
-    return lines
-
-
-def stage_ilp_statuses(plan: Plan) -> dict[str, int] | None:
-    """How the stage-cost ILPs of the pipelined search ended, by status (None when the plan
-    did not search stages): ``proven``, ``within_gap``, ``time_limit``, ``no_solution``,
-    ``solver_error``."""
-    search = plan.planning.stage_search or {}
-    found = search.get("ilp_statuses")
-    if found is None:
-        for c in plan.planning.candidates:
-            if c.get("ilp_statuses") is not None:
-                return dict(c["ilp_statuses"])
-        return None
-    return dict(found)
-
-
-def _ilp_status_lines(plan: Plan) -> list[str]:
-    statuses = stage_ilp_statuses(plan)
-    if not statuses:
-        return []
-    total = sum(statuses.values())
-    parts = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in statuses.items() if n)
-    return [f"  stage-cost ILPs: {total} solved ({parts})"]
-
-
 def _breakdown_lines(plan: Plan) -> list[str]:
     """The one-stage plan's memory parts (a pipeline's stages have their own, in the table)."""
     if len(plan.stages) != 1 or not plan.stages[0].memory_breakdown:
@@ -408,20 +338,3 @@ def _solver_lines(stats: dict[str, Any]) -> list[str]:
                  f"solve {float(stats.get('solve_time_s', 0.0)):.2f} s"),
     ]
     return [f"  {k:<10} {v}" for k, v in rows]
-
-
-def format_count(x: float) -> str:
-    """A count with a metric suffix: ``1.50M``."""
-    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(x) >= scale:
-            return f"{x / scale:.2f}{unit}"
-    return f"{x:.0f}"
-
-
-def format_seconds(x: float) -> str:
-    """A duration in s, ms or us: ``1.500 ms``."""
-    if x >= 1:
-        return f"{x:.3f} s"
-    if x >= 1e-3:
-        return f"{x * 1e3:.3f} ms"
-    return f"{x * 1e6:.1f} us"

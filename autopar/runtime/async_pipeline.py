@@ -37,16 +37,19 @@ import jax.numpy as jnp
 
 from autopar.errors import PlanError
 from autopar.ir.async_schedules import WeightVersions, weight_versions
-from autopar.ir.async_update import AsyncStepProgram, StageUpdate, async_step_program
+from autopar.ir.async_update import AsyncStepProgram, async_step_program
 from autopar.ir.pipeline_program import PipelineProgram
-from autopar.ir.program import run_eqns
-from autopar.ir.scan_units import run_forward_eqns
 from autopar.ir.schedules import Task, TaskKind
 from autopar.plan import Plan
+from autopar.runtime.async_programs import (
+    AsyncPiecePrograms,
+    result_function,
+    split_reads,
+    update_program,
+)
 from autopar.runtime.pipeline import PipelineRunner, TaskRecord
 from autopar.runtime.pipeline_state import StepState, microbatch_mean
 from autopar.runtime.program_calls import ProgramCall
-from autopar.runtime.vjp_residuals import ResidualLayout
 
 
 @dataclass
@@ -95,8 +98,8 @@ class AsyncPipelineRunner(PipelineRunner):
             raise PlanError("asynchronous schedules do not run rematerialised stages yet; "
                             "plan with remat='none'")
         self._update_fns: dict[tuple[int, bool, bool], Any] = {}
-        self.programs = [_PiecePrograms(self.pp, t) for t in self.tasks]
-        self.result_fn = jax.jit(self._result_fn())
+        self.programs = [AsyncPiecePrograms(self.pp, t) for t in self.tasks]
+        self.result_fn = jax.jit(result_function(self.pp, self.program))
         outer = self.pp.outer
         read = {v for i in self.program.result_eqns for v in outer.eqns[i].inputs}
         read |= set(outer.out_ids[self.program.num_state:])
@@ -129,39 +132,14 @@ class AsyncPipelineRunner(PipelineRunner):
 
     def update_program(self, stage: int, donate_params: bool, donate_state: bool) -> Any:
         """Stage ``stage``'s update, jitted: ``(params, other_state, grads) -> new values of
-        its written state leaves`` (in ``_split_reads`` order); the gradients are always
-        donated, the parameters and the other state leaves when asked (each variant compiled
-        once)."""
+        its written state leaves`` (in ``async_programs.split_reads`` order); the gradients
+        are always donated, the parameters and the other state leaves when asked (each variant
+        compiled once)."""
         key = (stage, donate_params, donate_state)
         if key not in self._update_fns:
-            u, prog, outer = self.program.updates[stage], self.program, self.pp.outer
-            grad_id = self.pp.grad_outputs()
-            params, others, written = _split_reads(prog, u)
-
-            def run(param_vals: list[Any], other_vals: list[Any], grads: list[Any]):
-                env = {prog.state_in[k]: x for k, x in zip(params, param_vals, strict=True)}
-                env.update((prog.state_in[k], x) for k, x in zip(others, other_vals, strict=True))
-                env.update({grad_id[f]: g for f, g in zip(u.grads, grads, strict=True)})
-                run_eqns(outer, u.eqns, env)
-                return [env[prog.state_out[j]] for j in written]
-
-            donate = (2,) + ((0,) if donate_params else ()) + ((1,) if donate_state else ())
-            self._update_fns[key] = jax.jit(run, donate_argnums=donate)
+            self._update_fns[key] = update_program(self.pp, self.program, stage,
+                                                   donate_params, donate_state)
         return self._update_fns[key]
-
-    def _result_fn(self):
-        outer, prog = self.pp.outer, self.program
-        vg = self.pp.vg
-        first = 1 + self.pp.loss.num_aux
-
-        def run(inputs: dict[int, Any], losses: list[Any]) -> list[Any]:
-            env = {outer.in_ids[k]: x for k, x in inputs.items()}
-            env.update(zip(vg.outputs[:first], losses, strict=True))
-            run_eqns(outer, prog.result_eqns, env)
-            return [env[v] if v in env else outer.values[v]
-                    for v in outer.out_ids[prog.num_state:]]
-
-        return run
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -329,7 +307,7 @@ class AsyncPipelineRunner(PipelineRunner):
                 g = self.place(jnp.zeros(aval.shape, aval.dtype), stage, f)
             grads.append(g)
         copy, fresh = stream.copies[stage], stream.fresh
-        params, others, written_at = _split_reads(prog, u)
+        params, others, written_at = split_reads(prog, u)
         param_vals, other_vals = [copy[k] for k in params], [copy[k] for k in others]
         previous = stream.latest[stage]
         # the parameters the update replaces can go when no task reads their version any more
@@ -394,57 +372,6 @@ class AsyncPipelineRunner(PipelineRunner):
         stream.returned = tuple(state)
         inputs = {k: self.place(flat_args[k], last) for k in self.result_inputs}
         return state + list(self.result_fn(inputs, losses))
-
-
-def _split_reads(prog: AsyncStepProgram,
-                 u: StageUpdate) -> tuple[list[int], list[int], list[int]]:
-    """An update's state reads (its parameters' positions, then the others) and its writes in
-    the order of the reads: jax pairs each donated input with the next output of its shape,
-    so a state leaf's new value must come where its old value came, or XLA copies."""
-    params = {prog.param_position[f] for f in u.params}
-    first = [k for k in u.reads if k in params]
-    then = [k for k in u.reads if k not in params]
-    writes = set(u.writes)
-    written = [k for k in first + then if k in writes]
-    return first, then, written + [j for j in u.writes if j not in set(written)]
-
-
-class _PiecePrograms:
-    """A piece's jitted forward and backward for asynchronous schedules.
-
-    ``forward(params, acts, nondiff) -> (outputs, other outputs, residuals)``: the residuals
-    of ``jax.vjp`` less the parameters themselves (``runtime.vjp_residuals``);
-    ``backward(params, residuals, cots)`` puts the given parameters back and applies the
-    vjp. ``replay(params, acts, nondiff, cots)``: forward and vjp at once (the backward
-    without stashing)."""
-
-    def __init__(self, pp: Any, t: Any):
-        layout = ResidualLayout()
-
-        def run(diff_vals: list[Any], nondiff_vals: list[Any]) -> tuple[list[Any], list[Any]]:
-            env = dict(zip(t.diff, diff_vals, strict=True))
-            env.update(zip(t.nondiff, nondiff_vals, strict=True))
-            run_forward_eqns(pp.forward, t.piece.eqns, env, pp.layer_scans)
-            return [env[v] for v in t.float_outputs], [env[v] for v in t.other_outputs]
-
-        def forward(params: list[Any], acts: list[Any], nondiff: list[Any]):
-            outs, vjp_fn, others = jax.vjp(lambda d: run(d, nondiff), list(params) + list(acts),
-                                           has_aux=True)
-            return outs, others, layout.split(vjp_fn, params)
-
-        def backward(params: list[Any], residuals: list[Any], cots: list[Any]) -> list[Any]:
-            (grads,) = layout.vjp(params, residuals)(cots)
-            return grads
-
-        def replay(params: list[Any], acts: list[Any], nondiff: list[Any], cots: list[Any]):
-            _, vjp_fn, _ = jax.vjp(lambda d: run(d, nondiff), list(params) + list(acts),
-                                   has_aux=True)
-            (grads,) = vjp_fn(cots)
-            return grads
-
-        self.forward = jax.jit(forward)
-        self.backward = jax.jit(backward)
-        self.replay = jax.jit(replay)
 
 
 def _buffer(x: Any) -> int:

@@ -51,13 +51,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from autopar.cluster import (
+from autopar.calibration_samples import (
     CALIBRATED_KINDS,
     CollectiveSample,
     MatmulSample,
     RuntimeSample,
-    format_mesh_shape,
 )
+from autopar.cluster import format_mesh_shape
 from autopar.errors import InvalidOptionError, MeshError, choices_text
 
 __all__ = [

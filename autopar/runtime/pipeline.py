@@ -20,7 +20,6 @@ from typing import Any, Self
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar.ir.pieces import Piece, cut_pieces
 from autopar.ir.pipeline_pieces import input_consumers
@@ -31,23 +30,17 @@ from autopar.ir.random_draws import draw_function
 from autopar.ir.schedule_orders import make_schedule
 from autopar.ir.schedules import Schedule, TaskKind
 from autopar.plan import Plan
-from autopar.runtime.distributed import put
 from autopar.runtime.fused_step import FusedStep
 from autopar.runtime.param_copies import sum_copies
-from autopar.runtime.pipeline_state import (
-    StageDevices,
-    StepState,
-    microbatch_mean,
-    shared_outputs,
-    stage_meshes,
-)
+from autopar.runtime.pipeline_placement import StagePlacement
+from autopar.runtime.pipeline_state import StageDevices, StepState, microbatch_mean
 from autopar.runtime.pipeline_tasks import PieceTasks, piece_tasks
 from autopar.runtime.program_calls import ProgramCall, TaskRecord, abstract_args
-from autopar.runtime.shard import partition_spec
 
 
-class PipelineRunner:
-    """Executes a ``PipelineProgram`` cut into ``pieces`` with a schedule."""
+class PipelineRunner(StagePlacement):
+    """Executes a ``PipelineProgram`` cut into ``pieces`` with a schedule (its values placed
+    on the stages as ``runtime.pipeline_placement`` lays them out)."""
 
     def __init__(
         self,
@@ -65,20 +58,13 @@ class PipelineRunner:
         fuse: bool = True,
         param_copies: bool = True,
     ):
-        self.pp, self.pieces, self.schedule = pp, list(pieces), schedule
+        super().__init__(pp, stages, devices, specs)
+        self.pieces, self.schedule = list(pieces), schedule
         self.stage_of_piece = list(stage_of_piece)
         self.segments, self.home = list(segments), dict(home)
         self.m = schedule.num_microbatches
         self.micro = pp.batch_size // self.m
-        self.meshes, self.everywhere = stage_meshes(stages, devices)
-        # per stage: forward value id -> ShardingSpec the stage's plan gives it
-        self.specs = [dict(d) for d in specs] if specs is not None else [{} for _ in stages]
         self.consumers = input_consumers(self.pieces)
-        # step values the stage plans lay out by a forward value's spec: each loss input
-        # (a parameter) as the pieces read it, each parameter's gradient as its parameter
-        # (the optimizer update then runs on the plan's shards, not on replicated copies)
-        self.spec_source = {oid: fid for fid, oid in pp.operand_of.items()}
-        self.spec_source.update({gid: fid for fid, gid in pp.grad_outputs().items()})
         # rematerialised stages run each layer (``remat_layers``: the forward cut at every
         # layer boundary) under jax.checkpoint: the backward keeps only layer inputs
         self.remat_layers = list(remat_layers)
@@ -92,7 +78,6 @@ class PipelineRunner:
         self.draw_fns = [jax.jit(draw_function(d)) for d in pp.draws]
         self.input_split_fns = self._input_split_fns()
         self.records: list[TaskRecord] = []
-        self.shared_outputs = shared_outputs(pp)
         mb = self.micro
         self._microbatches = jax.jit(
             lambda x: [x[i * mb : (i + 1) * mb] for i in range(self.m)])
@@ -126,37 +111,6 @@ class PipelineRunner:
         return cls(pp, pieces, owner, stages, segments, home, schedule, devices, specs,
                    remat_layers=layers, remat_stages=remat, fuse=fuse,
                    param_copies=param_copies)
-
-    # -- placement -----------------------------------------------------------------------------
-
-    def sharding(
-        self, stage: int, aval: Any, vid: int | None = None, batched: bool = False
-    ) -> NamedSharding:
-        """The stage plan's spec for forward value ``vid`` when it has one; otherwise batched
-        values are split along their first dimension over the stage's devices when it divides,
-        and everything else is replicated on the stage."""
-        mesh = self.meshes[stage]
-        spec = self.specs[stage].get(vid) if vid is not None else None
-        if spec is not None:
-            return NamedSharding(mesh, partition_spec(spec))
-        shape = getattr(aval, "shape", ())
-        if batched and shape and shape[0] % mesh.size == 0 and mesh.size > 1:
-            return NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
-        return NamedSharding(mesh, PartitionSpec())
-
-    def place(self, value: Any, stage: int, vid: int | None = None,
-              batched: bool = False) -> Any:
-        """``value`` on ``stage`` in the layout its plan gives forward value ``vid`` (see
-        ``sharding``): put there, or, traced into one program, held to it."""
-        sharding = self.sharding(stage, value, vid, batched)
-        if isinstance(value, jax.core.Tracer):
-            # the driver traced as one program (``runtime.fused_step``): a placement on the
-            # stage is a layout the program holds the value to
-            return jax.lax.with_sharding_constraint(value, sharding)
-        # distributed.put is jax.device_put in one process; across processes (every process
-        # runs this driver over every task, JAX skips the computations of devices it does not
-        # hold) it also moves values between stages on different processes
-        return put(value, sharding)
 
     # -- executables ---------------------------------------------------------------------------
 
@@ -252,39 +206,6 @@ class PipelineRunner:
         for k, seg in enumerate(self.segments):
             if seg.phase == "after":
                 self._run_segment(st, k, seg)
-
-    def output(self, st: StepState, vid: int) -> Any:
-        """The step's result ``vid``: a small one (``shared_outputs``) on every device of the
-        plan, so that every process of a run can read it (``float(loss)``); the rest (the new
-        state) where its segment made it, as global arrays (``distributed.to_host`` reads
-        them anywhere)."""
-        value = st.env[vid] if vid in st.env else self.pp.outer.values[vid]
-        if (vid in self.shared_outputs and isinstance(value, jax.Array)
-                and value.sharding != self.everywhere):
-            return put(value, self.everywhere)
-        return value
-
-    def _fetch(self, st: StepState, vid: int, stage: int, fid: int | None = None) -> Any:
-        """Step value ``vid`` on ``stage`` (as loss input ``fid`` when given, else as the
-        forward value whose layout it shares, ``spec_source``). A value with no layout of
-        its own on the stage's devices stays where it was made (an optimizer state as the
-        update made it), not replicated; a captured constant is read from the trace."""
-        key = (vid, stage, fid)
-        if key not in st.placed:
-            value = st.env[vid] if vid in st.env else self.pp.outer.values[vid]
-            source = fid if fid is not None else self.spec_source.get(vid)
-            if source is None and self._on_stage(value, stage):
-                st.placed[key] = value
-            else:
-                st.placed[key] = self.place(value, stage, source)
-        return st.placed[key]
-
-    def _on_stage(self, value: Any, stage: int) -> bool:
-        if isinstance(value, jax.core.Tracer):  # one program: every value is on its mesh
-            return self.fused is not None
-        sharding = getattr(value, "sharding", None)
-        return (isinstance(value, jax.Array) and value.committed and sharding is not None
-                and sharding.device_set == set(self.meshes[stage].devices.flat))
 
     def _call(self, st: StepState, label: str, stage: int | None, fn: Any, *args: Any) -> Any:
         """``fn(*args)``, logged in ``st.calls`` when the step keeps a log."""

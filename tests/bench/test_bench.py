@@ -11,8 +11,8 @@ from matplotlib.image import imread
 from autopar.bench import SUITE_NAMES, get_suite
 from autopar.bench.baselines import megatron_mesh, megatron_specs, plan_megatron
 from autopar.bench.harness import output_prefix
+from autopar.bench.machine import cpu_model
 from autopar.bench.measure import MEASURE_ROUNDS
-from autopar.bench.outputs import cpu_model
 from autopar.cluster import load_cluster
 from autopar.compiler.graph.trace import trace_step
 from autopar.errors import InvalidOptionError

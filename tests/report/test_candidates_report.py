@@ -13,8 +13,9 @@ from tanh_mlp import tanh_mlp_step
 import autopar
 from autopar.compiler.graph.trace import trace_step
 from autopar.compiler.planners import dispatch
+from autopar.report.candidates import candidate_table
 from autopar.report.html import render_html, section_ids
-from autopar.report.text import CompileReport, candidate_table
+from autopar.report.text import CompileReport
 from autopar.runtime.local_cluster import local_cluster
 
 

@@ -125,7 +125,7 @@ def test_parameter_memory_is_xlas_within_15_percent(schedule, stages):
             continue
         copy = stream.copies[s]
         params = [k for k in u.reads if k in {prog.param_position[f] for f in u.params}]
-        others = [k for k in u.reads if k not in params]  # the runner's order (_split_reads)
+        others = [k for k in u.reads if k not in params]  # the runner's order (split_reads)
         grads = [runner.place(jnp.zeros(runner.pp.forward.avals[f].shape), s, f)
                  for f in u.grads]
         args = ([copy[k] for k in params], [copy[k] for k in others], grads)

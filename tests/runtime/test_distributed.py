@@ -31,8 +31,10 @@ from autopar.errors import DistributedError
 from autopar.ir.pieces import cut_pieces
 from autopar.ir.pipeline_pieces import piece_roles
 from autopar.ir.pipeline_program import build_pipeline_program
-from autopar.runtime.distributed import _local_cpu_devices, _size_cpu_thread_pool, host_layout
+from autopar.runtime import process_start
+from autopar.runtime.distributed import host_layout
 from autopar.runtime.local_cluster import local_cluster
+from autopar.runtime.process_start import _local_cpu_devices, _size_cpu_thread_pool
 
 # the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
 pytestmark = pytest.mark.e2e
@@ -151,9 +153,9 @@ def test_initialize_gives_the_cpu_client_a_spare_thread_per_local_device(monkeyp
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
                                     "--xla_force_host_platform_device_count=4")  # the last counts
     # wins when set, as in JAX
-    configured = autopar.runtime.distributed.jax.config.jax_num_cpu_devices
+    configured = process_start.jax.config.jax_num_cpu_devices
     assert _local_cpu_devices() == (configured if configured > 0 else 4)
-    monkeypatch.setattr(autopar.runtime.distributed, "_local_cpu_devices", lambda: 4)
+    monkeypatch.setattr(process_start, "_local_cpu_devices", lambda: 4)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)  # 2 cores
     monkeypatch.setenv("NPROC", "")
     monkeypatch.delenv("NPROC")  # restored (unset) after the test, whatever the code sets

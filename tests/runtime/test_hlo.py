@@ -14,14 +14,9 @@ from jax.sharding import PartitionSpec as P
 
 from autopar import errors
 from autopar.plan import CollectiveKind
-from autopar.runtime.hlo import (
-    HloParseError,
-    count_collectives,
-    infer_mesh_axes,
-    parse_collectives,
-    parse_replica_groups,
-)
+from autopar.runtime.hlo import HloParseError, count_collectives, parse_collectives
 from autopar.runtime.hlo_calls import computation_runs
+from autopar.runtime.hlo_replica_groups import infer_mesh_axes, parse_replica_groups
 
 # the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
 pytestmark = pytest.mark.e2e

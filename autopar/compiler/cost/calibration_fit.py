@@ -53,16 +53,13 @@ from typing import Any
 
 import numpy as np
 
-from autopar.cluster import (
+from autopar.calibration_samples import (
     CALIBRATED_KINDS,
-    ClusterSpec,
     CollectiveSample,
-    DeviceSpec,
-    LinkSpec,
     MatmulSample,
-    RuntimeCosts,
     RuntimeSample,
 )
+from autopar.cluster import ClusterSpec, DeviceSpec, LinkSpec, RuntimeCosts
 from autopar.compiler.cost.collectives import (
     AllReduceAlgorithm,
     all_to_all_time,

@@ -8,28 +8,24 @@ Solver output never reaches standard output: HiGHS's banner (printed from C++ wh
 makes its first ``highspy.Highs()``) is caught by redirecting file descriptor 1 around that
 construction, and both solvers' logs go to this module's logger (``autopar.compiler.intra_op.mip``)
 at debug level, collected only when that level is enabled (``autopar compile --log-level
-debug``).
+debug``); ``intra_op.solver_output`` does both.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import math
 import os
 import re
-import sys
 import tempfile
-import threading
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import pulp
 
 from autopar.compiler.intra_op.presolve import ReducedProblem
+from autopar.compiler.intra_op.solver_output import HighsLog, log_lines, new_highs
 from autopar.errors import InvalidOptionError, choices_text
 from autopar.methods import Solver
 
@@ -222,89 +218,13 @@ class _SolverFailed(Exception):
     """The solver failed (an error status or exception), as opposed to running out of time."""
 
 
-def _log_lines(solver: str, text: str) -> None:
-    for line in text.splitlines():
-        if line.strip():
-            logger.debug("%s: %s", solver, line.rstrip())
-
-
-def _flush_c_stdio() -> None:
-    """``fflush(NULL)``: push C stdio's buffered output to its file descriptors."""
-    try:
-        ctypes.CDLL(None).fflush(None)
-    except (OSError, AttributeError, TypeError):  # no C library to load: nothing buffered
-        pass
-
-
-def _with_fd1_captured(make: Callable[[], Any]) -> tuple[Any, str]:
-    """``make()`` with file descriptor 1 (C-level stdout) sent to a temporary file; returns its
-    result and what was written there. Runs ``make()`` plainly when fd 1 cannot be duplicated."""
-    try:
-        sys.stdout.flush()  # Python's own buffered text belongs to the real stdout
-    except (AttributeError, OSError, ValueError):
-        pass
-    _flush_c_stdio()
-    try:
-        saved = os.dup(1)
-    except OSError:
-        return make(), ""
-    with tempfile.TemporaryFile() as sink:
-        os.dup2(sink.fileno(), 1)
-        try:
-            result = make()
-        finally:
-            _flush_c_stdio()
-            os.dup2(saved, 1)
-            os.close(saved)
-        sink.seek(0)
-        return result, sink.read().decode(errors="replace")
-
-
-_first_highs_lock = threading.Lock()
-_first_highs_made = False
-
-
-def _new_highs() -> Any:
-    """A ``highspy.Highs()``; the process's first one is made with fd 1 captured, since HiGHS
-    prints its banner to stdout then (once per process, before any option can be set)."""
-    global _first_highs_made
-    import highspy
-
-    if _first_highs_made:
-        return highspy.Highs()
-    with _first_highs_lock:
-        if _first_highs_made:
-            return highspy.Highs()
-        h, banner = _with_fd1_captured(highspy.Highs)
-        _first_highs_made = True
-    if logger.isEnabledFor(logging.DEBUG):
-        _log_lines("highs", banner)
-    return h
-
-
-class _HighsLog:
-    """HiGHS's log, which its logging callback hands over in pieces, to the logger by line."""
-
-    def __init__(self) -> None:
-        self.pending = ""
-
-    def __call__(self, event: Any) -> None:
-        self.pending += event.message
-        *lines, self.pending = self.pending.split("\n")
-        _log_lines("highs", "\n".join(lines))
-
-    def flush(self) -> None:
-        _log_lines("highs", self.pending)
-        self.pending = ""
-
-
 def _run_highs(
     model: MipModel, limit: float, gap: float
 ) -> tuple[np.ndarray | None, str, float | None]:
     import highspy
 
-    h = _new_highs()
-    log = _HighsLog() if logger.isEnabledFor(logging.DEBUG) else None
+    h = new_highs()
+    log = HighsLog() if logger.isEnabledFor(logging.DEBUG) else None
     h.setOptionValue("output_flag", log is not None)  # the callback only hears enabled output
     if log is not None:
         h.setOptionValue("log_to_console", False)
@@ -403,7 +323,7 @@ def _run_cbc(
             with open(log, errors="replace") as f:
                 text = f.read()
             if logger.isEnabledFor(logging.DEBUG):
-                _log_lines("cbc", text)
+                log_lines("cbc", text)
     except pulp.PulpSolverError as exc:
         reason = " ".join(str(exc).split())[:200]
         raise _SolverFailed(f"CBC raised {type(exc).__name__}: {reason}") from None

@@ -5,7 +5,8 @@ the method plans (the flat program, and for pipelining the pipeline cut of it); 
 plans it, with every method, the rematerialisation retry and the full search's fallback to one
 stage (the full search itself, its candidates: ``auto``). :func:`trace_for_plan` rebuilds the
 program a saved or cached plan's tensor ids refer to. This module is the only place that
-dispatches on the method's type.
+dispatches on the method's type; ShardParallel's one-stage plan within the memory budget is
+``shard_budget``'s.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 from autopar.cluster import ClusterSpec
 from autopar.compiler.cost.estimate import one_call_time_s
-from autopar.compiler.cost.mesh import LogicalMesh, logical_mesh_for
+from autopar.compiler.cost.mesh import logical_mesh_for
 from autopar.compiler.graph.trace import TracedStep, build_graph, trace_step
 from autopar.compiler.planners.auto import plan_auto, trace_auto
 from autopar.compiler.planners.common import (
@@ -25,16 +26,16 @@ from autopar.compiler.planners.common import (
     fewer_full_collections,
 )
 from autopar.compiler.planners.data import plan_data_parallel
+from autopar.compiler.planners.shard_budget import check_can_win, plan_within_budget
 from autopar.compiler.planners.step_program import (
     IlpObserver,
     PlannedProgram,
     StepProgram,
     TraceMemo,
 )
-from autopar.compiler.planners.zero import optimizer_state_pins, plan_zero
+from autopar.compiler.planners.zero import plan_zero
 from autopar.errors import (
     BatchSizeError,
-    CannotWinError,
     InvalidOptionError,
     NoLossFunctionError,
     PlanError,
@@ -200,24 +201,10 @@ def _plan_one_stage_with_remat(step: StepProgram, cluster: ClusterSpec,
                                       "and recomputing layers saves activations only")
             return planned
         if planned is not None:
-            _check_can_win(planned.plan, beat)
+            check_can_win(planned.plan, beat)
         planned = _plan_rematerialised(step, cluster, planned, ilp_observer, beat)
     assert planned is not None, "planned above unless remat='layers', which plans just above"
     return planned
-
-
-def _check_can_win(fastest: Plan, beat: float | None, estimate_s: float | None = None) -> None:
-    """``CannotWinError`` when ``fastest``, a plan over the memory budget, is estimated
-    (``estimate_s``, default its own) no faster than ``beat``: a plan that fits, solved under
-    the budget or with recomputation (the step plus its recomputed forward), is no faster
-    than the fastest."""
-    estimate_s = fastest.est_step_time_s if estimate_s is None else estimate_s
-    if beat is not None and estimate_s >= beat:
-        raise CannotWinError(
-            f"not solved under the memory budget: its fastest plan needs "
-            f"{fastest.peak_memory_bytes / 2**30:.2f} GiB and is estimated at "
-            f"{estimate_s:.4g} s, no faster than a plan that fits ({beat:.4g} s)",
-            estimate_s, fastest.peak_memory_bytes)
 
 
 def _state_over_budget(step: StepProgram, cluster: ClusterSpec, budget: float) -> bool:
@@ -275,24 +262,6 @@ def _plan_rematerialised(step: StepProgram, cluster: ClusterSpec,
     return PlannedProgram(traced, plan)
 
 
-def _checked_pins(pinned: Sequence[tuple[str, Any]], traced: TracedStep,
-                  mesh: LogicalMesh) -> dict[str, Any]:
-    """``ShardParallel.pinned_inputs`` as a dict, each path an input of the step and each spec
-    of its rank over the mesh's axes (InvalidOptionError, one line, otherwise)."""
-    ranks = {io.path: len(traced.graph.tensors[io.tensor].shape) for io in traced.graph.inputs}
-    for path, spec in pinned:
-        if path not in ranks:
-            shown = ", ".join(list(ranks)[:4])
-            raise InvalidOptionError(f"pinned input {path!r} is not an input leaf of the step; "
-                                     f"its leaves are named like {shown}")
-        axes = {a for dim in spec.dims for a in dim}
-        if spec.ndim != ranks[path] or not axes <= set(mesh.axis_names):
-            raise InvalidOptionError(
-                f"pinned spec of {path!r} must have {ranks[path]} dims over the mesh axes "
-                f"{', '.join(mesh.axis_names)}; got {spec.dims}")
-    return dict(pinned)
-
-
 def _plan_one_stage(
     traced: TracedStep,
     method: Method,
@@ -315,7 +284,7 @@ def _plan_one_stage(
                        devices_per_host=cluster.devices_per_host)
     memo = memo or TraceMemo()
     if isinstance(method, ShardParallel):
-        plan = _plan_shard(traced, method, cluster, mesh, common, ilp_observer, memo, beat)
+        plan = plan_within_budget(traced, method, cluster, mesh, common, ilp_observer, memo, beat)
     else:
         # planned once per step and mesh: the full search comes back to one that did not fit
         data_key = (id(traced.graph), cluster, type(method).__name__, tuple(mesh.shape))
@@ -335,86 +304,6 @@ def _plan_one_stage(
                               "communication_s": stage.est_communication_time_s,
                               "runtime_s": runtime}
     plan.planning.planning_time_s = time.perf_counter() - start
-    return plan
-
-
-def _check_floors(traced: TracedStep, batch_argnums: tuple[int, ...], mesh: LogicalMesh,
-                  memo: TraceMemo, limit: float) -> None:
-    """No plan holds less of a tensor than the most its shape can be split on the mesh: a
-    step whose floor is over ``limit`` is answered (``InfeasibleMemoryError``) before its ILP
-    is built (at published sizes the build, and the memory-constrained solve after it, take
-    minutes; GPT 529.6B on a 315 x 8 mesh splits its parameters 8 ways at most)."""
-    from autopar.compiler.intra_op.problem import InfeasibleMemoryError
-
-    devices = len(mesh.device_ids)
-    floor = memo.memory_floor(traced, batch_argnums, devices)
-    if floor.total > limit:
-        raise InfeasibleMemoryError(limit, floor.total, floor.dominant(), split_over=devices)
-    floor = memo.mesh_memory_floor(traced, batch_argnums, tuple(mesh.shape))
-    if floor.total > limit:
-        raise InfeasibleMemoryError(limit, floor.total, floor.dominant(), split_over=devices,
-                                    mesh_shape=tuple(mesh.shape))
-
-
-def _plan_shard(traced: TracedStep, method: ShardParallel, cluster: ClusterSpec,
-                mesh: LogicalMesh, common: PlanPlace, ilp_observer: IlpObserver | None,
-                memo: TraceMemo, beat: float | None) -> Plan:
-    """ShardParallel's one-stage plan: the fastest (kept in ``memo``), solved again under the
-    budget where it is over it (``beat``: see ``_plan_one_stage_with_remat``)."""
-    batch_argnums = common["batch_argnums"]
-    # imported here: the ILP stack (PuLP, strategies) loads only when a plan needs it
-    from autopar.compiler.intra_op.problem import InfeasibleMemoryError
-    from autopar.compiler.intra_op.sharding_ilp import IntraOpOptions, MeshCaches
-    from autopar.compiler.planners.shard import plan_shard_parallel
-
-    budget = method.memory_budget_bytes
-    limit = float(budget if budget is not None else cluster.device.memory_bytes)
-    _check_floors(traced, batch_argnums, mesh, memo, limit)
-    pins = (optimizer_state_pins(traced.graph, mesh, batch_argnums)
-            if method.prefer_reduce_scatter else {})
-    pins.update(_checked_pins(method.pinned_inputs, traced, mesh))
-
-    # what the fastest plan and its problem depend on (not the budget, nor the time limit
-    # the full search cuts as its time budget runs out)
-    key = (id(traced.graph), cluster, tuple(mesh.shape), method.solver,
-           method.prefer_reduce_scatter, method.pinned_inputs)
-    # the problem built for the fastest plan is solved again under the budget, not built
-    # again (at GPT-3 175B on 1,024 devices a build is about 10 s), also when the full
-    # search comes back to it (``beat``)
-    built = memo.problems.setdefault(key, {})
-    caches = memo.mesh_caches.setdefault((id(traced.graph), cluster, tuple(mesh.shape)),
-                                         MeshCaches())
-
-    def solve_within(budget: float | None) -> Plan:
-        options = IntraOpOptions(memory_budget_bytes=budget, solver=method.solver,
-                                 time_limit_s=method.time_limit_s,
-                                 batch_argnums=batch_argnums, pinned_inputs=pins)
-        return plan_shard_parallel(traced, mesh, options, ilp_observer=ilp_observer,
-                                   built=built, caches=caches, **common)
-
-    # the memory rows make the ILP slower, so they are added only when the unconstrained
-    # plan does not fit the budget (the device's memory unless one is given): the
-    # unconstrained optimum, when it fits, is the constrained one
-    if key not in memo.fastest:
-        memo.fastest[key] = solve_within(None)
-    plan = memo.fastest[key]
-    if plan.peak_memory_bytes > limit:
-        # its estimate as the step's (below: the runtime's call added)
-        _check_can_win(plan, beat,
-                       plan.stages[0].est_time_s + one_call_time_s(cluster.runtime))
-        fastest = plan
-        try:
-            plan = solve_within(limit)
-        except InfeasibleMemoryError as err:
-            # the least memory known: the least-memory plan's or the fastest plan's
-            if fastest.peak_memory_bytes < err.min_peak_bytes:
-                raise InfeasibleMemoryError(err.budget, fastest.peak_memory_bytes,
-                                            err.dominant) from None
-            raise
-        what = ("the memory budget" if budget is not None
-                else f"the device's {limit / 2**30:.1f} GiB")
-        plan.notes.append(f"the fastest plan did not fit {what}; solved again with it as "
-                          "the per-device memory budget")
     return plan
 
 

@@ -22,15 +22,8 @@ from autopar.errors import InvalidOptionError
 from autopar.frontend.cli.output import emit_report, write_text
 from autopar.frontend.cli.sources import StepSource, parse_argnums, user_source, zoo_source
 from autopar.frontend.progress import Progress
-from autopar.methods import (
-    METHOD_NAMES,
-    METHOD_TYPES,
-    AutoParallel,
-    Method,
-    PipeshardParallel,
-    method_from_name,
-    pinned,
-)
+from autopar.method_builders import METHOD_NAMES, method_from_name, pinned
+from autopar.methods import METHOD_TYPES, AutoParallel, Method, PipeshardParallel
 from autopar.plan import MethodName, Plan
 
 logger = logging.getLogger(__name__)
@@ -53,7 +46,7 @@ METHOD_OPTIONS: tuple[tuple[str, str, str], ...] = (
     ("measure_candidates", "--measure-candidates", "measure_candidates"),
     ("per_microbatch_statistics", "--per-microbatch-statistics", "per_microbatch_statistics"),
 )
-# What --degrees takes besides the degrees (``methods.pinned``'s keywords).
+# What --degrees takes besides the degrees (``method_builders.pinned``'s keywords).
 PINNED_OPTIONS: frozenset[str] = frozenset(
     {"num_microbatches", "schedule", "remat", "memory_budget_bytes", "solver", "time_limit_s"})
 _ZOO_OPTIONS = (("--model", "model"), ("--size", "size"), ("--layers", "layers"),
@@ -253,7 +246,7 @@ def parse_degrees(text: str) -> tuple[int, int, int]:
 
 
 def _pinned_method(args: argparse.Namespace, given: dict[str, tuple[str, Any]]) -> Method:
-    """``methods.pinned`` at ``--degrees`` with the options it takes."""
+    """``method_builders.pinned`` at ``--degrees`` with the options it takes."""
     if args.method is not None:
         raise InvalidOptionError("--degrees pins the configuration: leave --method out")
     bad = [flag for field, (flag, _) in given.items() if field not in PINNED_OPTIONS]

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from autopar.errors import InvalidOptionError
-from autopar.runtime.distributed import (
+from autopar.runtime.process_start import (
     ENV_COORDINATOR,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,

@@ -10,14 +10,13 @@ import numpy as np
 import pytest
 
 import autopar
-from autopar.cluster import (
+from autopar.calibration_samples import (
     CALIBRATED_KINDS,
-    ClusterSpec,
     CollectiveSample,
     MatmulSample,
     RuntimeSample,
-    load_cluster,
 )
+from autopar.cluster import ClusterSpec, load_cluster
 from autopar.compiler.cost.calibration_fit import (
     FitOptions,
     calibrate_cluster,

@@ -15,7 +15,8 @@ from autopar.models import get_model
 from autopar.plan import Plan
 from autopar.report.async_text import async_facts, async_lines, async_timeline
 from autopar.report.swimlane import save_swimlane_png
-from autopar.report.text import format_seconds, plan_timeline
+from autopar.report.text import plan_timeline
+from autopar.report.units import format_seconds
 
 # the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
 pytestmark = pytest.mark.e2e

@@ -18,7 +18,8 @@ from serial_reference import serial_run as serial_losses_and_state
 import autopar
 from autopar.compiler.cost.memory_model import BREAKDOWN_KEYS
 from autopar.errors import BatchSizeError
-from autopar.methods import Zero2Parallel, Zero3Parallel, method_from_name
+from autopar.method_builders import method_from_name
+from autopar.methods import Zero2Parallel, Zero3Parallel
 from autopar.models import get_model
 from autopar.plan import Plan
 from autopar.runtime.hlo import count_collectives, parse_collectives

@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from autopar.compiler.intra_op import mip as ilp_mip
+from autopar.compiler.intra_op import solver_output
 from autopar.compiler.intra_op.ilp import solve
 from autopar.compiler.intra_op.problem import IntraOpProblem, ProblemEdge, ProblemNode
 
@@ -110,7 +110,7 @@ def test_fd1_capture_takes_c_stdio_buffered_output(capfd) -> None:
     except (OSError, AttributeError):
         pytest.skip("no C library to call printf from")
     print("python before", flush=False)
-    result, text = ilp_mip._with_fd1_captured(lambda: printf(b"from C stdio\n") and 7)
+    result, text = solver_output.with_fd1_captured(lambda: printf(b"from C stdio\n") and 7)
     print("python after")
     assert (result, text) == (7, "from C stdio\n")
     out, _ = capfd.readouterr()

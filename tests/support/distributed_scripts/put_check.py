@@ -4,7 +4,7 @@ processes, run by
 move the pipeline driver makes, each checked against the value it started from, and a transfer
 whose receiver waits for it before joining a collective that the sender has already started
 (this deadlocked while the CPU client had no thread to spare beyond one per local device; see
-``autopar.runtime.distributed._size_cpu_thread_pool``). Writes ``OUT/put-{process id}.json``:
+``autopar.runtime.process_start._size_cpu_thread_pool``). Writes ``OUT/put-{process id}.json``:
 the names of
 the checks and whether each came back equal.
 

@@ -1,0 +1,85 @@
+"""How a plan was found: the :class:`PlanningRecord` of planning times, the stage search's
+statistics and the candidates compared, which only reports and benchmarks read (nothing runs
+from it), and its strict JSON form (a field of the plan's, ``planning``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from autopar.plan.fields import field_of, object_of, reject_unknown, string
+
+
+@dataclass
+class PlanningRecord:
+    """How the plan was found, for reports and benchmarks only (nothing runs from it).
+
+    ``planning_time_s``: seconds from the traced step to the plan. ``phases``: those seconds
+    split by phase (pipelined plans: ``layers_s``, ``stage_costs_s``, ``stage_dp_s``,
+    ``stage_plans_s``, ``total_s``). ``stage_search``: the stage DP's statistics.
+    ``estimated_idle_fraction`` / ``theoretical_idle_fraction``: the pipeline's bubble under
+    the cost model and as (p - 1) / (m + p - 1). ``method_options``: the options the method
+    was given. ``baseline``: the hand plan a benchmark built this as, if any.
+    ``candidates``: the plans the search compared, each a JSON object with at least ``name``,
+    ``method`` and ``est_step_time_s`` (None when it could not be planned; ``note`` says why)
+    and ``chosen``. ``estimate``: the parts of ``est_step_time_s`` (seconds per step:
+    ``compute_s``, ``communication_s`` and ``runtime_s`` for one program; ``schedule_s``,
+    ``tails_s``, ``before_s`` and ``host_s`` for a pipeline).
+    """
+
+    planning_time_s: float | None = None
+    phases: dict[str, float] = field(default_factory=dict)
+    stage_search: dict[str, Any] | None = None
+    estimated_idle_fraction: float | None = None
+    theoretical_idle_fraction: float | None = None
+    method_options: dict[str, Any] = field(default_factory=dict)
+    baseline: str | None = None
+    candidates: list[dict[str, Any]] = field(default_factory=list)
+    estimate: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "planning") -> PlanningRecord:
+        d = field_of({"v": d}, "v", lambda v: object_of(v, "a planning record"), where)
+        reject_unknown(d, RECORD_FIELDS, where)
+
+        def get(name: str, convert: Any, default: Any) -> Any:
+            return field_of(d, name, convert, f"{where}.{name}", default)
+
+        def maybe(convert: Any) -> Any:
+            return lambda v: None if v is None else convert(v)
+
+        return cls(
+            planning_time_s=get("planning_time_s", maybe(float), None),
+            phases=get("phases", lambda v: {str(k): float(x) for k, x in
+                                            object_of(v, "phases").items()}, {}),
+            stage_search=get("stage_search", maybe(lambda v: dict(object_of(v, "stats"))), None),
+            estimated_idle_fraction=get("estimated_idle_fraction", maybe(float), None),
+            theoretical_idle_fraction=get("theoretical_idle_fraction", maybe(float), None),
+            method_options=get("method_options", lambda v: dict(object_of(v, "options")), {}),
+            baseline=get("baseline", maybe(string), None),
+            candidates=get("candidates", _candidates, []),
+            estimate=get("estimate", lambda v: dict(object_of(v, "estimate")), {}),
+        )
+
+
+RECORD_FIELDS = tuple(PlanningRecord.__dataclass_fields__)
+
+
+def _candidates(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list):
+        raise TypeError(f"a list of candidates, got {type(value).__name__}")
+    out = []
+    for i, item in enumerate(value):
+        entry = dict(object_of(item, f"candidates[{i}]"))
+        for name in ("name", "method"):
+            if not isinstance(entry.get(name), str):
+                raise TypeError(f"candidates[{i}].{name} must be a string")
+        est = entry.get("est_step_time_s")
+        if est is not None and (isinstance(est, bool) or not isinstance(est, int | float)):
+            raise TypeError(f"candidates[{i}].est_step_time_s must be a number or null")
+        out.append(entry)
+    return out
