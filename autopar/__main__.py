@@ -2,6 +2,6 @@
 
 import sys
 
-from autopar.frontend.cli import main
+from autopar.cli import main
 
 sys.exit(main())

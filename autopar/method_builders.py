@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from autopar.errors import InvalidOptionError, choices_text
 from autopar.ir.schedules import ScheduleName
+from autopar.method_options import Solver
 from autopar.methods import (
     AUTO_CANDIDATES,
     AutoParallel,
@@ -19,13 +20,14 @@ from autopar.methods import (
     Zero2Parallel,
     Zero3Parallel,
 )
+from autopar.plan import MethodName
 
 __all__ = ["METHOD_NAMES", "method_from_name", "pinned"]
 
 
 def pinned(data: int, tensor: int = 1, pipeline: int = 1, *, num_microbatches: int = 1,
-           schedule: str = "1f1b", num_chunks: int = 2, remat: str = "layers",
-           memory_budget_bytes: float | None = None, solver: str = "auto",
+           schedule: str = ScheduleName.ONE_F_ONE_B, num_chunks: int = 2, remat: str = "layers",
+           memory_budget_bytes: float | None = None, solver: str = Solver.AUTO,
            time_limit_s: float = 30.0) -> Method:
     """A hand configuration at given degrees, planned as given: what a Megatron-LM-style run
     (tensor x pipeline x data) costs before the search improves on it.
@@ -66,15 +68,15 @@ def method_from_name(name: str, mesh_shape: tuple[int, ...] | None = None, **opt
     ``zero3``); raises ``InvalidOptionError`` for others."""
     if name == "auto":
         return AutoParallel(**options)
-    if name == "data":
+    if name == MethodName.DATA:
         return DataParallel(mesh_shape=mesh_shape)
-    if name == "zero2":
+    if name == MethodName.ZERO2:
         return Zero2Parallel(mesh_shape=mesh_shape)
-    if name == "zero3":
+    if name == MethodName.ZERO3:
         return Zero3Parallel(mesh_shape=mesh_shape)
-    if name == "shard":
+    if name == MethodName.SHARD:
         return ShardParallel(mesh_shape=mesh_shape, **options)
-    if name == "pipeshard":
+    if name == MethodName.PIPESHARD:
         return PipeshardParallel(**options)
     raise InvalidOptionError(
         f"unknown method '{name}'; valid methods: {choices_text(METHOD_NAMES)}"

@@ -71,7 +71,7 @@ class ShardParallel:
 
     mesh_shape: tuple[int, ...] | None = None
     memory_budget_bytes: float | None = None
-    solver: str = "auto"
+    solver: str = Solver.AUTO
     time_limit_s: float = 30.0
     prefer_reduce_scatter: bool = False
     remat: str = "none"
@@ -178,11 +178,11 @@ class PipeshardParallel:
     num_microbatches: int = 4
     layers: int | str = "auto"
     stages: str | ManualStages = "auto"
-    schedule: str = "1f1b"
+    schedule: str = ScheduleName.ONE_F_ONE_B
     num_stages: int | None = None
     num_chunks: int = 2
     memory_budget_bytes: float | None = None
-    solver: str = "auto"
+    solver: str = Solver.AUTO
     time_limit_s: float = 30.0
     remat: str = "none"
     replicas: str = "auto"
@@ -287,10 +287,10 @@ class AutoParallel:
     candidates: tuple[str, ...] = AUTO_CANDIDATES
     num_microbatches: int = 4
     layers: int | str = "auto"
-    schedule: str = "1f1b"
+    schedule: str = ScheduleName.ONE_F_ONE_B
     num_chunks: int = 2
     memory_budget_bytes: float | None = None
-    solver: str = "auto"
+    solver: str = Solver.AUTO
     time_limit_s: float = 30.0
     remat: str = "auto"
     replicas: str = "auto"
@@ -341,15 +341,15 @@ class AutoParallel:
         remat = self.remat
         found: list[OneStageMethod] = []
         for name in self.candidates:
-            if name == "data":
+            if name == MethodName.DATA:
                 found.append(DataParallel(remat=remat))
-            elif name == "shard":
+            elif name == MethodName.SHARD:
                 found.append(ShardParallel(memory_budget_bytes=self.memory_budget_bytes,
                                            solver=self.solver, time_limit_s=self.time_limit_s,
                                            remat=remat))
-            elif name == "zero2":
+            elif name == MethodName.ZERO2:
                 found.append(Zero2Parallel())
-            elif name == "zero3":
+            elif name == MethodName.ZERO3:
                 found.append(Zero3Parallel())
         return found
 

@@ -31,7 +31,14 @@ ALLOWED: dict[str, tuple[str, ...]] = {
                         "autopar.calibration_samples", "autopar.errors"),
     "autopar.report": ("autopar.plan", "autopar.ir", "autopar.cluster", "autopar.compiler",
                        "autopar.errors"),
+    "autopar.frontend": ("autopar.compiler", "autopar.methods", "autopar.method_options",
+                         "autopar.plan", "autopar.ir", "autopar.cluster", "autopar.errors",
+                         "autopar.version"),
 }
+# The command line is the top of the house: it may import anything, and nothing but the
+# package's ``python -m autopar`` entry imports it.
+TOP_ROOM = "autopar.cli"
+TOP_ROOM_ENTRIES = ("autopar.__main__",)
 MAX_TOP_LEVEL_MODULES = 12
 # A module is read whole: past this many lines it holds more than one thing (Alpa's 2,000-line
 # files are what made it hard to carry).
@@ -89,10 +96,12 @@ def cycles(edges: list[ImportEdge]) -> list[list[str]]:
     return [sorted(c) for c in nx.strongly_connected_components(graph) if len(c) > 1]
 
 
-def room_violations(edges: list[ImportEdge]) -> list[str]:
-    def inside(module: str, prefix: str) -> bool:
-        return module == prefix or module.startswith(prefix + ".")
+def _inside(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
 
+
+def room_violations(edges: list[ImportEdge]) -> list[str]:
+    inside = _inside
     found = []
     for e in edges:
         for room, allowed in ALLOWED.items():
@@ -112,12 +121,24 @@ def test_each_room_imports_only_what_it_may():
     assert room_violations(edges) == []
 
 
+def imports_of_the_top(edges: list[ImportEdge]) -> list[str]:
+    """Imports of the command line from anywhere but itself and its entry points."""
+    return [f"{e.source}:{e.line} imports {e.target}" for e in edges
+            if _inside(e.target, TOP_ROOM) and not _inside(e.source, TOP_ROOM)
+            and e.source not in TOP_ROOM_ENTRIES]
+
+
+def test_nothing_imports_the_command_line():
+    _, edges = import_edges(PACKAGE)
+    assert imports_of_the_top(edges) == []
+
+
 def test_the_top_level_is_a_short_list_and_the_compiler_is_in_rooms():
     top = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(top) <= MAX_TOP_LEVEL_MODULES, top
     loose = sorted(p.name for p in (PACKAGE / "compiler").glob("*.py") if p.name != "__init__.py")
     assert loose == []
-    for room in ("plan", "ir", "compiler", "runtime", "frontend", "report"):
+    for room in ("plan", "ir", "compiler", "runtime", "frontend", "report", "cli"):
         assert ast.get_docstring(ast.parse((PACKAGE / room / "__init__.py").read_text())), room
 
 
@@ -188,6 +209,15 @@ def test_the_length_checks_find_a_long_module_and_a_long_method(tmp_path):
     assert long_functions(root, ("runtime", "ir"), 5) == [
         "autopar/runtime/driver.py:2 run: 7 lines"]
     assert long_functions(root, ("ir",), 1) == ["autopar/ir/short.py:1 f: 2 lines"]
+
+
+def test_the_checker_finds_a_room_importing_the_command_line(tmp_path):
+    root = _toy(tmp_path, {"__init__.py": "", "__main__.py": "from autopar.cli import main\n",
+                           "cli/__init__.py": "from autopar.cli.main import main\n",
+                           "cli/main.py": "import autopar.bench\nmain = 1\n",
+                           "bench/__init__.py": "def run():\n    from autopar.cli import main\n"})
+    assert imports_of_the_top(import_edges(root)[1]) == [
+        "autopar.bench:2 imports autopar.cli.main"]
 
 
 @pytest.mark.parametrize("lazy", [False, True])

@@ -15,8 +15,8 @@ import pytest
 from tanh_mlp import tanh_mlp_step
 
 import autopar
+from autopar.cli.main import main
 from autopar.errors import PlanError
-from autopar.frontend.cli.main import main
 
 # the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
 pytestmark = pytest.mark.e2e

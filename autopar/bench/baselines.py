@@ -14,7 +14,7 @@ from autopar.cluster import ClusterSpec
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.trace import TracedStep
 from autopar.methods import DataParallel, ShardParallel
-from autopar.plan import Plan
+from autopar.plan import MethodName, Plan
 
 # Megatron-LM's column/row rules live with the other hand plans (hand_plans.megatron_specs).
 
@@ -43,7 +43,8 @@ def plan_megatron(traced: TracedStep, cluster: ClusterSpec, time_limit_s: float 
     plan = plan_shard_parallel(traced, mesh, options, batch_argnums=(1,),
                                cluster_name=cluster.name,
                                devices_per_host=cluster.devices_per_host)
-    plan.planning.method_options = {"method": "shard", "mesh_shape": list(mesh.shape)}
+    plan.planning.method_options = {"method": MethodName.SHARD.value,
+                                    "mesh_shape": list(mesh.shape)}
     plan.planning.baseline = "megatron"
     # one program per step, as every one-stage plan pays (planners/dispatch)
     stage = plan.stages[0]

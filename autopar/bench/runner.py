@@ -36,7 +36,7 @@ from autopar.bench.suites import MEGATRON_FAMILIES, NO_MEMORY_LIMIT, Baseline, B
 from autopar.cluster import ClusterSpec, load_cluster
 from autopar.errors import AutoparError
 from autopar.models import ZooModel, get_model
-from autopar.plan import Plan
+from autopar.plan import MethodName, Plan
 
 Phase = Callable[[str], AbstractContextManager[None]]  # Progress.phase
 
@@ -175,7 +175,7 @@ def run_case(case: BenchCase, options: RunOptions, phase: Phase) -> dict[str, An
 
 # The one-stage methods a user would try by hand: "best simple" is the faster of them measured.
 SIMPLE_BASELINES = (Baseline.DATA_PARALLEL, Baseline.INTRA_OP)
-_CANDIDATE_OF = {Baseline.DATA_PARALLEL: "data", Baseline.INTRA_OP: "shard"}
+_CANDIDATE_OF = {Baseline.DATA_PARALLEL: MethodName.DATA, Baseline.INTRA_OP: MethodName.SHARD}
 
 
 def _measured_plans(case: BenchCase, searched: Searched) -> dict[str, Plan]:

@@ -1,8 +1,9 @@
-"""What users touch besides the decorator: the step-planning shell (``planning``: a saved
-plan, the on-disk cache, else the compiler), static non-array leaves of the arguments and
-outputs (``static_leaves``, as ``eqx.filter_jit``), the plan cache (``plan_cache``), the terminal
-progress line (``progress``) and the ``autopar`` command (``cli/``: one module per subcommand).
+"""The planning shell between the decorator (``api.py``) and the compiler: a saved plan, the
+on-disk cache, else the compiler (``planning``); static non-array leaves of the arguments and
+outputs (``static_leaves``, as ``eqx.filter_jit``); the plan cache (``plan_cache``); the
+terminal progress line (``progress``).
 
-May import: anything in ``autopar`` (it sits on top of the compiler, the runtime and the
-report).
+May import: the compiler, ``methods``, ``plan``, ``ir``, ``cluster``, ``errors`` and
+``version``. Never the runtime (the runtime's measured choice comes in as a hook), the API
+shell above it, or the command line (``autopar.cli``, the top of the house).
 """

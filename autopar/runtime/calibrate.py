@@ -31,7 +31,7 @@ Matmuls: ``m x m`` by ``m x m`` in each dtype, on one device alone and on every 
 (simulated CPU devices share the host's cores: with 8 of them busy each gets about an eighth).
 
 The fit (pure, no devices) is :mod:`autopar.compiler.cost.calibration_fit`; ``autopar profile``
-(:func:`autopar.frontend.cli.profile.calibrate_profile`) joins the two.
+(:func:`autopar.cli.profile.calibrate_profile`) joins the two.
 """
 
 from __future__ import annotations

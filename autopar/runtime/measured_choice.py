@@ -28,7 +28,7 @@ import numpy as np
 
 from autopar.ir.program import FlatProgram
 from autopar.ir.schedules import is_async
-from autopar.plan import Plan
+from autopar.plan import MethodName, Plan
 from autopar.runtime.executables import build_executable
 from autopar.runtime.shard import ShardedProgram
 
@@ -43,7 +43,7 @@ MIN_ROUNDS, MAX_ROUNDS = 5, 15
 MEASURED_SECONDS = 1.0
 # The simple plans by their candidate names: ``DataParallel()`` and ``ShardParallel()``, the
 # plans a user would try by hand. Both are always timed.
-SIMPLE_CANDIDATES = ("data", "shard")
+SIMPLE_CANDIDATES = (MethodName.DATA, MethodName.SHARD)
 
 
 @dataclass(frozen=True)

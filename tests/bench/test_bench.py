@@ -13,10 +13,10 @@ from autopar.bench.baselines import megatron_mesh, megatron_specs, plan_megatron
 from autopar.bench.harness import output_prefix
 from autopar.bench.machine import cpu_model
 from autopar.bench.measure import MEASURE_ROUNDS
+from autopar.cli.main import main
 from autopar.cluster import load_cluster
 from autopar.compiler.graph.trace import trace_step
 from autopar.errors import InvalidOptionError
-from autopar.frontend.cli.main import main
 from autopar.models import get_model
 from autopar.plan import MethodName, ShardingSpec
 

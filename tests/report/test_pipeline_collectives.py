@@ -11,7 +11,7 @@ import jax
 import pytest
 
 import autopar
-from autopar.frontend.cli.main import main
+from autopar.cli.main import main
 from autopar.models import get_model
 from autopar.plan import Plan
 

@@ -41,7 +41,7 @@ pytestmark = pytest.mark.e2e
 
 REPO = repo_paths.REPO
 SCRIPTS = repo_paths.DISTRIBUTED_SCRIPTS
-LAUNCH = "import sys; from autopar.frontend.cli.main import main; sys.exit(main(sys.argv[1:]))"
+LAUNCH = "import sys; from autopar.cli.main import main; sys.exit(main(sys.argv[1:]))"
 RUN_TIMEOUT_S = 300  # per launched run; a passing one takes seconds (a minute when loaded)
 
 

@@ -1,4 +1,4 @@
-"""The tiny training run of the lost-host test (tests/frontend/cli/test_launch_recovery.py):
+"""The tiny training run of the lost-host test (tests/cli/test_launch_recovery.py):
 its step, its state before step 1 and each step's batch, shared by the launched script
 (``fault_scripts/checkpointed_train.py``) and the test's references."""
 

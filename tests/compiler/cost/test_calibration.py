@@ -16,6 +16,8 @@ from autopar.calibration_samples import (
     MatmulSample,
     RuntimeSample,
 )
+from autopar.cli.main import main
+from autopar.cli.profile import calibrate_profile
 from autopar.cluster import ClusterSpec, load_cluster
 from autopar.compiler.cost.calibration_fit import (
     FitOptions,
@@ -29,8 +31,6 @@ from autopar.compiler.cost.collectives import collective_time
 from autopar.compiler.cost.estimate import roofline_time_s
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.errors import InvalidOptionError
-from autopar.frontend.cli.main import main
-from autopar.frontend.cli.profile import calibrate_profile
 from autopar.frontend.planning import plan_train_step
 from autopar.runtime.calibrate import (
     ProfileOptions,

@@ -178,8 +178,8 @@ def test_the_scanned_zoo_gpt_is_the_unrolled_one_stacked():
 
 
 def test_the_command_line_names_the_scanned_variant_gpt_scan():
+    from autopar.cli.sources import zoo_source
     from autopar.errors import InvalidOptionError
-    from autopar.frontend.cli.sources import zoo_source
 
     source = zoo_source("gpt-scan", "tiny", None, 3)
     assert source.name == "gpt-scan tiny"

@@ -14,9 +14,9 @@ import pytest
 from serial_reference import serial_run
 
 import autopar
+from autopar.cli.main import main as cli_main
 from autopar.cluster import load_cluster
 from autopar.compiler.planners import dispatch
-from autopar.frontend.cli.main import main as cli_main
 from autopar.models import get_model
 
 # the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')

@@ -139,7 +139,7 @@ def test_no_schedule_plans_names_each_reason():
 
 
 def test_the_command_line_allows_async_and_draws_the_steady_state(tmp_path, capsys):
-    from autopar.frontend.cli.main import main
+    from autopar.cli.main import main
 
     png = tmp_path / "lane.png"
     argv = ["compile", "--model", "mlp", "--devices", "8", "--method", "pipeshard",

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import pytest
 
 import autopar
+from autopar.cli.main import main
 from autopar.compiler.intra_op.problem import InfeasibleMemoryError
-from autopar.frontend.cli.main import main
 
 # the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
 pytestmark = pytest.mark.e2e

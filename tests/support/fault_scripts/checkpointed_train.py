@@ -1,5 +1,5 @@
 """A user's training script with periodic Orbax checkpoints, run by ``autopar launch``
-(tests/frontend/cli/test_launch_recovery.py).
+(tests/cli/test_launch_recovery.py).
 
     autopar launch --processes 2 --cpu-devices 2 -- \\
         python checkpointed_train.py CKPT OUT [--steps N] [--every K] [--die-at S --die-process P]

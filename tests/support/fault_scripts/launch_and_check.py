@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-import autopar.frontend.cli.launch
-from autopar.frontend.cli.main import main as autopar_main
+import autopar.cli.launch
+from autopar.cli.main import main as autopar_main
 
 
 def running(pid: int) -> bool:
@@ -55,7 +55,7 @@ class ClockFromReady:
 def main(argv: list[str]) -> None:
     piddir, ready = Path(argv[0]), int(argv[1])
     launch_args = argv[argv.index("--") + 1:]
-    autopar.frontend.cli.launch.time = ClockFromReady(piddir, ready)
+    autopar.cli.launch.time = ClockFromReady(piddir, ready)
     rc = autopar_main(["launch", *launch_args])
     pids = {p.stem: int(p.read_text()) for p in sorted(piddir.glob("*.pid"))}
     alive = [name for name, pid in pids.items() if running(pid)]

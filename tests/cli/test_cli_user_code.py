@@ -18,9 +18,9 @@ import repo_paths
 
 import autopar
 from autopar import __version__
+from autopar.cli.main import main
 from autopar.cluster import load_cluster
 from autopar.compiler.planners.status import PlanningStatus
-from autopar.frontend.cli.main import main
 from autopar.frontend.planning import plan_train_step
 from autopar.frontend.progress import Progress
 from autopar.models import get_model

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.e2e
 
 REPO = repo_paths.REPO
 SCRIPT = repo_paths.FAULT_SCRIPTS / "checkpointed_train.py"
-LAUNCH = "import sys; from autopar.frontend.cli.main import main; sys.exit(main(sys.argv[1:]))"
+LAUNCH = "import sys; from autopar.cli.main import main; sys.exit(main(sys.argv[1:]))"
 HANG_GUARD_S = 300  # per launched run; a passing one takes seconds (a minute when loaded)
 STEPS, EVERY, DIE_AT = 6, 2, 5
 

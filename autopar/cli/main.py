@@ -18,8 +18,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import NoReturn
 
+from autopar.cli.options import add_log_level
 from autopar.errors import AutoparError, InvalidOptionError, choices_text
-from autopar.frontend.cli.options import add_log_level
 from autopar.ir.schedules import ScheduleName
 from autopar.methods import Solver
 
@@ -140,13 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("plan_path", metavar="PLAN.json", help="the saved plan or --json report")
     add_log_level(s, argparse.SUPPRESS)
     _add_outputs(s)
-    from autopar.frontend.cli.profile import add_profile_parser  # light: imports no JAX
+    from autopar.cli.profile import add_profile_parser  # light: imports no JAX
 
     add_profile_parser(sub, _Parser)
-    from autopar.frontend.cli.bench import add_bench_parser  # light: imports no JAX
+    from autopar.cli.bench import add_bench_parser  # light: imports no JAX
 
     add_bench_parser(sub, _Parser)
-    from autopar.frontend.cli.launch import add_launch_parser
+    from autopar.cli.launch import add_launch_parser
 
     add_launch_parser(sub, _Parser)
     return parser
@@ -220,23 +220,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_USAGE
         with cli_logging(getattr(args, "log_level", "warning")) as handler:
             if args.command == "compile":
-                from autopar.frontend.cli.compile import run_compile
+                from autopar.cli.compile import run_compile
 
                 return run_compile(args, handler)
             if args.command == "show":
-                from autopar.frontend.cli.show import run_show
+                from autopar.cli.show import run_show
 
                 return run_show(args)
             if args.command == "profile":
-                from autopar.frontend.cli.profile import run_profile
+                from autopar.cli.profile import run_profile
 
                 return run_profile(args)
             if args.command == "bench":
-                from autopar.frontend.cli.bench import run_bench
+                from autopar.cli.bench import run_bench
 
                 return run_bench(args, handler)
             if args.command == "launch":
-                from autopar.frontend.cli.launch import run_launch
+                from autopar.cli.launch import run_launch
 
                 return run_launch(args)
         raise InvalidOptionError(f"unknown command '{args.command}'; valid commands: compile, "

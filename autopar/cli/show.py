@@ -14,8 +14,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from autopar.cli.output import emit_report
 from autopar.errors import InvalidOptionError, PlanError
-from autopar.frontend.cli.output import emit_report
 from autopar.plan import Plan
 from autopar.report.text import CompileReport
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from autopar.frontend.cli.main import main
+from autopar.cli.main import main
 from autopar.models import MODEL_NAMES
 
 # the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')

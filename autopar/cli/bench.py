@@ -23,7 +23,7 @@ PUBLISHED = "published"  # planned on described clusters only: its own runner
 def add_bench_parser(sub: Any, parser_class: type[argparse.ArgumentParser]) -> None:
     """Add the ``bench`` command to the ``autopar`` subparsers ``sub`` (made with
     ``parser_class``, the CLI's parser whose usage errors are one line)."""
-    from autopar.frontend.cli.options import LOG_LEVELS
+    from autopar.cli.options import LOG_LEVELS
 
     b = sub.add_parser(
         "bench", help="run a benchmark suite: plans, baselines, timings; JSONL, Markdown, PNG",
@@ -59,8 +59,8 @@ def run_bench(args: argparse.Namespace, log_handler: Any = None) -> int:
     from autopar.bench.harness import run_suite
     from autopar.bench.runner import RunOptions
     from autopar.bench.suites import get_suite
+    from autopar.cli.compile import set_local_devices
     from autopar.cluster import load_cluster
-    from autopar.frontend.cli.compile import set_local_devices
 
     if args.suite == PUBLISHED:
         return _run_published(args, log_handler)

@@ -38,7 +38,7 @@ _MAX_SIZE = 1 << 32  # 4 GiB per message: beyond it the run would not fit in dev
 def add_profile_parser(sub: Any, parser_class: type[argparse.ArgumentParser]) -> None:
     """Register ``autopar profile`` on the subparsers ``sub``; ``parser_class`` is the CLI's
     parser class, which ``sub`` already makes its parsers of (checked)."""
-    from autopar.frontend.cli.options import add_log_level
+    from autopar.cli.options import add_log_level
 
     p = sub.add_parser(
         "profile", help="time collectives and matmuls here; write a calibrated cluster JSON",
@@ -134,7 +134,7 @@ def run_profile(args: argparse.Namespace) -> int:
     base = load_cluster(args.base_cluster)
     out = _check_writable(args.out)
 
-    from autopar.frontend.cli.compile import set_local_devices
+    from autopar.cli.compile import set_local_devices
 
     set_local_devices(args.devices if args.devices is not None else 8)
     from autopar.frontend.progress import Progress

@@ -16,11 +16,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from autopar.cli.output import emit_report, write_text
+from autopar.cli.sources import StepSource, parse_argnums, user_source, zoo_source
 from autopar.cluster import ClusterSpec
 from autopar.compiler.graph.opgraph import OpGraph
 from autopar.errors import InvalidOptionError
-from autopar.frontend.cli.output import emit_report, write_text
-from autopar.frontend.cli.sources import StepSource, parse_argnums, user_source, zoo_source
 from autopar.frontend.progress import Progress
 from autopar.method_builders import METHOD_NAMES, method_from_name, pinned
 from autopar.methods import METHOD_TYPES, AutoParallel, Method, PipeshardParallel
