@@ -1,5 +1,6 @@
 """autopar: automatic data, operator and pipeline parallelism for JAX train steps."""
 
+from autopar import stages
 from autopar.api import ParallelizedStep, parallelize
 from autopar.checkpoints import restore_target
 from autopar.errors import (
@@ -54,5 +55,6 @@ __all__ = [
     "parallelize",
     "pinned",
     "restore_target",
+    "stages",
     "value_and_grad",
 ]

@@ -7,37 +7,24 @@ compiles it; later calls with the same signature reuse that.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import jax
 
-from autopar.compiler.graph.trace import TracedStep
-from autopar.compiler.planners.status import PlanningStatus
-from autopar.errors import InvalidOptionError, PlanError
-from autopar.frontend.planning import StaticBinding, bind_static_args, plan_train_step
-from autopar.frontend.progress import Progress
-from autopar.frontend.static_leaves import array_leaves, signature_part
+from autopar.errors import InvalidOptionError
+from autopar.frontend.static_leaves import signature_part
 from autopar.ir.flatten import argument_names
-from autopar.methods import METHOD_TYPES, AutoParallel, Method, PipeshardParallel
+from autopar.methods import METHOD_TYPES, AutoParallel, Method
 from autopar.plan import Plan
-from autopar.runtime.distributed import global_devices, same_plan_everywhere
-from autopar.runtime.executables import build_executable
-from autopar.runtime.local_cluster import local_cluster
-from autopar.runtime.measured_choice import measured_chooser
-from autopar.runtime.shard import ShardedProgram
+from autopar.stages import Compiled, Traced, trace
 
 if TYPE_CHECKING:
+    from autopar.compiler.graph.trace import TracedStep
     from autopar.runtime.pipeline_hlo import StepCollectives
-
-# seconds of planning before its progress line shows (on a terminal only)
-PROGRESS_DELAY_S = 3.0
-
 
 @dataclass(frozen=True)
 class RunStatistics:
@@ -48,21 +35,6 @@ class RunStatistics:
 
     compile_time_s: float
     plan_from_cache: bool
-    measured_idle_fraction: float | None = None
-
-
-@dataclass
-class CompiledStep:
-    """Everything made for one input signature: the trace, the plan, the executable."""
-
-    traced: TracedStep
-    plan: Plan
-    executable: Any  # ShardedProgram, or a PipelineRunner for pipelined steps
-    compile_time_s: float
-    binding: StaticBinding  # the static arguments and leaves; maps a call's arguments to
-    # the executable's flat inputs and its results back to the step's outputs
-    donated_leaves: tuple[bool, ...]  # per flat input (array leaf) of the dynamic arguments
-    from_cache: bool = False
     measured_idle_fraction: float | None = None
 
 
@@ -107,7 +79,7 @@ class ParallelizedStep:
                                          f"and {name}; {why}")
         self.devices = None if devices is None else list(devices)
         self.cache = cache
-        self._compiled_steps: dict[tuple, CompiledStep] = {}
+        self._compiled_steps: dict[tuple, Compiled] = {}
         self._argument_names: dict[int, list[str]] = {}  # per argument count
         self.saved_plan = plan  # run this plan instead of planning (checked against each trace)
         self.method_defaulted = False  # parallelize() without method=: the full search
@@ -116,9 +88,10 @@ class ParallelizedStep:
         # object's own
         functools.update_wrapper(self, fn, updated=())
 
-    def _signature_key(self, args: Sequence[Any]) -> tuple:
-        """Static arguments by value; for the others the tree structure, each array leaf's
-        shape and dtype and each non-array (static) leaf's type and value."""
+    def signature_key(self, args: Sequence[Any]) -> tuple:
+        """The input signature of a call with ``args``: static arguments by value; for the
+        others the tree structure, each array leaf's shape and dtype and each non-array
+        (static) leaf's type and value. A new signature traces, plans and compiles anew."""
         parts: list[Any] = []
         names = self._argument_names.get(len(args))
         if names is None:  # inspecting the signature on every call costs more than the rest
@@ -137,7 +110,11 @@ class ParallelizedStep:
             parts.append(signature_part(names[i], arg))
         return tuple(parts)
 
-    def _compiled(self, args: Sequence[Any]) -> CompiledStep:
+    def trace(self, *args: Any) -> Traced:
+        """Stage 1 of what a call does (``autopar.stages``): the step traced for these
+        arguments' input signature (arrays or ``jax.ShapeDtypeStruct``); ``.plan()`` and then
+        ``.compile()`` give the later stages. Each call traces anew; calling the step reuses
+        what it compiled per signature."""
         for name, argnums in (("batch_argnums", self.batch_argnums),
                               ("static_argnums", self.static_argnums),
                               ("donate_argnums", self.donate_argnums)):
@@ -146,92 +123,34 @@ class ParallelizedStep:
                     f"{name}={argnums} names argument {max(argnums)} but the step was called "
                     f"with {len(args)} argument(s)"
                 )
-        key = self._signature_key(args)
+        return trace(self, args, self.signature_key(args))
+
+    def _compiled(self, args: Sequence[Any]) -> Compiled:
+        key = self.signature_key(args)
         found = self._compiled_steps.get(key)
         if found is None:
-            found = self._compile(args)
+            found = self.trace(*args).plan().compile()
             self._compiled_steps[key] = found
         return found
 
-    def _compile(self, args: Sequence[Any]) -> CompiledStep:
-        start = time.perf_counter()
-        bound = bind_static_args(self.fn, args, self.static_argnums, self.batch_argnums)
-        method = self.method
-        if isinstance(method, AutoParallel | PipeshardParallel) and method.replicas == "auto":
-            # the pipeline runtime runs one replica: plan these devices with none
-            method = dataclasses.replace(method, replicas="none")
-        devices = self.devices if self.devices is not None else global_devices()
-        donated = tuple(
-            owner in self.donate_argnums
-            for owner in bound.dynamic_argnums
-            for _ in array_leaves(args[owner])
-        )
-        timed: dict[int, Any] = {}  # the measured choice's executable, by its plan's id
-        choose = measured_chooser(method, bound.array_inputs(args), devices, donated, timed)
-
-        # a planning longer than a few seconds shows its progress on a terminal
-        status = PlanningStatus()
-        with Progress(delay_s=PROGRESS_DELAY_S) as progress, \
-                progress.phase("planning", detail=status.describe):
-            planned = plan_train_step(
-                bound.fn, bound.dynamic_args, method, local_cluster(self.devices),
-                batch_argnums=bound.batch_argnums, fall_back_to_shard=self.method_defaulted,
-                saved_plan=self.saved_plan, cache=self.cache, status=status, choose=choose,
-            )
-        plan = same_plan_everywhere(planned.plan)  # across processes: process 0's plan
-        if plan.pipeline is not None and plan.pipeline.replicas > 1:
-            raise PlanError(
-                f"the plan runs its pipeline as {plan.pipeline.replicas} data-parallel "
-                "replicas on groups of hosts, which the pipeline runtime does not run yet (it "
-                "runs one replica); plan for these devices, or with PipeshardParallel on one "
-                "group of hosts")
-        for i, stage in enumerate(plan.stages):
-            beyond = [d for d in stage.device_ids if not 0 <= d < len(devices)]
-            if beyond:
-                raise PlanError(f"plan field stages[{i}].device_ids names device {beyond[0]}; "
-                                f"this step runs on {len(devices)} device(s), ids 0 to "
-                                f"{len(devices) - 1}")
-        executable = timed.get(id(plan))
-        if executable is None:
-            executable = build_executable(plan, planned.traced.program, planned.pipeline,
-                                          devices, donated)
-        elapsed = time.perf_counter() - start
-        return CompiledStep(planned.traced, plan, executable, elapsed, bound, donated,
-                            planned.from_cache)
-
-    def _flat_inputs(self, compiled: CompiledStep, args: Sequence[Any]) -> list[Any]:
-        return compiled.binding.array_inputs(args)
-
-    @staticmethod
-    def _outputs(compiled: CompiledStep, flat_out: Sequence[Any]) -> Any:
-        # the static (non-array) output leaves recorded at trace time go back in
-        return compiled.binding.outputs.restore(flat_out, compiled.traced.program.out_tree)
-
     def __call__(self, *args: Any) -> Any:
-        compiled = self._compiled(args)
-        flat = self._flat_inputs(compiled, args)
-        out = compiled.executable(flat)
-        _release_donated(flat, compiled.donated_leaves, out, _held(compiled.executable))
-        return self._outputs(compiled, out)
+        return self._compiled(args).run(args)
 
     def timed_call(self, *args: Any) -> tuple[Any, list[Any]]:
         """Run one step of a pipelined step with every task waited for and timed; returns the
         outputs and the task records (stage, kind, microbatch, start, end); the measured idle
         fraction is then in :meth:`run_statistics`."""
         compiled = self._compiled(args)
-        runner = compiled.executable
-        if not hasattr(runner, "records"):
+        if not compiled.executable.pipelined:
             raise InvalidOptionError("timed_call times pipeline tasks; this step is not "
                                      f"pipelined (method {compiled.plan.method})")
         from autopar.runtime.program_calls import measured_idle_fraction
 
-        flat = self._flat_inputs(compiled, args)
-        out = runner(flat, record=True)
-        _release_donated(flat, compiled.donated_leaves, out, _held(runner))
-        records = list(runner.records)
+        out = compiled.run(args, record=True)
+        records = compiled.executable.records
         compiled.measured_idle_fraction = measured_idle_fraction(
             records, len(compiled.plan.stages))
-        return self._outputs(compiled, out), records
+        return out, records
 
     def get_plan(self, *args: Any) -> Plan:
         """The plan for these arguments (arrays or ``jax.ShapeDtypeStruct``)."""
@@ -242,10 +161,8 @@ class ParallelizedStep:
         array leaf of the non-static arguments, in ``jax.tree_util.tree_leaves`` order
         (``autopar.runtime.input_layouts``; a checkpoint's restore target:
         :func:`autopar.restore_target`). The step accepts its inputs in any layout."""
-        from autopar.runtime.input_layouts import input_shardings
-
         compiled = self._compiled(args)
-        return input_shardings(compiled.executable, self._flat_inputs(compiled, args))
+        return compiled.executable.input_shardings(compiled.flat_inputs(args))
 
     def run_statistics(self, *args: Any) -> RunStatistics:
         """What was measured for these arguments' signature (see :class:`RunStatistics`)."""
@@ -260,12 +177,12 @@ class ParallelizedStep:
     def get_hlo_text(self, *args: Any) -> str:
         """The compiled, optimized HLO text of the sharded program for these arguments."""
         compiled = self._compiled(args)
-        if not isinstance(compiled.executable, ShardedProgram):
+        if compiled.executable.pipelined:
             raise InvalidOptionError(
                 "get_hlo_text covers one sharded program; a pipelined step compiles one "
                 "program per stage task (see get_plan for its stages)"
             )
-        return compiled.executable.hlo_text(self._flat_inputs(compiled, args))
+        return compiled.executable.hlo_text(compiled.flat_inputs(args))
 
     def get_hlo_collectives(self, *args: Any) -> dict[str, dict[str, int]]:
         """The collectives one step emits, counted in its compiled HLO: per kind (every kind
@@ -276,7 +193,7 @@ class ParallelizedStep:
         and counts every program its driver ran, each times its calls
         (``autopar.runtime.pipeline_hlo``); its stages apart: ``pipeline_collectives``."""
         compiled = self._compiled(args)
-        if isinstance(compiled.executable, ShardedProgram):
+        if not compiled.executable.pipelined:
             from autopar.runtime.hlo import count_collectives
 
             return count_collectives(self.get_hlo_text(*args), per_run=True).by_kind()
@@ -286,37 +203,11 @@ class ParallelizedStep:
         """A pipelined step's collectives per program and stage, from one step run on these
         arguments: an ``autopar.runtime.pipeline_hlo.StepCollectives``."""
         compiled = self._compiled(args)
-        if isinstance(compiled.executable, ShardedProgram):
-            raise InvalidOptionError("pipeline_collectives counts a pipelined step's programs; "
-                                     "this step is one program (see get_hlo_collectives)")
-        from autopar.runtime.pipeline_hlo import step_collectives
-
-        return step_collectives(compiled.executable, self._flat_inputs(compiled, args))
+        return compiled.executable.collectives(compiled.flat_inputs(args))
 
     def get_traced(self, *args: Any) -> TracedStep:
         """The traced program and its OpGraph for these arguments."""
         return self._compiled(args).traced
-
-
-def _held(executable: Any) -> set[int]:
-    """Ids of the arrays an executable keeps between calls (an asynchronous pipeline's weight
-    versions: a donated input may still be a version that microbatches in flight read)."""
-    held = getattr(executable, "held_arrays", None)
-    return {id(x) for x in held()} if held is not None else set()
-
-
-def _release_donated(flat: Sequence[Any], donated: Sequence[bool], outputs: Sequence[Any],
-                     held: Sequence[int] | set[int] = ()) -> None:
-    """Free the buffers of donated inputs that the step did not hand back or still holds, as
-    ``jax.jit``'s donation would (the pipeline runner and re-laid-out inputs cannot donate in
-    place)."""
-    if not any(donated):
-        return
-    returned = {id(o) for o in outputs} | set(held)
-    for leaf, give in zip(flat, donated, strict=True):
-        if give and isinstance(leaf, jax.Array) and id(leaf) not in returned \
-                and not leaf.is_deleted():
-            leaf.delete()
 
 
 def parallelize(

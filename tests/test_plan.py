@@ -216,3 +216,19 @@ def test_a_version_1_pipeline_without_remat_flags_reads_as_no_remat():
     data = version_1(pipelined_plan())
     del data["options"]["pipeline"]["remat_stages"]
     assert Plan.from_dict(data).pipeline.remat_stages == (False, False)
+
+
+def test_each_plan_class_names_each_field_once_in_its_json_table():
+    # one converter table per class is its JSON form both ways: a field added to the class
+    # and not to its table would silently not be saved
+    from autopar.plan.planning_record import RECORD_JSON, PlanningRecord
+    from autopar.plan.stage import STAGE_JSON
+    from autopar.plan.step import LAYOUT_JSON, PLAN_JSON, PipelineLayout
+
+    for cls, table, outside in ((Plan, PLAN_JSON, {"format_version"}),
+                                (StagePlan, STAGE_JSON, set()),
+                                (PipelineLayout, LAYOUT_JSON, set()),
+                                (PlanningRecord, RECORD_JSON, set())):
+        names = [f.name for f in table]
+        assert len(names) == len(set(names)), cls.__name__
+        assert set(names) | outside == set(cls.__dataclass_fields__), cls.__name__

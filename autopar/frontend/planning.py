@@ -1,10 +1,10 @@
 """From a train step and its arguments to a Plan: the shell around the compiler shared by the
 decorator and the CLI.
 
-``plan_train_step`` takes the plan from the saved plan it was given (checked against the step),
-or from the on-disk cache, or from the compiler (``compiler.planners.dispatch``: trace, then
-plan), in that order. It touches no devices: the caller builds the executable (``runtime/``)
-from what it returns.
+``plan_train_step`` is its two halves, ``trace_train_step`` then ``plan_traced``: the plan comes
+from the saved plan it was given (checked against the step), or from the on-disk cache, or from
+the compiler (``compiler.planners.dispatch``: trace, then plan), in that order. It touches no
+devices: the caller builds the executable (``runtime/``) from what it returns.
 """
 
 from __future__ import annotations
@@ -143,12 +143,72 @@ def plan_train_step(
     status: PlanningStatus | None = None,
     choose: Callable[[PlannedStep], PlannedStep] | None = None,
 ) -> PlannedStep:
-    """Trace ``fn(*args)`` and plan it with ``method`` on ``cluster``.
+    """Trace ``fn(*args)`` and plan it with ``method`` on ``cluster``: ``trace_train_step``,
+    then ``plan_traced`` (the arguments as there)."""
+    traced = trace_train_step(fn, args, method, batch_argnums=batch_argnums,
+                              fall_back_to_shard=fall_back_to_shard, saved_plan=saved_plan)
+    return plan_traced(traced, cluster, cache=cache, ilp_observer=ilp_observer, status=status,
+                       choose=choose)
+
+
+@dataclass(frozen=True)
+class TracedTrainStep:
+    """A train step traced for planning: the compiler's program of it (``step``), or, given a
+    saved plan, that plan already checked against the trace and cut as it says (``saved``).
+    ``fn`` and ``args``: what was traced (a cached plan made from the rematerialised step is
+    traced again with its cuts)."""
+
+    fn: Callable
+    args: tuple[Any, ...]
+    batch_argnums: tuple[int, ...]
+    step: StepProgram | None = None
+    saved: PlannedStep | None = None
+
+    @property
+    def traced(self) -> TracedStep:
+        """The traced program and its OpGraph."""
+        if self.saved is not None:
+            return self.saved.traced
+        assert self.step is not None, "one of step and saved is set"
+        return self.step.traced
+
+
+def trace_train_step(
+    fn: Callable,
+    args: Sequence[Any],
+    method: Method,
+    *,
+    batch_argnums: tuple[int, ...],
+    fall_back_to_shard: bool = False,
+    saved_plan: Plan | None = None,
+) -> TracedTrainStep:
+    """Trace ``fn(*args)`` for ``method`` (``compiler.planners.dispatch.trace``).
 
     ``fall_back_to_shard``: when the method is the default full search and the step cannot be
     pipelined (no ``autopar.value_and_grad``, or a batch the microbatches do not divide), plan
     one stage with the intra-operator pass instead, with a note in the plan.
-    ``saved_plan``: use this plan (checked against the trace) instead of planning.
+    ``saved_plan``: the plan to run instead of planning: the step is traced as the plan was
+    made (its pipeline cut, its recomputation) and checked against it (``PlanError``).
+    """
+    if saved_plan is not None:
+        return TracedTrainStep(fn, tuple(args), batch_argnums,
+                               saved=_with_saved_plan(fn, args, saved_plan, batch_argnums))
+    step = dispatch.trace(fn, args, method, batch_argnums, fall_back_to_shard=fall_back_to_shard)
+    return TracedTrainStep(fn, tuple(args), batch_argnums, step=step)
+
+
+def plan_traced(
+    traced: TracedTrainStep,
+    cluster: ClusterSpec,
+    *,
+    cache: Any = None,
+    ilp_observer: Callable[[Any, Any], None] | None = None,
+    status: PlanningStatus | None = None,
+    choose: Callable[[PlannedStep], PlannedStep] | None = None,
+) -> PlannedStep:
+    """The plan of a traced step on ``cluster``: the saved plan it was traced with, else the
+    on-disk cache's, else the compiler's (``compiler.planners.dispatch.plan``).
+
     ``cache``: an ``autopar.frontend.plan_cache.PlanCache`` to take the plan from, keyed by the
     traced program, method, cluster and batch arguments, and to store a new plan in.
     ``ilp_observer(problem, solution)``: called with each one-stage sharding ILP solved
@@ -157,20 +217,22 @@ def plan_train_step(
     candidates), the plan to keep and cache instead (the caller's measured choice: this
     module touches no devices).
     """
-    if saved_plan is not None:
-        return _with_saved_plan(fn, args, saved_plan, batch_argnums)
-    step = dispatch.trace(fn, args, method, batch_argnums, fall_back_to_shard=fall_back_to_shard)
+    if traced.saved is not None:
+        return traced.saved
+    step = traced.step
+    assert step is not None, "a traced step without a saved plan has its program"
     if status is not None:
         step.status = status
     key = None if ilp_observer is not None else _cache_key(cache, step, cluster)
     cached = _cached_plan(cache, key, step.traced)
     if cached is not None:
         if cached.remat_positions is not None:  # its ids name the rematerialised trace
-            step = dispatch.trace_for_plan(fn, args, cached, batch_argnums)
-        traced, pipeline = step.parts_for(cached)
+            step = dispatch.trace_for_plan(traced.fn, traced.args, cached,
+                                           traced.batch_argnums)
+        program, pipeline = step.parts_for(cached)
         if cached.is_pipelined and pipeline is None:  # a foreign entry: plan anew
             return _planned(step, cluster, cache, key, ilp_observer, choose)
-        return PlannedStep(traced, cached, pipeline, from_cache=True)
+        return PlannedStep(program, cached, pipeline, from_cache=True)
     return _planned(step, cluster, cache, key, ilp_observer, choose)
 
 

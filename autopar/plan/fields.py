@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from autopar.errors import PlanError
@@ -84,3 +85,47 @@ def object_of(value: Any, what: str) -> dict[str, Any]:
 
 
 Converter = Callable[[Any], Any]
+
+
+def same(value: Any) -> Any:
+    """A value written to JSON as it is."""
+    return value
+
+
+def listed(value: Any) -> list[Any]:
+    """A tuple written as a JSON list."""
+    return list(value)
+
+
+def optional(convert: Converter) -> Converter:
+    """``convert``, with None (JSON null) kept as None."""
+    return lambda value: None if value is None else convert(value)
+
+
+@dataclass(frozen=True)
+class JsonField:
+    """One field of a plan object's JSON form: how its value is read back (``load``, which
+    refuses what it cannot read with a TypeError or ValueError) and written (``dump``), and
+    the value a file that leaves it out gets (``default``; ``REQUIRED``: none, it must be
+    there). A class's table names each of its fields once: its JSON form, both ways, and the
+    fields a file may hold all come from it."""
+
+    name: str
+    load: Converter
+    dump: Converter = same
+    default: Any = REQUIRED
+
+
+def dump_fields(obj: Any, table: Sequence[JsonField]) -> dict[str, Any]:
+    """``obj``'s JSON object, field by field in the table's order."""
+    return {f.name: f.dump(getattr(obj, f.name)) for f in table}
+
+
+def load_fields(d: dict[str, Any], table: Sequence[JsonField], where: str,
+                also: Iterable[str] = ()) -> dict[str, Any]:
+    """The fields of the JSON object ``d`` read back by name (``where``: its place in the
+    plan, for errors); a field neither in the table nor in ``also`` is an error
+    (``reject_unknown``)."""
+    reject_unknown(d, [*(f.name for f in table), *also], where)
+    place = f"{where}." if where else ""
+    return {f.name: field_of(d, f.name, f.load, f"{place}{f.name}", f.default) for f in table}

@@ -5,10 +5,19 @@ from it), and its strict JSON form (a field of the plan's, ``planning``).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from copy import deepcopy
+from dataclasses import dataclass, field
 from typing import Any
 
-from autopar.plan.fields import field_of, object_of, reject_unknown, string
+from autopar.plan.fields import (
+    JsonField,
+    dump_fields,
+    field_of,
+    load_fields,
+    object_of,
+    optional,
+    string,
+)
 
 
 @dataclass
@@ -39,34 +48,14 @@ class PlanningRecord:
     estimate: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return dump_fields(self, RECORD_JSON)
 
     @classmethod
     def from_dict(cls, d: Any, where: str = "planning") -> PlanningRecord:
         d = field_of({"v": d}, "v", lambda v: object_of(v, "a planning record"), where)
-        reject_unknown(d, RECORD_FIELDS, where)
-
-        def get(name: str, convert: Any, default: Any) -> Any:
-            return field_of(d, name, convert, f"{where}.{name}", default)
-
-        def maybe(convert: Any) -> Any:
-            return lambda v: None if v is None else convert(v)
-
-        return cls(
-            planning_time_s=get("planning_time_s", maybe(float), None),
-            phases=get("phases", lambda v: {str(k): float(x) for k, x in
-                                            object_of(v, "phases").items()}, {}),
-            stage_search=get("stage_search", maybe(lambda v: dict(object_of(v, "stats"))), None),
-            estimated_idle_fraction=get("estimated_idle_fraction", maybe(float), None),
-            theoretical_idle_fraction=get("theoretical_idle_fraction", maybe(float), None),
-            method_options=get("method_options", lambda v: dict(object_of(v, "options")), {}),
-            baseline=get("baseline", maybe(string), None),
-            candidates=get("candidates", _candidates, []),
-            estimate=get("estimate", lambda v: dict(object_of(v, "estimate")), {}),
-        )
+        return cls(**load_fields(d, RECORD_JSON, where))
 
 
-RECORD_FIELDS = tuple(PlanningRecord.__dataclass_fields__)
 
 
 def _candidates(value: Any) -> list[dict[str, Any]]:
@@ -83,3 +72,26 @@ def _candidates(value: Any) -> list[dict[str, Any]]:
             raise TypeError(f"candidates[{i}].est_step_time_s must be a number or null")
         out.append(entry)
     return out
+
+
+def _phases(value: Any) -> dict[str, float]:
+    return {str(k): float(x) for k, x in object_of(value, "phases").items()}
+
+
+def _object(what: str) -> Any:
+    return lambda value: dict(object_of(value, what))
+
+
+# PlanningRecord's JSON form, field by field (``fields.JsonField``): every field may be left out;
+# nested values are written as copies (the record's own stay the record's)
+RECORD_JSON = (
+    JsonField("planning_time_s", optional(float), default=None),
+    JsonField("phases", _phases, dict, {}),
+    JsonField("stage_search", optional(_object("stats")), deepcopy, None),
+    JsonField("estimated_idle_fraction", optional(float), default=None),
+    JsonField("theoretical_idle_fraction", optional(float), default=None),
+    JsonField("method_options", _object("options"), deepcopy, {}),
+    JsonField("baseline", optional(string), default=None),
+    JsonField("candidates", _candidates, deepcopy, []),
+    JsonField("estimate", _object("estimate"), deepcopy, {}),
+)

@@ -8,10 +8,11 @@ from typing import Any
 
 from autopar.errors import PlanError
 from autopar.plan.fields import (
-    REQUIRED,
-    field_of,
+    JsonField,
+    dump_fields,
     is_int,
-    reject_unknown,
+    listed,
+    load_fields,
     spec_map,
     specs_to_json,
     use_key,
@@ -47,57 +48,14 @@ class StagePlan:
         return dict(zip(self.axis_names, self.logical_mesh_shape, strict=True))
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "index": self.index,
-            "layers": list(self.layers),
-            "submesh_shape": list(self.submesh_shape),
-            "logical_mesh_shape": list(self.logical_mesh_shape),
-            "axis_names": list(self.axis_names),
-            "device_ids": list(self.device_ids),
-            "input_shardings": specs_to_json(self.input_shardings),
-            "output_shardings": specs_to_json(self.output_shardings),
-            "tensor_shardings": specs_to_json(self.tensor_shardings),
-            "operand_shardings": {
-                f"{n}:{k}": v.to_json() for (n, k), v in self.operand_shardings.items()
-            },
-            "collectives": [c.to_dict() for c in self.collectives],
-            "est_time_s": self.est_time_s,
-            "est_compute_time_s": self.est_compute_time_s,
-            "est_communication_time_s": self.est_communication_time_s,
-            "peak_memory_bytes": self.peak_memory_bytes,
-            "memory_breakdown": dict(self.memory_breakdown),
-        }
+        return dump_fields(self, STAGE_JSON)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str = "stages[0]") -> StagePlan:
         """The stage of ``d``, checked (:meth:`check`); ``where`` names it in errors."""
         if not isinstance(d, dict):
             raise PlanError(f"plan field {where} must be an object, got {type(d).__name__}")
-
-        reject_unknown(d, STAGE_FIELDS, where)
-
-        def get(name: str, convert: Any, default: Any = REQUIRED) -> Any:
-            return field_of(d, name, convert, f"{where}.{name}", default)
-
-        stage = cls(
-            index=get("index", int),
-            layers=get("layers", tuple),
-            submesh_shape=get("submesh_shape", tuple),
-            logical_mesh_shape=get("logical_mesh_shape", tuple),
-            axis_names=get("axis_names", tuple),
-            device_ids=get("device_ids", tuple),
-            input_shardings=get("input_shardings", spec_map(str)),
-            output_shardings=get("output_shardings", spec_map(str)),
-            tensor_shardings=get("tensor_shardings", spec_map(int)),
-            operand_shardings=get("operand_shardings", spec_map(use_key), {}),
-            collectives=get("collectives",
-                            lambda v: [CollectiveEstimate.from_dict(c) for c in v]),
-            est_time_s=get("est_time_s", float),
-            est_compute_time_s=get("est_compute_time_s", float),
-            est_communication_time_s=get("est_communication_time_s", float),
-            peak_memory_bytes=get("peak_memory_bytes", int),
-            memory_breakdown=get("memory_breakdown", lambda v: {k: int(x) for k, x in v.items()}),
-        )
+        stage = cls(**load_fields(d, STAGE_JSON, where))
         stage.check(where)
         return stage
 
@@ -146,4 +104,27 @@ class StagePlan:
                                     f"{unknown[0]!r}; the stage's axes are {', '.join(names)}")
 
 
-STAGE_FIELDS = tuple(StagePlan.__dataclass_fields__)
+def _use_keys_json(specs: dict[tuple[int, int], ShardingSpec]) -> dict[str, Any]:
+    return {f"{n}:{k}": v.to_json() for (n, k), v in specs.items()}
+
+
+# StagePlan's JSON form, field by field (``fields.JsonField``)
+STAGE_JSON = (
+    JsonField("index", int),
+    JsonField("layers", tuple, listed),
+    JsonField("submesh_shape", tuple, listed),
+    JsonField("logical_mesh_shape", tuple, listed),
+    JsonField("axis_names", tuple, listed),
+    JsonField("device_ids", tuple, listed),
+    JsonField("input_shardings", spec_map(str), specs_to_json),
+    JsonField("output_shardings", spec_map(str), specs_to_json),
+    JsonField("tensor_shardings", spec_map(int), specs_to_json),
+    JsonField("operand_shardings", spec_map(use_key), _use_keys_json, {}),
+    JsonField("collectives", lambda v: [CollectiveEstimate.from_dict(c) for c in v],
+              lambda cs: [c.to_dict() for c in cs]),
+    JsonField("est_time_s", float),
+    JsonField("est_compute_time_s", float),
+    JsonField("est_communication_time_s", float),
+    JsonField("peak_memory_bytes", int),
+    JsonField("memory_breakdown", lambda v: {k: int(x) for k, x in v.items()}, dict),
+)

@@ -28,11 +28,14 @@ from typing import Any
 from autopar.errors import PlanError
 from autopar.ir.schedules import ScheduleName
 from autopar.plan.fields import (
-    REQUIRED,
+    JsonField,
+    dump_fields,
     field_of,
     is_int,
+    listed,
+    load_fields,
     object_of,
-    reject_unknown,
+    optional,
     string,
 )
 from autopar.plan.planning_record import PlanningRecord
@@ -102,30 +105,12 @@ class PipelineLayout:
     replicas: int = 1
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "schedule": str(self.schedule),
-            "num_chunks": self.num_chunks,
-            "layer_positions": list(self.layer_positions),
-            "piece_positions": list(self.piece_positions),
-            "stage_of_piece": list(self.stage_of_piece),
-            "remat_stages": list(self.remat_stages),
-            "replicas": self.replicas,
-        }
+        return dump_fields(self, LAYOUT_JSON)
 
     @classmethod
     def from_dict(cls, d: Any, where: str = "pipeline") -> PipelineLayout:
         d = field_of({"v": d}, "v", lambda v: object_of(v, "a pipeline layout"), where)
-        reject_unknown(d, LAYOUT_FIELDS, where)
-
-        def get(name: str, convert: Any, default: Any = REQUIRED) -> Any:
-            return field_of(d, name, convert, f"{where}.{name}", default)
-
-        return cls(schedule=get("schedule", string), num_chunks=get("num_chunks", int),
-                   layer_positions=get("layer_positions", _ints),
-                   piece_positions=get("piece_positions", _ints),
-                   stage_of_piece=get("stage_of_piece", _ints),
-                   remat_stages=get("remat_stages", _bools),
-                   replicas=get("replicas", _positive_int, 1))
+        return cls(**load_fields(d, LAYOUT_JSON, where))
 
     def __post_init__(self) -> None:
         try:
@@ -173,7 +158,16 @@ class PipelineLayout:
                             f"flag(s) for {num_stages} stage(s)")
 
 
-LAYOUT_FIELDS = tuple(PipelineLayout.__dataclass_fields__)
+# PipelineLayout's JSON form, field by field (``fields.JsonField``)
+LAYOUT_JSON = (
+    JsonField("schedule", string, str),
+    JsonField("num_chunks", int),
+    JsonField("layer_positions", _ints, listed),
+    JsonField("piece_positions", _ints, listed),
+    JsonField("stage_of_piece", _ints, listed),
+    JsonField("remat_stages", _bools, listed),
+    JsonField("replicas", _positive_int, default=1),
+)
 
 
 @dataclass
@@ -218,24 +212,7 @@ class Plan:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "format_version": self.format_version,
-            "method": self.method.value,
-            "mesh_shape": list(self.mesh_shape),
-            "cluster": self.cluster,
-            "stages": [s.to_dict() for s in self.stages],
-            "est_step_time_s": self.est_step_time_s,
-            "total_flops": self.total_flops,
-            "signature": [asdict(s) | {"shape": list(s.shape)} for s in self.signature],
-            "batch_argnums": list(self.batch_argnums),
-            "num_microbatches": self.num_microbatches,
-            "pipeline": None if self.pipeline is None else self.pipeline.to_dict(),
-            "remat_positions": (None if self.remat_positions is None
-                                else list(self.remat_positions)),
-            "planning": self.planning.to_dict(),
-            "solver": self.solver,
-            "notes": list(self.notes),
-        }
+        return {"format_version": self.format_version, **dump_fields(self, PLAN_JSON)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Plan:
@@ -252,38 +229,8 @@ class Plan:
         elif version != FORMAT_VERSION:
             raise PlanError(f"plan format version {version!r} is not supported; this autopar "
                             f"reads versions 1 and {FORMAT_VERSION}")
-        reject_unknown(d, PLAN_FIELDS, "")
-
-        def get(name: str, convert: Any, default: Any = REQUIRED) -> Any:
-            return field_of(d, name, convert, name, default)
-
-        def stages(value: Any) -> list[StagePlan]:
-            if not isinstance(value, list):
-                raise TypeError(f"a list of stages, got {type(value).__name__}")
-            return [StagePlan.from_dict(s, f"stages[{i}]") for i, s in enumerate(value)]
-
-        def signature(value: Any) -> list[InputSignature]:
-            return [InputSignature(string(s["path"]), _ints(s["shape"]), string(s["dtype"]))
-                    for s in value]
-
-        plan = cls(
-            method=get("method", MethodName),
-            mesh_shape=get("mesh_shape", _ints),
-            cluster=get("cluster", string),
-            stages=get("stages", stages),
-            est_step_time_s=get("est_step_time_s", float),
-            total_flops=get("total_flops", float),
-            signature=get("signature", signature),
-            batch_argnums=get("batch_argnums", _ints),
-            num_microbatches=get("num_microbatches", int),
-            pipeline=get("pipeline", lambda v: None if v is None
-                         else PipelineLayout.from_dict(v)),
-            remat_positions=get("remat_positions", lambda v: None if v is None else _ints(v)),
-            planning=get("planning", PlanningRecord.from_dict),
-            solver=get("solver", lambda v: None if v is None else dict(object_of(v, "solver"))),
-            notes=get("notes", lambda v: [string(n) for n in v]),
-            format_version=FORMAT_VERSION,
-        )
+        plan = cls(**load_fields(d, PLAN_JSON, "", also=("format_version",)),
+                   format_version=FORMAT_VERSION)
         plan.check()
         return plan
 
@@ -355,4 +302,32 @@ class Plan:
         return cls.from_json(text)
 
 
-PLAN_FIELDS = tuple(Plan.__dataclass_fields__)
+def _stages(value: Any) -> list[StagePlan]:
+    if not isinstance(value, list):
+        raise TypeError(f"a list of stages, got {type(value).__name__}")
+    return [StagePlan.from_dict(s, f"stages[{i}]") for i, s in enumerate(value)]
+
+
+def _signature(value: Any) -> list[InputSignature]:
+    return [InputSignature(string(s["path"]), _ints(s["shape"]), string(s["dtype"]))
+            for s in value]
+
+
+# Plan's JSON form, field by field (``fields.JsonField``), after its ``format_version``
+PLAN_JSON = (
+    JsonField("method", MethodName, lambda m: m.value),
+    JsonField("mesh_shape", _ints, listed),
+    JsonField("cluster", string),
+    JsonField("stages", _stages, lambda stages: [s.to_dict() for s in stages]),
+    JsonField("est_step_time_s", float),
+    JsonField("total_flops", float),
+    JsonField("signature", _signature,
+              lambda sig: [asdict(s) | {"shape": list(s.shape)} for s in sig]),
+    JsonField("batch_argnums", _ints, listed),
+    JsonField("num_microbatches", int),
+    JsonField("pipeline", optional(PipelineLayout.from_dict), optional(PipelineLayout.to_dict)),
+    JsonField("remat_positions", optional(_ints), optional(listed)),
+    JsonField("planning", PlanningRecord.from_dict, PlanningRecord.to_dict),
+    JsonField("solver", optional(lambda v: dict(object_of(v, "solver")))),
+    JsonField("notes", lambda v: [string(n) for n in v], listed),
+)

@@ -29,8 +29,7 @@ import numpy as np
 from autopar.ir.program import FlatProgram
 from autopar.ir.schedules import is_async
 from autopar.plan import MethodName, Plan
-from autopar.runtime.executables import build_executable
-from autopar.runtime.shard import ShardedProgram
+from autopar.runtime.executables import StepExecutable, build_executable
 
 # Timed rounds after the warm-up calls of each candidate (the first compiles): each round calls
 # every candidate once, in turn, so that a change in the machine's load falls on all of them
@@ -64,7 +63,7 @@ class MeasuredChoice:
 
     plan: Plan
     kept: Candidate
-    executable: Any
+    executable: StepExecutable
     seconds: dict[str, float]
 
 
@@ -96,17 +95,16 @@ def _zeros(template: Sequence[Any]) -> list[Any]:
     return [np.zeros(np.shape(a), a.dtype) if hasattr(a, "dtype") else a for a in template]
 
 
-def time_executables(executables: Sequence[Any], template: Sequence[Any],
+def time_executables(executables: Sequence[StepExecutable], template: Sequence[Any],
                      rounds: int | None = None) -> list[float]:
     """Median seconds of one call of each of ``executables`` on zeros shaped as
     ``template``: each called ``WARMUP_CALLS`` times first (the first compiles), then
     ``rounds`` rounds (default: by ``MEASURED_SECONDS``) calling each once in turn; the
     inputs are placed anew before every call, untimed."""
 
-    def call(executable: Any) -> float:
-        # a pipeline's driver places each stage's inputs itself
-        placed = (executable.place(_zeros(template))
-                  if isinstance(executable, ShardedProgram) else _zeros(template))
+    def call(executable: StepExecutable) -> float:
+        # a pipeline's driver places each stage's inputs itself (``place`` leaves them)
+        placed = executable.place(_zeros(template))
         jax.block_until_ready(placed)
         start = time.perf_counter()
         jax.block_until_ready(executable(placed))

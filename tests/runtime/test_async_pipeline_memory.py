@@ -91,7 +91,7 @@ def counted_run(schedule, stages):
     state = model.init_state(jax.random.key(0))
     batches = [model.make_batch(jax.random.key(10 + i)) for i in range(CALLS)]
     plan = step.get_plan(state, batches[0])
-    pp = step._compiled((state, batches[0])).executable.pp
+    pp = step._compiled((state, batches[0])).executable.runner.pp
     runner = CountingRunner.from_plan(pp, plan, jax.devices())
     out_tree = pp.outer.out_tree
     for batch in batches:

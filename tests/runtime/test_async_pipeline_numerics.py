@@ -107,9 +107,9 @@ def test_without_weight_stashing_the_result_leaves_the_reference(name, schedule)
     model = zoo(name)
     step, plan, _, _ = async_run(name, schedule, stages)
     compiled = step._compiled((model.init_state(jax.random.key(0)), batches(model)[0]))
-    runner = AsyncPipelineRunner.from_plan(compiled.executable.pp, plan, jax.devices(),
+    runner = AsyncPipelineRunner.from_plan(compiled.executable.runner.pp, plan, jax.devices(),
                                            stash_weights=False)
-    out_tree = compiled.executable.pp.outer.out_tree
+    out_tree = compiled.executable.runner.pp.outer.out_tree
     state = model.init_state(jax.random.key(0))
     for batch in batches(model):
         state, _ = jax.tree.unflatten(out_tree, runner(jax.tree.leaves((state, batch))))

@@ -9,7 +9,7 @@ from serial_reference import serial_run
 
 def xla_bytes(step, state, batch) -> int:
     compiled = step._compiled((state, batch))
-    executable = compiled.executable.compiled(step._flat_inputs(compiled, (state, batch)))
+    executable = compiled.executable.program().compiled(compiled.flat_inputs((state, batch)))
     m = executable.memory_analysis()
     return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
             - m.alias_size_in_bytes)
