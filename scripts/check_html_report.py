@@ -225,7 +225,7 @@ def check_screenshot(report: CompileReport, png: bytes, name: str) -> str:
 def build_report(method: str) -> CompileReport:
     """The compile report of GPT tiny under ``method`` (``shard`` or ``pipeshard``)."""
     import autopar
-    from autopar.api import local_cluster
+    from autopar.runtime.local_cluster import local_cluster
     from autopar.compiler.graph.trace import trace_step
     from autopar.models import get_model
 
