@@ -225,9 +225,9 @@ def check_screenshot(report: CompileReport, png: bytes, name: str) -> str:
 def build_report(method: str) -> CompileReport:
     """The compile report of GPT tiny under ``method`` (``shard`` or ``pipeshard``)."""
     import autopar
-    from autopar.runtime.local_cluster import local_cluster
     from autopar.compiler.graph.trace import trace_step
     from autopar.models import get_model
+    from autopar.runtime.local_cluster import local_cluster
 
     model = get_model("gpt", "tiny")
     traced = trace_step(model.train_step, model.abstract_inputs())
