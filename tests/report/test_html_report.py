@@ -210,6 +210,8 @@ def test_save_html_to_an_unwritable_path_is_one_line(pipe_report, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["a-file"]
 
 
+# the end-to-end tier: a real browser (headless Chromium) builds the page, about 12 s a case
+@pytest.mark.e2e
 def test_headless_chromium_renders_the_report(report, tmp_path):
     chromium = check.find_chromium()
     if chromium is None:
