@@ -9,6 +9,7 @@ from :meth:`OpGraph.to_networkx`, which converts back losslessly with :meth:`OpG
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -25,6 +26,15 @@ from autopar.ir.program import SCAN_EXIT as _EXIT
 # ``ir`` themselves.
 SCAN_ENTER: str = _ENTER.name
 SCAN_EXIT: str = _EXIT.name
+
+
+@functools.cache
+def _itemsize(dtype: str) -> int:
+    """Bytes per element of the dtype named ``dtype`` (looked up once per name)."""
+    try:
+        return np.dtype(dtype).itemsize
+    except TypeError:  # extended dtypes such as PRNG keys
+        return 8
 
 
 @dataclass(frozen=True)
@@ -46,10 +56,7 @@ class TensorInfo:
 
     @property
     def itemsize(self) -> int:
-        try:
-            return np.dtype(self.dtype).itemsize
-        except TypeError:  # extended dtypes such as PRNG keys
-            return 8
+        return _itemsize(self.dtype)
 
     @cached_property
     def nbytes(self) -> int:
