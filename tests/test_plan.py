@@ -1,5 +1,6 @@
 """Plan dataclasses: sharding spec notation and the lossless, versioned JSON round trip."""
 
+import dataclasses
 import json
 
 import pytest
@@ -132,8 +133,7 @@ def test_the_fields_the_runtime_reads_are_typed_and_round_trip():
     assert again == plan
     assert again.method is MethodName.PIPESHARD and again.is_pipelined
     assert again.pipeline.stage_of_piece == (0, 1) and again.pipeline.remat_stages == (False, True)
-    one = make_plan()
-    one.remat_positions = (3, 7)
+    one = dataclasses.replace(make_plan(), remat_positions=(3, 7))
     assert Plan.from_json(one.to_json()).remat_positions == (3, 7)
     assert not one.is_pipelined
 
@@ -204,7 +204,7 @@ def version_1(plan: Plan) -> dict:
 def test_version_1_files_load_as_the_same_plan_without_run_statistics(make):
     plan = make()
     if not plan.is_pipelined:
-        plan.remat_positions = (3, 7)
+        plan = dataclasses.replace(plan, remat_positions=(3, 7))
     loaded = Plan.from_dict(version_1(plan))
     assert loaded == plan
     assert loaded.format_version == FORMAT_VERSION
@@ -232,3 +232,18 @@ def test_each_plan_class_names_each_field_once_in_its_json_table():
         names = [f.name for f in table]
         assert len(names) == len(set(names)), cls.__name__
         assert set(names) | outside == set(cls.__dataclass_fields__), cls.__name__
+
+
+def test_a_plan_is_frozen_and_what_comes_later_makes_a_new_one():
+    plan = make_plan()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.notes = ("changed",)  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.planning.baseline = "changed"  # type: ignore[misc]
+    later = plan.noted("later")
+    first = plan.noted("first", first=True)
+    assert later.notes == (*plan.notes, "later") and first.notes == ("first", *plan.notes)
+    assert "later" not in plan.notes and "first" not in plan.notes
+    recorded = plan.with_planning(baseline="megatron")
+    assert recorded.planning.baseline == "megatron" and plan.planning.baseline is None
+    assert Plan.from_json(later.to_json()) == later

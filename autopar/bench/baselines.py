@@ -8,6 +8,7 @@ Everything here plans (pure, no devices); running a plan locally is ``autopar.be
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from autopar.bench.hand_plans import megatron_specs
 from autopar.cluster import ClusterSpec
@@ -43,18 +44,16 @@ def plan_megatron(traced: TracedStep, cluster: ClusterSpec, time_limit_s: float 
     plan = plan_shard_parallel(traced, mesh, options, batch_argnums=(1,),
                                cluster_name=cluster.name,
                                devices_per_host=cluster.devices_per_host)
-    plan.planning.method_options = {"method": MethodName.SHARD.value,
-                                    "mesh_shape": list(mesh.shape)}
-    plan.planning.baseline = "megatron"
     # one program per step, as every one-stage plan pays (planners/dispatch)
     stage = plan.stages[0]
-    plan.est_step_time_s = stage.est_time_s + cluster.runtime.call_s
-    plan.planning.estimate = {"total_s": plan.est_step_time_s,
-                              "compute_s": stage.est_compute_time_s,
-                              "communication_s": stage.est_communication_time_s,
-                              "runtime_s": cluster.runtime.call_s}
-    plan.planning.planning_time_s = time.perf_counter() - start
-    return plan
+    total = stage.est_time_s + cluster.runtime.call_s
+    return replace(plan, est_step_time_s=total).with_planning(
+        method_options={"method": MethodName.SHARD.value, "mesh_shape": list(mesh.shape)},
+        baseline="megatron",
+        estimate={"total_s": total, "compute_s": stage.est_compute_time_s,
+                  "communication_s": stage.est_communication_time_s,
+                  "runtime_s": cluster.runtime.call_s},
+        planning_time_s=time.perf_counter() - start)
 
 
 def plan_single_device(traced: TracedStep, cluster: ClusterSpec) -> Plan:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from autopar.bench.hand_oracle import (
@@ -71,10 +72,8 @@ def plan_hand(traced: TracedStep, cluster: ClusterSpec, mesh_shape: tuple[int, i
     mesh = LogicalMesh.from_cluster(cluster, mesh_shape)
     plan = plan_pinned(traced, mesh, specs, cluster_name=cluster.name,
                        devices_per_host=cluster.devices_per_host, time_limit_s=time_limit_s)
-    stage = plan.stages[0]
     runtime = one_call_time_s(cluster.runtime)
-    plan.est_step_time_s = stage.est_time_s + runtime
-    return plan
+    return replace(plan, est_step_time_s=plan.stages[0].est_time_s + runtime)
 
 
 def measure_hand(step_fn: Any, inputs: Any, specs: dict, devices: Sequence[Any],

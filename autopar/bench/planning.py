@@ -55,7 +55,7 @@ def full_search(model: ZooModel, cluster: ClusterSpec, *, microbatches: int,
     step = dispatch.trace(marked.train_step, marked.abstract_inputs(), method, (1,))
     trace_s = time.perf_counter() - start
     planned = dispatch.plan(step, cluster)
-    planned.plan.batch_argnums = (1,)
+    # (the plan's batch argument is the step's (1,): traced so above)
     return Searched(planned.plan, {n: c.plan for n, c in planned.candidates.items()},
                     trace_s, step.traced, step.pipeline, dict(planned.candidates))
 
@@ -214,14 +214,11 @@ def plan_one_stage_pipeline(model: ZooModel, cluster: ClusterSpec, *, microbatch
                                            stages="uniform", layers=pipeline_layers,
                                            per_microbatch_statistics=True)
         step = dispatch.trace(marked.train_step, marked.abstract_inputs(), method, (1,))
-        plan = dispatch.plan(step, cluster).plan
-        plan.batch_argnums = (1,)
-        return plan
+        return dispatch.plan(step, cluster).plan
 
     pipelined = pipeline(microbatches)
     mesh = tuple(pipelined.stages[0].logical_mesh_shape)
     shard = autopar.ShardParallel(mesh_shape=mesh)
     step = dispatch.trace(marked.train_step, marked.abstract_inputs(), shard, (1,))
     same = dispatch.plan(step, cluster).plan
-    same.batch_argnums = (1,)
     return OneStagePipelinePlans(pipelined, pipeline(1), same)

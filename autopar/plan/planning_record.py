@@ -5,6 +5,7 @@ from it), and its strict JSON form (a field of the plan's, ``planning``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +21,7 @@ from autopar.plan.fields import (
 )
 
 
-@dataclass
+@dataclass(frozen=True)
 class PlanningRecord:
     """How the plan was found, for reports and benchmarks only (nothing runs from it).
 
@@ -44,8 +45,11 @@ class PlanningRecord:
     theoretical_idle_fraction: float | None = None
     method_options: dict[str, Any] = field(default_factory=dict)
     baseline: str | None = None
-    candidates: list[dict[str, Any]] = field(default_factory=list)
+    candidates: Sequence[dict[str, Any]] = ()
     estimate: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "candidates", tuple(self.candidates))
 
     def to_dict(self) -> dict[str, Any]:
         return dump_fields(self, RECORD_JSON)
@@ -92,6 +96,6 @@ RECORD_JSON = (
     JsonField("theoretical_idle_fraction", optional(float), default=None),
     JsonField("method_options", _object("options"), deepcopy, {}),
     JsonField("baseline", optional(string), default=None),
-    JsonField("candidates", _candidates, deepcopy, []),
+    JsonField("candidates", _candidates, lambda rows: deepcopy(list(rows)), ()),
     JsonField("estimate", _object("estimate"), deepcopy, {}),
 )

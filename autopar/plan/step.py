@@ -20,7 +20,8 @@ import json
 import math
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -170,14 +171,19 @@ LAYOUT_JSON = (
 )
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
-    """A complete parallelization plan for one train step and one input signature."""
+    """A complete parallelization plan for one train step and one input signature.
+
+    Frozen: a planner builds it whole, and what comes later (a note, the search's record)
+    makes a new plan (``noted``, ``with_planning``, ``dataclasses.replace``), so a plan held
+    by a cache or by the search's candidates never changes under its holder. ``stages`` and
+    ``notes`` are kept as tuples."""
 
     method: MethodName
     mesh_shape: tuple[int, ...]
     cluster: str
-    stages: list[StagePlan]
+    stages: Sequence[StagePlan]
     est_step_time_s: float
     total_flops: float
     signature: list[InputSignature] = field(default_factory=list)
@@ -187,11 +193,21 @@ class Plan:
     remat_positions: tuple[int, ...] | None = None
     planning: PlanningRecord = field(default_factory=PlanningRecord)
     solver: dict[str, Any] | None = None
-    notes: list[str] = field(default_factory=list)
+    notes: Sequence[str] = ()
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
-        self.method = MethodName(self.method)
+        object.__setattr__(self, "method", MethodName(self.method))
+        object.__setattr__(self, "stages", tuple(self.stages))
+        object.__setattr__(self, "notes", tuple(self.notes))
+
+    def noted(self, *notes: str, first: bool = False) -> Plan:
+        """This plan with ``notes`` added after its own (``first``: before them)."""
+        return replace(self, notes=(*notes, *self.notes) if first else (*self.notes, *notes))
+
+    def with_planning(self, **changes: Any) -> Plan:
+        """This plan with these fields of its planning record changed."""
+        return replace(self, planning=replace(self.planning, **changes))
 
     @property
     def is_pipelined(self) -> bool:

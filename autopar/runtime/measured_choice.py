@@ -160,10 +160,7 @@ def _record(chosen: Candidate, kept: Candidate, seconds: dict[str, float]) -> Pl
     if kept is chosen:
         note = (f"measured on these devices (medians of steps run in turn): "
                 f"{order}; the search's choice is the fastest")
-        plan = chosen.plan
-        plan.planning.candidates = rows
-        plan.notes.insert(0, note)
-        return plan
+        return chosen.plan.noted(note, first=True).with_planning(candidates=rows)
     estimated = kept.plan.est_step_time_s / chosen.plan.est_step_time_s
     note = (f"measured on these devices (medians of steps run in turn): "
             f"{order}; kept {kept.name}, estimated {estimated:.2f}x the search's choice "
@@ -173,12 +170,11 @@ def _record(chosen: Candidate, kept: Candidate, seconds: dict[str, float]) -> Pl
     options = dict(record.method_options)
     options["chosen"] = plan.method.value
     options["chosen_options"] = plan.planning.method_options
-    plan.planning = replace(plan.planning, candidates=rows, method_options=options,
-                            planning_time_s=record.planning_time_s, phases=record.phases)
     # the search's notes (what it compared, what it could not plan), then the kept plan's own
-    plan.notes = [note, *chosen.plan.notes,
-                  *[n for n in plan.notes if n not in chosen.plan.notes]]
-    return plan
+    notes = (note, *chosen.plan.notes, *[n for n in plan.notes if n not in chosen.plan.notes])
+    return replace(plan, notes=notes).with_planning(
+        candidates=rows, method_options=options, planning_time_s=record.planning_time_s,
+        phases=record.phases)
 
 
 def search_candidates(plan: Plan, program: FlatProgram, pipeline: Any,

@@ -59,7 +59,7 @@ def test_html_has_a_candidates_section(auto_report):
 
 def test_json_carries_candidates_estimate_and_ilp_statuses(auto_report):
     doc = json.loads(json.dumps(auto_report.to_dict()))
-    assert doc["candidates"] == auto_report.plan.planning.candidates
+    assert doc["candidates"] == list(auto_report.plan.planning.candidates)
     assert doc["estimate"]["total_s"] == pytest.approx(auto_report.plan.est_step_time_s)
     statuses = doc["stage_cost_ilps"]
     assert statuses and sum(statuses.values()) >= 1

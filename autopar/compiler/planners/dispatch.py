@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from autopar.cluster import ClusterSpec
@@ -132,12 +133,12 @@ def plan(step: StepProgram, cluster: ClusterSpec, *,
         else:
             planned = _plan_one_stage_with_remat(step, cluster, ilp_observer)
     dropped = planned.traced.program.dropped_constraints
+    notes = list(step.notes)
     if dropped and not planned.plan.is_pipelined:
-        planned.plan.notes.append(
+        notes.insert(0,
             f"the step's {dropped} with_sharding_constraint call(s) run as plain copies: the "
             "plan sets every layout (kept, XLA resharded around the ones it did not choose)")
-    planned.plan.notes.extend(step.notes)
-    return planned
+    return planned.with_plan(planned.plan.noted(*notes)) if notes else planned
 
 
 def _plan_pipelined(step: StepProgram, method: PipeshardParallel, traced: TracedStep,
@@ -150,21 +151,20 @@ def _plan_pipelined(step: StepProgram, method: PipeshardParallel, traced: Traced
     step.status.enter("pipelines")
     cache = layer_cost_cache(method)
     cache.status = step.status
-    planned = PlannedProgram(traced, plan_pipeline(pipeline, method, cluster, cache=cache),
-                             pipeline)
-    planned.plan.batch_argnums = step.batch_argnums
+    plan = replace(plan_pipeline(pipeline, method, cluster, cache=cache),
+                   batch_argnums=step.batch_argnums)
     dropped = pipeline.dropped_constraints
     if dropped:
-        planned.plan.notes.append(
+        plan = plan.noted(
             f"the loss function's {dropped} with_sharding_constraint call(s) are left out of "
             "the pipeline: each stage runs on its own submesh, in the plan's layouts")
     inexact = pipeline.inexact_draws
     if inexact:
-        planned.plan.notes.append(
+        plan = plan.noted(
             "the loss function draws random numbers that each microbatch draws anew, so they "
             "differ from an unpipelined step's (same distribution): "
             + "; ".join(dict.fromkeys(inexact)))
-    return planned
+    return PlannedProgram(traced, plan, pipeline)
 
 
 def _plan_one_stage_with_remat(step: StepProgram, cluster: ClusterSpec,
@@ -197,9 +197,9 @@ def _plan_one_stage_with_remat(step: StepProgram, cluster: ClusterSpec,
     if remat != "none" and (planned is None
                             or not _fits(planned.plan, method, cluster, budget)):
         if planned is not None and _beyond_recompute(planned.plan, method, cluster, budget):
-            planned.plan.notes.append("remat='auto' left off: the state alone does not fit, "
-                                      "and recomputing layers saves activations only")
-            return planned
+            return planned.with_plan(planned.plan.noted(
+                "remat='auto' left off: the state alone does not fit, and recomputing layers "
+                "saves activations only"))
         if planned is not None:
             check_can_win(planned.plan, beat)
         planned = _plan_rematerialised(step, cluster, planned, ilp_observer, beat)
@@ -247,18 +247,17 @@ def _plan_rematerialised(step: StepProgram, cluster: ClusterSpec,
             raise InvalidOptionError(f"remat='layers' needs the step's gradient from "
                                      f"autopar.value_and_grad or autopar.grad: "
                                      f"{remat}") from None
-        planned.plan.notes.append("remat='auto' left off: the step has no autopar.value_and_grad")
-        return planned
+        return planned.with_plan(planned.plan.noted(
+            "remat='auto' left off: the step has no autopar.value_and_grad"))
     traced, positions = remat
     plan = _plan_one_stage(traced, step.method, cluster, step.batch_argnums, ilp_observer,
                            step.memo, beat)
     if planned is not None and plan.peak_memory_bytes >= planned.plan.peak_memory_bytes:
-        planned.plan.notes.append(
-            "remat='auto' tried the layers under jax.checkpoint: no memory saved")
-        return planned
-    plan.remat_positions = tuple(positions)
-    plan.notes.append(f"rematerialised: the loss function's {len(positions) + 1} layers run "
-                      "under jax.checkpoint (the backward recomputes them)")
+        return planned.with_plan(planned.plan.noted(
+            "remat='auto' tried the layers under jax.checkpoint: no memory saved"))
+    plan = replace(plan, remat_positions=tuple(positions)).noted(
+        f"rematerialised: the loss function's {len(positions) + 1} layers run under "
+        "jax.checkpoint (the backward recomputes them)")
     return PlannedProgram(traced, plan)
 
 
@@ -294,17 +293,14 @@ def _plan_one_stage(
                 else plan_zero(traced, mesh, stage=2 if isinstance(method, Zero2Parallel)
                                else 3, **common))
         plan = memo.fastest[data_key]
-    plan.planning.method_options = {"method": method.name.value,
-                                    "mesh_shape": list(mesh.shape)}
     stage = plan.stages[0]
     runtime = one_call_time_s(cluster.runtime)
-    plan.est_step_time_s = stage.est_time_s + runtime
-    plan.planning.estimate = {"total_s": plan.est_step_time_s,
-                              "compute_s": stage.est_compute_time_s,
-                              "communication_s": stage.est_communication_time_s,
-                              "runtime_s": runtime}
-    plan.planning.planning_time_s = time.perf_counter() - start
-    return plan
+    total = stage.est_time_s + runtime
+    return replace(plan, est_step_time_s=total).with_planning(
+        method_options={"method": method.name.value, "mesh_shape": list(mesh.shape)},
+        estimate={"total_s": total, "compute_s": stage.est_compute_time_s,
+                  "communication_s": stage.est_communication_time_s, "runtime_s": runtime},
+        planning_time_s=time.perf_counter() - start)
 
 
 def plan_traced(traced: TracedStep, method: Method, cluster: ClusterSpec, *,

@@ -309,11 +309,11 @@ class FullSearch:
                 f"({least.plan.method.value}); raise memory_budget_bytes, or use a larger "
                 "cluster")
         name, best = min(fitting, key=lambda item: item[1].plan.est_step_time_s)
-        self.record(best.plan, name)
-        return PlannedProgram(best.traced, best.plan, best.pipeline, candidates=found)
+        return PlannedProgram(best.traced, best.plan, best.pipeline, candidates=found).with_plan(
+            self.record(best.plan, name))
 
-    def record(self, plan: Plan, name: str) -> None:
-        """The search's notes, options, candidate rows and phases on the chosen ``plan``."""
+    def record(self, plan: Plan, name: str) -> Plan:
+        """``plan`` with the search's notes, options, candidate rows and phases."""
         rows, method = self.rows, self.method
         chosen_name = next((r["name"] for r in rows if r.get("chosen_plan") is plan), name)
         for row in rows:
@@ -328,23 +328,24 @@ class FullSearch:
             summary += (f"; next: {runner_up['name']} (est. "
                         f"{runner_up['est_step_time_s']:.4g} s, "
                         f"{runner_up['est_step_time_s'] / plan.est_step_time_s:.2f}x)")
-        plan.notes.insert(0, summary)
-        if self.step.annotations is not None:
-            plan.notes.insert(1, annotations_note(self.step.annotations, rows, plan))
+        first = [summary]
         if self.skipped:
-            plan.notes.insert(1, f"the time budget ({method.time_budget_s:g} s) was spent "
-                                 f"before {', '.join(self.skipped)}: not planned")
+            first.append(f"the time budget ({method.time_budget_s:g} s) was spent before "
+                         f"{', '.join(self.skipped)}: not planned")
+        if self.step.annotations is not None:
+            first.append(annotations_note(self.step.annotations, rows, plan))
         pipelined = self.found.get("pipeshard")
+        last = []
         if self.step.pipeline is not None and pipelined is not None and \
                 plan is not pipelined.plan:
-            plan.notes.extend(f"pipelined candidates: {n}" for n in self.ilp_notes)
+            last = [f"pipelined candidates: {n}" for n in self.ilp_notes]
         options = {"method": "auto", "chosen": plan.method.value,
                    "candidates": list(method.candidates),
                    "num_microbatches": method.num_microbatches, "schedule": method.schedule,
                    "remat": method.remat, "time_budget_s": method.time_budget_s,
                    "skipped": self.skipped}
-        plan.planning.method_options = options | {
-            "chosen_options": plan.planning.method_options}
-        plan.planning.candidates = rows
-        plan.planning.planning_time_s = time.perf_counter() - self.start
-        plan.planning.phases = self.phases | {"total_s": plan.planning.planning_time_s}
+        seconds = time.perf_counter() - self.start
+        return plan.noted(*first, first=True).noted(*last).with_planning(
+            method_options=options | {"chosen_options": plan.planning.method_options},
+            candidates=rows, planning_time_s=seconds,
+            phases=self.phases | {"total_s": seconds})

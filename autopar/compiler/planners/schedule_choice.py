@@ -88,7 +88,6 @@ def choose_schedule(pp: PipelineProgram, method: PipeshardParallel, cluster: Clu
         phases[f"search {name}_s"] = found.layers_s + found.stage_costs_s + found.stage_dp_s
     phases["total_s"] = sum(phases[p] for p in ("layers_s", "stage_costs_s", "stage_dp_s",
                                                    "stage_plans_s"))
-    plan.planning.phases = phases
     rows = []
     for name in auto_schedules(method.allow_async):
         rows.append({"name": f"schedule {name}", "method": MethodName.PIPESHARD.value,
@@ -104,8 +103,8 @@ def choose_schedule(pp: PipelineProgram, method: PipeshardParallel, cluster: Clu
     summary = async_summary(plan)
     if summary is not None:
         notes.append(summary)
-    plan.notes[:0] = notes
-    plan.planning.method_options = plan.planning.method_options | {
-        "schedule": "auto", "allow_async": method.allow_async, "chosen_schedule": str(best)}
-    plan.planning.candidates = rows
-    return plan
+    return plan.noted(*notes, first=True).with_planning(
+        phases=phases, candidates=rows,
+        method_options=plan.planning.method_options | {
+            "schedule": "auto", "allow_async": method.allow_async,
+            "chosen_schedule": str(best)})

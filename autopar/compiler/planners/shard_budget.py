@@ -131,6 +131,6 @@ def plan_within_budget(traced: TracedStep, method: ShardParallel, cluster: Clust
             raise
         what = ("the memory budget" if budget is not None
                 else f"the device's {limit / 2**30:.1f} GiB")
-        plan.notes.append(f"the fastest plan did not fit {what}; solved again with it as "
+        plan = plan.noted(f"the fastest plan did not fit {what}; solved again with it as "
                           "the per-device memory budget")
     return plan

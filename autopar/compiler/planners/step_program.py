@@ -156,3 +156,11 @@ class PlannedProgram:
     plan: Plan
     pipeline: PipelineProgram | None = None
     candidates: dict[str, PlannedProgram] = field(default_factory=dict)
+
+    def with_plan(self, plan: Plan) -> PlannedProgram:
+        """This program with ``plan`` in place of its plan, also as the candidate that held
+        it (the chosen candidate is found by its plan)."""
+        candidates = {name: (PlannedProgram(c.traced, plan, c.pipeline, c.candidates)
+                             if c.plan is self.plan else c)
+                      for name, c in self.candidates.items()}
+        return PlannedProgram(self.traced, plan, self.pipeline, candidates)
