@@ -18,6 +18,7 @@ from autopar.compiler.inter_op.piece_cost import (
     BuiltPiece,
     PieceCost,
     build_piece,
+    meets_state_split,
     nbytes,
     optimizer_state_per_parameter,
     piece_signature,
@@ -68,6 +69,9 @@ class LayerCostCache:
     num_microbatches: int = 1
     solved: dict[tuple, tuple[PieceCost, Piece]] = field(default_factory=dict)
     ilp_solves: int = 0
+    # memory-lean variants whose plan was a less-split one's, solved for nothing
+    # (``meets_state_split``)
+    derived_levels: int = 0
     # strategy lists, resharding costs and matrices per mesh, shared by every piece on it
     mesh_caches: dict[tuple, MeshCaches] = field(default_factory=dict)
     # each piece's structure hash, by its first and last equation
@@ -235,7 +239,11 @@ class LayerCostCache:
             self.work = step_work(pp)
 
     def _solve_new(self, pp: PipelineProgram, signature: str, mesh: LogicalMesh,
-                   options: IntraOpOptions, split: int) -> PieceCost:
+                   options: IntraOpOptions, split: int,
+                   lower: Sequence[PieceCost] = ()) -> PieceCost:
+        """The structure's plan on ``mesh`` at ``split``: one of its ``lower`` (less-split)
+        variants' plans where that already splits every parameter so many ways
+        (``meets_state_split``: marked ``derived``), else its ILP solved."""
         graph, paths, traced_from = self.graphs[signature]
         work, state_per_parameter = self.work, self.state_per_parameter
         assert work is not None and state_per_parameter is not None, "read by _prepare first"
@@ -247,11 +255,17 @@ class LayerCostCache:
         self.built[(signature, mesh_key)] = built  # the most recently used last
         while len(self.built) > BUILT_PROBLEMS_KEPT:
             del self.built[next(iter(self.built))]
+        for prior in lower if split > 1 else ():
+            if meets_state_split(built, options.batch_argnums, prior, split):
+                return replace(prior, derived=True)
         return solve_piece(pp, traced_from, graph, paths, mesh, options, built,
                             state_per_parameter, self.num_microbatches, split)
 
     def _record(self, key: tuple, cost: PieceCost) -> None:
         self.solved[key] = (cost, self.graphs[key[0]][2])
+        if cost.derived:
+            self.derived_levels += 1
+            return
         self.ilp_solves += 1
         self.statuses[solve_status(cost)] += 1
         if self.status is not None:
@@ -294,13 +308,16 @@ class LayerCostCache:
 
         def solve(mesh: LogicalMesh) -> list[tuple[tuple, PieceCost]]:
             found = {}
-            for split in (1, *state_split_levels(mesh.shape)):
+            levels = (1, *state_split_levels(mesh.shape))
+            for k, split in enumerate(levels):
                 for sig in firsts:
                     key = (sig, *_mesh_key(mesh), split)
                     if key in self.solved:
                         found[key] = self.solved[key][0]
                     else:
-                        found[key] = self._solve_new(pp, sig, mesh, self.options, split)
+                        lower = [found[(sig, *_mesh_key(mesh), s)] for s in levels[:k]]
+                        found[key] = self._solve_new(pp, sig, mesh, self.options, split,
+                                                     lower)
                 if not overfilled(mesh, layer_costs(found, mesh, split)):
                     break
             return [(k, c) for k, c in found.items() if k not in self.solved]
@@ -364,7 +381,10 @@ class LayerCostCache:
                 self.summed.clear()  # sums that read the stopped solve
         if key not in self.solved:
             self._prepare(pp, piece, signature)
-            self._record(key, self._solve_new(pp, signature, mesh, options, split))
+            lower = [self.solved[(signature, *mesh_key, s)][0]
+                     for s in (1, *state_split_levels(mesh.shape))
+                     if s < split and (signature, *mesh_key, s) in self.solved]
+            self._record(key, self._solve_new(pp, signature, mesh, options, split, lower))
         cost, first = self.solved[key]
         if first is piece:
             return cost

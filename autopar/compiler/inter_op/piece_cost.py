@@ -24,6 +24,7 @@ per step).
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
@@ -71,7 +72,10 @@ class PieceCost:
     gradients' reduction and their resharding into the update): together what the stage plan
     predicts, for the report to set beside the compiled programs' collectives.
     ``value_specs``: the spec of each value the piece's forward computes (forward value id ->
-    spec; ``piece_plan``), which the runtime holds the forward's results to."""
+    spec; ``piece_plan``), which the runtime holds the forward's results to. ``choices``:
+    the ILP's solution, a strategy per node of its problem (empty where the cost is not one
+    ILP's); ``derived``: no ILP was solved for it, its plan is a less-split variant's
+    (``meets_state_split``)."""
 
     time_s: float
     compute_s: float
@@ -89,6 +93,8 @@ class PieceCost:
     collectives: tuple[CollectiveEstimate, ...] = ()
     sync_collectives: tuple[CollectiveEstimate, ...] = ()
     value_specs: dict[int, ShardingSpec] = field(default_factory=dict)
+    choices: tuple[int, ...] = ()
+    derived: bool = False
 
     def per_microbatch_s(self, num_microbatches: int) -> float:
         """Forward and backward, with the per-step parts spread over the microbatches."""
@@ -276,7 +282,21 @@ def solve_piece(pp: PipelineProgram, piece: Piece, graph: OpGraph, paths: dict[s
         collectives=tuple(per_microbatch_moves),
         sync_collectives=tuple(per_step_moves),
         value_specs=forward_value_specs(pp, piece, graph, paths, tensor_spec),
+        choices=tuple(int(c) for c in solution.choices),
     )
+
+
+def meets_state_split(built: BuiltPiece, batch_argnums: Sequence[int], cost: PieceCost,
+                      split: int) -> bool:
+    """Whether ``cost``'s plan (solved on ``built``, with a lower ``split`` or none) already
+    splits every parameter at least ``split`` ways (``state_split_at_least``). The variants'
+    problems are nested, each a restriction of the less-split one's, so such a plan, optimal
+    there, is optimal here too (within the same gap): its ILP need not be solved. A plan that
+    stopped at a time limit is not: the restricted ILP may find a better one."""
+    if not cost.choices or stopped_early(cost):
+        return False
+    keep = state_split_at_least(built.parts, batch_argnums, split)
+    return all(cost.choices[u] in allowed for u, allowed in keep.items())
 
 
 def nbytes(aval: Any) -> float:

@@ -134,6 +134,7 @@ def _plan(search: PipeshardSearch, stages: list[StagePlan], layout: PipelineLayo
             phases=timings,
             stage_search=partition.to_dict() | {
                 "ilp_solves": cache.ilp_solves,
+                "derived_levels": cache.derived_levels,
                 "ilp_statuses": dict(sorted(cache.statuses.items())),
                 "replicas": best.replicas,
                 "microbatches_per_replica": m,

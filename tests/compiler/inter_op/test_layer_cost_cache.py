@@ -59,3 +59,33 @@ def test_a_piece_that_runs_is_solved_again_under_its_own_limit_when_the_table_st
     # a solve that ended within its gap is not repeated, whatever the limit asked
     assert cache.cost(pp, stage, mesh, time_limit_s=method.time_limit_s) == ran
     assert cache.cost(pp, stage, mesh) == ran and cache.ilp_solves == 2
+
+
+def test_a_lean_variant_whose_less_split_plan_already_qualifies_is_not_solved_again():
+    """The memory-lean variants' ILPs are nested restrictions: where the fastest plan already
+    splits every parameter k ways, it is the split-k optimum too, and no ILP is solved for it
+    (``meets_state_split``). Checked against that level solved alone, in a cache that has no
+    less-split plan to reuse."""
+    from autopar.compiler.inter_op.remat import state_split_levels
+
+    # a wide layer on a small batch: the fastest plan on 2 x 4 splits its weights over one axis
+    model = get_model("gpt", "tiny", num_layers=4, batch_size=2, hidden_size=1024,
+                      seq_len=64).with_value_and_grad(autopar.value_and_grad)
+    pp = build_pipeline_program(model.train_step, model.abstract_inputs(), (1,), 2)
+    method = autopar.PipeshardParallel(num_microbatches=2, layers=4)
+    positions = layer_positions(pp, build_graph(pp.forward), method.layers, 8)
+    mesh = LogicalMesh.from_cluster(local_cluster().with_devices(1, 8), (2, 4))
+    block = range_piece(pp, positions, 1, 2)
+    cache = layer_cost_cache(method)
+    levels = (1, *state_split_levels(mesh.shape))
+    costs = {split: cache.cost(pp, block, mesh, split=split) for split in levels}
+    derived = [split for split, c in costs.items() if c.derived]
+    assert derived == [2]  # its fastest plan splits each weight over the 2-way axis, not 4
+    assert cache.derived_levels == 1 and cache.ilp_solves == len(levels) - 1
+    alone = layer_cost_cache(method)
+    solved = alone.cost(pp, block, mesh, split=2)
+    assert not solved.derived and alone.ilp_solves == 1
+    gap = max(solved.ilp_gap or 0.0, costs[1].ilp_gap or 0.0) + 1e-9
+    assert abs(costs[2].time_s - solved.time_s) <= gap * solved.time_s
+    assert costs[2].input_specs == costs[1].input_specs
+    assert costs[4].time_s > costs[2].time_s  # the next level did need its own ILP
