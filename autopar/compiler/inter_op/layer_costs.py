@@ -9,17 +9,18 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Protocol
 
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.opgraph import OpGraph
+from autopar.compiler.inter_op.composed_cost import compose_costs
 from autopar.compiler.inter_op.forked import run_pulled
 from autopar.compiler.inter_op.piece_cost import (
     BuiltPiece,
     PieceCost,
     build_piece,
     meets_state_split,
-    nbytes,
     optimizer_state_per_parameter,
     piece_signature,
     piece_train_graph,
@@ -30,13 +31,11 @@ from autopar.compiler.inter_op.piece_cost import (
 from autopar.compiler.inter_op.remat import LayerSums, state_split_levels
 from autopar.compiler.inter_op.seams import STAGE_GAP, price_seams, stitched_gap
 from autopar.compiler.inter_op.step_parts import StepWork, step_work
-from autopar.compiler.intra_op.problem import IlpStatus
 from autopar.compiler.intra_op.sharding_ilp import IntraOpOptions, MeshCaches
 from autopar.ir.pieces import Piece, PieceSlicer
 from autopar.ir.pipeline_pieces import PieceRoles, piece_roles
 from autopar.ir.pipeline_program import PipelineProgram
 from autopar.ir.repeats import RepeatGrid, find_repeats
-from autopar.plan import ShardingSpec
 
 # Fewer layer ILPs than this are solved here, one by one, when the stage search asks: forking
 # costs tens of milliseconds, and small searches (the tests', the zoo at tiny sizes) finish
@@ -148,7 +147,7 @@ class LayerCostCache:
         longer = time_limit_s is not None and time_limit_s > self.options.time_limit_s
         if longer or key not in self.composed:
             costs = [self.cost(pp, u, mesh, time_limit_s, split=split) for u in units]
-            self.composed[key] = self._compose(pp, piece, units, costs)
+            self.composed[key] = compose_costs(pp, piece, units, costs, partial(self._roles, pp))
         return self.composed[key]
 
     def stitched_cost(self, pp: PipelineProgram, piece: Piece, mesh: LogicalMesh,
@@ -180,46 +179,6 @@ class LayerCostCache:
             return composed
         return replace(composed, time_s=composed.time_s + seams.time_s, ilp_gap=gap,
                        collectives=composed.collectives + seams.collectives)
-
-    def _compose(self, pp: PipelineProgram, piece: Piece, units: Sequence[Piece],
-                 costs: Sequence[PieceCost]) -> PieceCost:
-        """One cost for ``piece`` from its ``units``' ``costs``: times and bytes added, plans
-        merged (an inner boundary keeps its producer's layout: its consumer's is a
-        resharding inside the layer), the worst ILP ending kept; rematerialised, only the
-        piece's own inputs are kept, split as its blocks split their batch."""
-        fwd = pp.forward
-        inside = {v for i in piece.eqns for v in fwd.eqns[i].outputs}
-
-        def input_bytes(p: Piece) -> float:
-            roles = self._roles(pp, p)
-            return sum(nbytes(fwd.avals[v]) for v in (*roles.acts, *roles.micro))
-
-        splits = [input_bytes(u) / c.boundary_bytes
-                  for u, c in zip(units, costs, strict=True) if c.boundary_bytes > 0]
-        stopped = [c for c in costs if stopped_early(c)]
-        gaps = [c.ilp_gap for c in costs if c.ilp_gap is not None]
-        values: dict[int, ShardingSpec] = {}
-        for c in costs:
-            values.update(c.value_specs)
-        return PieceCost(
-            time_s=sum(c.time_s for c in costs),
-            compute_s=sum(c.compute_s for c in costs),
-            fixed_bytes=sum(c.fixed_bytes for c in costs),
-            activation_bytes=sum(c.activation_bytes for c in costs),
-            boundary_bytes=input_bytes(piece) / max(splits) if splits else 0.0,
-            input_specs={v: s for c in costs for v, s in c.input_specs.items()
-                         if v not in inside},
-            ilp_status=(stopped[0] if stopped else max(
-                costs, key=lambda c: c.ilp_status != IlpStatus.TRIVIAL)).ilp_status,
-            sync_s=sum(c.sync_s for c in costs),
-            update_s=sum(c.update_s for c in costs),
-            param_bytes=sum(c.param_bytes for c in costs),
-            whole_param_bytes=sum(c.whole_param_bytes for c in costs),
-            ilp_gap=max(gaps) if gaps else None,
-            collectives=tuple(x for c in costs for x in c.collectives),
-            sync_collectives=tuple(x for c in costs for x in c.sync_collectives),
-            value_specs=values,
-        )
 
     def _roles(self, pp: PipelineProgram, piece: Piece) -> PieceRoles:
         span = _span(piece)
@@ -303,7 +262,8 @@ class LayerCostCache:
                 costs = [found[(self.signatures[_span(u)], *_mesh_key(mesh), split)]
                          for u in group]
                 out.append(costs[0] if len(group) == 1 else
-                           self._compose(pp, piece, group, costs))
+                           compose_costs(pp, piece, group, costs,
+                                                         partial(self._roles, pp)))
             return out
 
         def solve(mesh: LogicalMesh) -> list[tuple[tuple, PieceCost]]:
