@@ -1,5 +1,5 @@
 """PipeshardParallel gives the serial numbers: GPT and MLP on 2 and 4 stages over 8 devices,
-with every schedule.
+with every schedule (each schedule and stage count once, the models alternating).
 
 Each case plans the zoo model (differentiated through ``autopar.value_and_grad``), runs 3 Adam
 steps through the pipeline and compares the loss of every step and every updated state leaf
@@ -22,10 +22,12 @@ pytestmark = pytest.mark.e2e
 
 STEPS = 3
 MODELS = {"gpt": {"num_layers": 4}, "mlp": {"num_layers": 4}}
-CASES = [
-    ("gpipe", 2), ("1f1b", 2), ("zb-h1", 2), ("interleaved-1f1b", 2),
-    ("gpipe", 4), ("1f1b", 4), ("zb-h1", 4), ("interleaved-1f1b", 4),
-]
+SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b")
+# Every schedule on 2 and on 4 stages, each pair once, the models alternating: the GPT (whose
+# cases compile about four times as long) takes half, the MLP the other half, so each
+# schedule runs both models and both stage counts (a suite-time decision, issue 34).
+CASES = [(name, schedule, stages) for k, schedule in enumerate(SCHEDULES)
+         for name, stages in (("gpt", 2 + 2 * (k % 2)), ("mlp", 4 - 2 * (k % 2)))]
 
 
 def zoo(name):
@@ -38,8 +40,8 @@ def serial_run(name):
     return serial_losses_and_state(zoo(name), STEPS)
 
 
-@pytest.mark.parametrize("schedule, stages", CASES, ids=[f"{s}-{p}st" for s, p in CASES])
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name, schedule, stages", CASES,
+                         ids=[f"{n}-{s}-{p}st" for n, s, p in CASES])
 def test_pipeline_equals_serial(name, schedule, stages):
     model = zoo(name)
     chunks = 2 if schedule == "interleaved-1f1b" else 1

@@ -22,6 +22,11 @@ from autopar.runtime.hlo import count_collectives
 pytestmark = pytest.mark.e2e
 
 MESHES = [(1, 4), (4, 1), (2, 2), (2, 4)]
+# Every model on every mesh, but Wide-ResNet, the slowest to compile (its convolutions), on one
+# 1-D and one 2-D mesh only: its convolutions on 2x2 are the hand-plan oracle's (conv-bn), and
+# 4x1 is 1x4's other orientation (a suite-time decision, issue 34).
+CASES = [(name, mesh) for name in MODEL_NAMES for mesh in MESHES
+         if name != "wresnet" or mesh in ((1, 4), (2, 4))]
 STEPS = 3
 # Parameters after 3 Adam steps may differ by this fraction of the learning rate: see
 # ZooModel.optimizer. Wide-ResNet's batch norm divides by each step's batch statistics, which
@@ -37,8 +42,7 @@ def serial_run(name):
     return serial_losses_and_state(get_model(name, "tiny"), STEPS)
 
 
-@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: f"{m[0]}x{m[1]}")
-@pytest.mark.parametrize("name", MODEL_NAMES)
+@pytest.mark.parametrize("name, mesh", CASES, ids=[f"{n}-{m[0]}x{m[1]}" for n, m in CASES])
 def test_shard_parallel_equals_serial(name, mesh):
     model = get_model(name, "tiny")
     n = mesh[0] * mesh[1]
