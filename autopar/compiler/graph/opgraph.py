@@ -14,13 +14,15 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import networkx as nx
 import numpy as np
 
 from autopar.ir.program import SCAN_ENTER as _ENTER
 from autopar.ir.program import SCAN_EXIT as _EXIT
+
+if TYPE_CHECKING:  # networkx is imported where a view is asked for: it adds 0.15 s to
+    import networkx as nx  # every ``import autopar``
 
 # The primitive names of a scan region's ends (``ir.program``), for rooms that may not import
 # ``ir`` themselves.
@@ -177,6 +179,8 @@ class OpGraph:
         """A DiGraph with one node per op (attribute ``op``) and an edge producer -> consumer per
         data dependency (attribute ``tensors``: the ids carried). Graph inputs, outputs and the
         tensor table ride along in ``G.graph`` so :meth:`from_networkx` loses nothing."""
+        import networkx as nx
+
         g = nx.DiGraph(
             tensors=dict(self.tensors),
             inputs=list(self.inputs),
@@ -201,6 +205,8 @@ class OpGraph:
     @classmethod
     def from_networkx(cls, g: nx.DiGraph) -> OpGraph:
         """Rebuild an OpGraph from :meth:`to_networkx`'s output (node order: topological)."""
+        import networkx as nx
+
         order = list(nx.lexicographical_topological_sort(g))
         return cls(
             nodes=[g.nodes[n]["op"] for n in order],
