@@ -49,13 +49,13 @@ def cut_pieces(forward: FlatProgram, positions: Sequence[int]) -> list[Piece]:
         for v in here:
             read_later[v] = max(read_later.get(v, -1), k)
     results = set(forward.out_ids)
+    made_by: list[list[int]] = [[] for _ in spans]  # each piece's values (one pass: GPT 1T's
+    for v, p in piece_of.items():                   # 64 pieces each read every value before)
+        made_by[p].append(v)
     pieces = []
     for k, (a, b) in enumerate(spans):
         inputs = sorted(v for v in reads[k] if piece_of.get(v, -1) != k)
-        outputs = sorted(
-            v for v, p in piece_of.items()
-            if p == k and (read_later.get(v, -1) > k or v in results)
-        )
+        outputs = sorted(v for v in made_by[k] if read_later.get(v, -1) > k or v in results)
         pieces.append(Piece(k, tuple(range(a, b)), tuple(inputs), tuple(outputs)))
     return pieces
 

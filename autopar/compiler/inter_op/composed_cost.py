@@ -14,14 +14,15 @@ from autopar.plan import ShardingSpec
 
 
 def compose_costs(pp: PipelineProgram, piece: Piece, units: Sequence[Piece],
-                  costs: Sequence[PieceCost], roles: Callable[[Piece], PieceRoles]) -> PieceCost:
+                  costs: Sequence[PieceCost], roles: Callable[[Piece], PieceRoles], *,
+                  specs: bool = True) -> PieceCost:
     """One cost for ``piece`` from its ``units``' ``costs`` (``roles``: a piece's input and
     output roles): times and bytes added, plans merged (an inner boundary keeps its
     producer's layout: its consumer's is a resharding inside the layer), the worst ILP ending
     kept; rematerialised, only the piece's own inputs are kept, split as its blocks split
-    their batch."""
+    their batch. ``specs=False``: times and bytes only (no specs, no collectives)."""
     fwd = pp.forward
-    inside = {v for i in piece.eqns for v in fwd.eqns[i].outputs}
+    inside = {v for i in piece.eqns for v in fwd.eqns[i].outputs} if specs else set()
 
     def input_bytes(p: Piece) -> float:
         r = roles(p)
@@ -32,7 +33,7 @@ def compose_costs(pp: PipelineProgram, piece: Piece, units: Sequence[Piece],
     stopped = [c for c in costs if stopped_early(c)]
     gaps = [c.ilp_gap for c in costs if c.ilp_gap is not None]
     values: dict[int, ShardingSpec] = {}
-    for c in costs:
+    for c in costs if specs else ():
         values.update(c.value_specs)
     return PieceCost(
         time_s=sum(c.time_s for c in costs),
@@ -40,7 +41,8 @@ def compose_costs(pp: PipelineProgram, piece: Piece, units: Sequence[Piece],
         fixed_bytes=sum(c.fixed_bytes for c in costs),
         activation_bytes=sum(c.activation_bytes for c in costs),
         boundary_bytes=input_bytes(piece) / max(splits) if splits else 0.0,
-        input_specs={v: s for c in costs for v, s in c.input_specs.items() if v not in inside},
+        input_specs={v: s for c in costs if specs for v, s in c.input_specs.items()
+                     if v not in inside},
         ilp_status=(stopped[0] if stopped else max(
             costs, key=lambda c: c.ilp_status != IlpStatus.TRIVIAL)).ilp_status,
         sync_s=sum(c.sync_s for c in costs),
@@ -48,7 +50,7 @@ def compose_costs(pp: PipelineProgram, piece: Piece, units: Sequence[Piece],
         param_bytes=sum(c.param_bytes for c in costs),
         whole_param_bytes=sum(c.whole_param_bytes for c in costs),
         ilp_gap=max(gaps) if gaps else None,
-        collectives=tuple(x for c in costs for x in c.collectives),
-        sync_collectives=tuple(x for c in costs for x in c.sync_collectives),
+        collectives=tuple(x for c in costs if specs for x in c.collectives),
+        sync_collectives=tuple(x for c in costs if specs for x in c.sync_collectives),
         value_specs=values,
     )

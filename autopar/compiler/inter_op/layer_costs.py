@@ -137,17 +137,20 @@ class LayerCostCache:
         return self.units_of[span]
 
     def layer_cost(self, pp: PipelineProgram, piece: Piece, mesh: LogicalMesh,
-                   time_limit_s: float | None = None, *, split: int = 1) -> PieceCost:
+                   time_limit_s: float | None = None, *, split: int = 1,
+                   specs: bool = True) -> PieceCost:
         """``piece``'s cost and plan on ``mesh`` as the sum of its blocks' (``cost`` of each
         of ``units``; the arguments as there)."""
         units = self.units(pp, piece)
         if len(units) == 1:
-            return self.cost(pp, units[0], mesh, time_limit_s, split=split)
-        key = (_span(piece), *_mesh_key(mesh), split)
+            return self.cost(pp, units[0], mesh, time_limit_s, split=split, specs=specs)
+        key = (_span(piece), *_mesh_key(mesh), split, specs)
         longer = time_limit_s is not None and time_limit_s > self.options.time_limit_s
         if longer or key not in self.composed:
-            costs = [self.cost(pp, u, mesh, time_limit_s, split=split) for u in units]
-            self.composed[key] = compose_costs(pp, piece, units, costs, partial(self._roles, pp))
+            costs = [self.cost(pp, u, mesh, time_limit_s, split=split, specs=specs)
+                     for u in units]
+            self.composed[key] = compose_costs(pp, piece, units, costs,
+                                               partial(self._roles, pp), specs=specs)
         return self.composed[key]
 
     def stitched_cost(self, pp: PipelineProgram, piece: Piece, mesh: LogicalMesh,
@@ -262,8 +265,8 @@ class LayerCostCache:
                 costs = [found[(self.signatures[_span(u)], *_mesh_key(mesh), split)]
                          for u in group]
                 out.append(costs[0] if len(group) == 1 else
-                           compose_costs(pp, piece, group, costs,
-                                                         partial(self._roles, pp)))
+                           compose_costs(pp, piece, group, costs, partial(self._roles, pp),
+                                         specs=False))
             return out
 
         def solve(mesh: LogicalMesh) -> list[tuple[tuple, PieceCost]]:
@@ -320,12 +323,16 @@ class LayerCostCache:
             self._record(key, cost)
 
     def cost(self, pp: PipelineProgram, piece: Piece, mesh: LogicalMesh,
-             time_limit_s: float | None = None, *, split: int = 1) -> PieceCost:
+             time_limit_s: float | None = None, *, split: int = 1,
+             specs: bool = True) -> PieceCost:
         """``piece``'s cost and plan on ``mesh``. ``time_limit_s``: its ILP's limit when
         longer than the table's (``options.time_limit_s``): a piece that runs is solved
         again under it if the table's solve stopped at its limit. ``split`` > 1: the fastest
         plan among those splitting each of the piece's parameters at least that many ways, or
-        as many as it can be (``state_split_at_least``)."""
+        as many as it can be (``state_split_at_least``). ``specs=False``: its times and bytes
+        only, its specs left naming the values of the identical piece solved first (the stage
+        cost tables read GPT 1T's layers on every mesh: renaming each piece's specs was 3 of
+        its 130 profiled seconds)."""
         mesh_key = _mesh_key(mesh)
         span = _span(piece)
         if span not in self.signatures:
@@ -346,7 +353,7 @@ class LayerCostCache:
                      if s < split and (signature, *mesh_key, s) in self.solved]
             self._record(key, self._solve_new(pp, signature, mesh, options, split, lower))
         cost, first = self.solved[key]
-        if first is piece:
+        if first is piece or not specs:
             return cost
         named = self.renamed.get((key, span))
         if named is not None:
@@ -355,13 +362,13 @@ class LayerCostCache:
         a, b = self._roles(pp, first), self._roles(pp, piece)
         mapping = dict(zip(a.params + a.acts + a.fixed + a.micro,
                            b.params + b.acts + b.fixed + b.micro, strict=True))
-        specs = {mapping[v]: s for v, s in cost.input_specs.items() if v in mapping}
+        inputs = {mapping[v]: s for v, s in cost.input_specs.items() if v in mapping}
         # equal signatures: the pieces' equations correspond one to one, in order
         fwd = pp.forward
         made = {a: b for i, j in zip(first.eqns, piece.eqns, strict=True)
                 for a, b in zip(fwd.eqns[i].outputs, fwd.eqns[j].outputs, strict=True)}
         values = {made[v]: s for v, s in cost.value_specs.items() if v in made}
-        named = replace(cost, input_specs=specs, value_specs=values)
+        named = replace(cost, input_specs=inputs, value_specs=values)
         self.renamed[(key, span)] = named
         return named
 

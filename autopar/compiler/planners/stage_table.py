@@ -153,7 +153,7 @@ class TableEntries:
             shorter = LayerSums() if end - 1 == start else self.range_sums(mesh, split, start,
                                                                            end - 1)
             found[(start, end)] = shorter.plus(self.cache.layer_cost(
-                self.pp, self.layers[end - 1], mesh, split=split))
+                self.pp, self.layers[end - 1], mesh, split=split, specs=False))
         return found[(start, end)]
 
     def input_shares(self, mesh: LogicalMesh, split: int, start: int) -> float:
@@ -165,8 +165,8 @@ class TableEntries:
             roles = piece_roles(self.pp, self.layers[start])
             self.input_bytes[start] = sum(nbytes(self.pp.forward.avals[v])
                                           for v in (*roles.acts, *roles.micro))
-        held = self.cache.layer_cost(self.pp, self.layers[start], mesh,
-                                     split=split).boundary_bytes
+        held = self.cache.layer_cost(self.pp, self.layers[start], mesh, split=split,
+                                     specs=False).boundary_bytes
         self.shares_of[key] = max(self.input_bytes[start] / held, 1.0) if held > 0 else 1.0
         return self.shares_of[key]
 
