@@ -175,8 +175,10 @@ def memory_greedy_order(graph: OpGraph, counted: set[int], share=None) -> list[i
     share = share or (lambda t: graph.tensors[t].nbytes)
     readers: dict[int, int] = {}
     producer: dict[int, int] = {}
+    distinct_inputs: dict[int, tuple[int, ...]] = {}
     for node in graph.nodes:
-        for t in set(node.inputs):
+        distinct_inputs[node.id] = tuple(set(node.inputs))
+        for t in distinct_inputs[node.id]:
             readers[t] = readers.get(t, 0) + 1
         for t in node.outputs:
             producer[t] = node.id
@@ -187,12 +189,18 @@ def memory_greedy_order(graph: OpGraph, counted: set[int], share=None) -> list[i
         waiting[node.id] = len(before)
         for p in before:
             dependents.setdefault(p, set()).add(node.id)
+    # what each node's outputs add never changes (a tensor with readers keeps them), what its
+    # inputs free does (their other readers run first): both read from here, as ``delta`` is
+    # asked twice for each of a whole model's tens of thousands of nodes
+    barrier = {node.id: int(node.primitive == "optimization_barrier") for node in graph.nodes}
+    grown = {node.id: sum(share(t) for t in node.outputs if t in counted and t in readers)
+             for node in graph.nodes}
+    counted_inputs = {n: [(t, share(t)) for t in ins if t in counted]
+                      for n, ins in distinct_inputs.items()}
 
     def delta(n: int) -> tuple[int, int]:
-        node = graph.nodes[n]
-        grown = sum(share(t) for t in node.outputs if t in counted and t in readers)
-        freed = sum(share(t) for t in set(node.inputs) if t in counted and readers.get(t) == 1)
-        return (int(node.primitive == "optimization_barrier"), grown - freed)
+        freed = sum(size for t, size in counted_inputs[n] if readers[t] == 1)
+        return (barrier[n], grown[n] - freed)
 
     ready = [(delta(n), n) for n, w in waiting.items() if w == 0]
     heapq.heapify(ready)
@@ -204,9 +212,8 @@ def memory_greedy_order(graph: OpGraph, counted: set[int], share=None) -> list[i
             heapq.heappush(ready, (now, n))  # others' reads changed what it frees
             continue
         order.append(n)
-        for t in set(graph.nodes[n].inputs):
-            if t in readers:
-                readers[t] -= 1
+        for t in distinct_inputs[n]:
+            readers[t] -= 1
         for m in dependents.get(n, ()):
             waiting[m] -= 1
             if waiting[m] == 0:
