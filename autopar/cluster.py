@@ -77,7 +77,10 @@ class DeviceSpec:
     the cost model prices the bytes each op's kernel reads and writes (0: not described, each
     op priced by its flops alone); ``multiprocessors`` its streaming multiprocessors (the
     datasheet's SM count), which take a matrix multiplication's output tiles in waves
-    (``cost.gemm``: 0, not described, prices every GEMM at the same fraction of the peak).
+    (``cost.gemm``: 0, not described, prices every GEMM at the same fraction of the peak);
+    ``kernel_launch_s`` the fixed seconds each kernel the device runs costs beside its work
+    (its launch and the threads' start: 0, not described), which decides small steps'
+    time.
     """
 
     name: str
@@ -85,6 +88,7 @@ class DeviceSpec:
     memory_bytes: int
     memory_bandwidth_bytes_per_s: float = 0.0
     multiprocessors: int = 0
+    kernel_launch_s: float = 0.0
 
     def __post_init__(self) -> None:
         if _FALLBACK_DTYPE not in self.peak_flops:
@@ -95,7 +99,8 @@ class DeviceSpec:
 
     def __hash__(self) -> int:
         return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory_bytes,
-                     self.memory_bandwidth_bytes_per_s, self.multiprocessors))
+                     self.memory_bandwidth_bytes_per_s, self.multiprocessors,
+                     self.kernel_launch_s))
 
     def flops_for(self, dtype: Any) -> float:
         """Peak flop/s for ``dtype`` (a name or a numpy/JAX dtype); float32 if it is unknown."""
@@ -115,6 +120,8 @@ class DeviceSpec:
             out["memory_bandwidth_bytes_per_s"] = self.memory_bandwidth_bytes_per_s
         if self.multiprocessors:
             out["multiprocessors"] = self.multiprocessors
+        if self.kernel_launch_s:
+            out["kernel_launch_s"] = self.kernel_launch_s
         return out
 
     @classmethod
@@ -132,8 +139,11 @@ class DeviceSpec:
                             f"{where}memory_bandwidth_bytes_per_s", positive=False)
         multiprocessors = _number(data.get("multiprocessors", 0), f"{where}multiprocessors",
                                   integer=True, positive=False)
+        launch = _number(data.get("kernel_launch_s", 0.0), f"{where}kernel_launch_s",
+                         positive=False)
         return cls(name=name, peak_flops=peak, memory_bytes=memory,
-                   memory_bandwidth_bytes_per_s=bandwidth, multiprocessors=multiprocessors)
+                   memory_bandwidth_bytes_per_s=bandwidth, multiprocessors=multiprocessors,
+                   kernel_launch_s=launch)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from autopar.compiler.graph.trace import trace_step
 from autopar.errors import InvalidOptionError
 from autopar.models import get_model
 from autopar.plan import MethodName, ShardingSpec
+from autopar.runtime.local_cluster import sharing_one_host
 
 # the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
 pytestmark = pytest.mark.e2e
@@ -31,9 +32,10 @@ PLOTS = ("planning-vs-layers", "planning-vs-devices", "estimated-vs-measured", "
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     """One run of the smoke suite, with a calibrated description of the local devices (the
-    shipped cpu-sim at half its flops) so that path runs too."""
+    default one of its case's 2 devices, ``local_cluster``'s, at half its flops) so that path
+    runs too."""
     out = tmp_path_factory.mktemp("bench")
-    calibrated = load_cluster("cpu-sim").to_dict()
+    calibrated = sharing_one_host(load_cluster("cpu-sim").to_dict(), 2)
     calibrated["name"] = "cpu-sim-calibrated"
     calibrated["device"]["peak_flops"] = {
         k: v / 2 for k, v in calibrated["device"]["peak_flops"].items()}

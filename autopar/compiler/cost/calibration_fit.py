@@ -360,7 +360,8 @@ def calibrate_cluster(
                         memory_bytes=int(memory_bytes or base.device.memory_bytes),
                         memory_bandwidth_bytes_per_s=(
                             bandwidth or base.device.memory_bandwidth_bytes_per_s),
-                        multiprocessors=base.device.multiprocessors)
+                        multiprocessors=base.device.multiprocessors,
+                        kernel_launch_s=base.device.kernel_launch_s)
     link_spec = LinkSpec(bandwidth_bytes_per_s=link.bandwidth_bytes_per_s,
                          latency_s=link.alpha)
     which = ("the joint fit over every collective and axis" if link.kind == "all"
@@ -375,6 +376,8 @@ def calibrate_cluster(
         + ("memory_bandwidth_bytes_per_s: an element-wise kernel's bytes per second on one "
            "device with all busy (the slope between two sizes)." if bandwidth else
            "memory bandwidth not measured: element-wise ops are priced by their flops.")
+        + (f" kernel_launch_s: '{base.name}''s, not measured."
+           if base.device.kernel_launch_s else "")
     )
     cluster = ClusterSpec(
         name=name,

@@ -10,7 +10,7 @@ from autopar.cluster import RuntimeCosts
 from autopar.compiler.cost.collectives import collective_time
 from autopar.compiler.cost.gemm import dot_efficiency
 from autopar.compiler.cost.mesh import LogicalMesh
-from autopar.compiler.graph.fusion import kernel_bytes
+from autopar.compiler.graph.fusion import kernel_bytes, kernel_launches
 from autopar.compiler.graph.opgraph import OpGraph, OpNode
 from autopar.plan import CollectiveEstimate, CollectiveKind
 
@@ -63,18 +63,32 @@ def node_compute_time_s(graph: OpGraph, node: OpNode, mesh: LogicalMesh, parts: 
     """Seconds of one node split ``parts`` ways: its flops at the rate of its result's dtype
     and its kernel's bytes (``graph.fusion``) at the memory bandwidth, the slower (as the
     intra-operator strategies price a node: ``StrategyContext.compute_time``); a dot at its
-    GEMM's wave efficiency with the batch split (``gemm.dot_efficiency``)."""
+    GEMM's wave efficiency with the batch split (``gemm.dot_efficiency``); and the fixed
+    seconds of the kernels it starts (``device.kernel_launch_s``)."""
     dtype = graph.tensors[node.outputs[0]].dtype if node.outputs else "float32"
     nbytes = kernel_bytes(graph, node) if mesh.device.memory_bandwidth_bytes_per_s else 0.0
+    launch = mesh.device.kernel_launch_s
+    launched = kernel_launches(graph, node) * launch if launch else 0.0
     if not node.flops and not nbytes:
-        return 0.0
+        return launched
     share = max(parts, 1)
     shape = 1.0
     if node.primitive == "dot_general" and len(node.inputs) == 2 and mesh.device.multiprocessors:
         lhs, rhs = (graph.tensors[t].shape for t in node.inputs)
         shape = dot_efficiency(lhs, rhs, node.params["dimension_numbers"], share,
                                mesh.device.multiprocessors)
-    return roofline_time_s(node.flops / share, nbytes / share, mesh, dtype, shape)
+    return roofline_time_s(node.flops / share, nbytes / share, mesh, dtype, shape) + launched
+
+
+def launch_time_s(graph: OpGraph, mesh: LogicalMesh, skip: Collection[int] = ()) -> float:
+    """Seconds of the launches of every kernel ``graph`` starts (but the nodes ``skip``) on
+    one device of ``mesh``: the same under every plan, so the ILP leaves them out (a constant
+    would only loosen its relative gap) and its estimates add them."""
+    launch = mesh.device.kernel_launch_s
+    if not launch:
+        return 0.0
+    return launch * sum(kernel_launches(graph, node) for node in graph.nodes
+                        if node.id not in skip)
 
 
 def split_compute_time_s(graph: OpGraph, mesh: LogicalMesh,

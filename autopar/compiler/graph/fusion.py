@@ -98,3 +98,18 @@ def kernel_bytes(graph: OpGraph, node: OpNode) -> float:
     reads += sum(graph.tensors[t].nbytes for t in operands if _in_memory(graph, t))
     writes = sum(graph.tensors[t].nbytes for t in node.outputs if _materialised(graph, t))
     return float(reads + writes) * node.repeat
+
+
+def kernel_launches(graph: OpGraph, node: OpNode) -> int:
+    """Kernels ``node`` starts per step, fused as XLA fuses it (as ``kernel_bytes``): one
+    for a library kernel, and for a fused op one where it ends its chain (writes a result
+    out to memory); none for a view, a scan's entry or a value recomputed where it is read
+    (but one for a broadcast a library kernel reads, which is written out); each time a
+    scan's body runs."""
+    if node.primitive in (SCAN_ENTER, SCAN_EXIT):
+        return 0
+    if node.primitive in LIBRARY_KERNELS:
+        return node.repeat
+    if node.primitive in _VIEWS or node.primitive in _RECOMPUTED:
+        return node.repeat if kernel_bytes(graph, node) else 0
+    return node.repeat if any(_materialised(graph, t) for t in node.outputs) else 0

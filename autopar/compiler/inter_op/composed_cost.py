@@ -53,4 +53,6 @@ def compose_costs(pp: PipelineProgram, piece: Piece, units: Sequence[Piece],
         collectives=tuple(x for c in costs if specs for x in c.collectives),
         sync_collectives=tuple(x for c in costs if specs for x in c.sync_collectives),
         value_specs=values,
+        launch_s=sum(c.launch_s for c in costs),
+        update_launch_s=sum(c.update_launch_s for c in costs),
     )

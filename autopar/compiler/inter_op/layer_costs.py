@@ -174,7 +174,7 @@ class LayerCostCache:
         if seams is None:
             return None
         m = self.num_microbatches
-        gap = stitched_gap([c.per_microbatch_s(m) for c in costs],
+        gap = stitched_gap([c.planned_s(m) for c in costs],
                            [c.ilp_gap for c in costs], seams.time_s)
         if gap > STAGE_GAP:
             return None

@@ -32,6 +32,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from autopar.compiler.cost.estimate import launch_time_s
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.opgraph import OpGraph
 from autopar.compiler.graph.trace import build_graph
@@ -95,6 +96,14 @@ class PieceCost:
     value_specs: dict[int, ShardingSpec] = field(default_factory=dict)
     choices: tuple[int, ...] = ()
     derived: bool = False
+    # of ``time_s`` and ``update_s``, the kernels' launches (the same under every plan)
+    launch_s: float = 0.0
+    update_launch_s: float = 0.0
+
+    def planned_s(self, num_microbatches: int) -> float:
+        """``per_microbatch_s`` without the kernels' launches: what plans differ in."""
+        return self.per_microbatch_s(num_microbatches) - self.launch_s - \
+            self.update_launch_s / max(num_microbatches, 1)
 
     def per_microbatch_s(self, num_microbatches: int) -> float:
         """Forward and backward, with the per-step parts spread over the microbatches."""
@@ -211,13 +220,15 @@ class BuiltPiece:
     problem: Any
     parts: Any
     per_step: Any
+    update_launch_s: float = 0.0  # one parameter's update kernels' launches
 
 
 def build_piece(graph: OpGraph, mesh: LogicalMesh, options: IntraOpOptions,
                 caches: MeshCaches, work: StepWork, m: int) -> BuiltPiece:
     """``graph``'s sharding ILP on ``mesh``, its per-step parts divided by ``m``."""
     problem, parts = build_problem(graph, mesh, options, caches)
-    return BuiltPiece(problem, parts, amortise(problem, parts, graph, mesh, work, m))
+    return BuiltPiece(problem, parts, amortise(problem, parts, graph, mesh, work, m),
+                      work.update_launch_s(mesh))
 
 
 def solve_piece(pp: PipelineProgram, piece: Piece, graph: OpGraph, paths: dict[str, int],
@@ -264,9 +275,15 @@ def solve_piece(pp: PipelineProgram, piece: Piece, graph: OpGraph, paths: dict[s
     # stages itself, and a one-stage plan's estimate has no feed: left out here
     per_microbatch = float(solution.objective) - keep * (sync + update) - feed
     compute = sum(st.compute_time_s for st in node_strategy.values()) - placeholder
+    # the kernels' launches, left out of the ILP (the same under every plan): the piece's
+    # forward and backward per microbatch, its parameters' updates per step
+    updates, _ = gradient_nodes(graph)
+    launched = launch_time_s(graph, mesh, skip=updates)
+    update_launch = len(updates) * built.update_launch_s
+    update += update_launch
     return PieceCost(
-        time_s=max(per_microbatch, 0.0),
-        compute_s=max(compute, 0.0),
+        time_s=max(per_microbatch, 0.0) + launched,
+        compute_s=max(compute, 0.0) + launched,
         # the parameters, their gradient accumulators and their optimizer state
         fixed_bytes=(2.0 + state_per_parameter) * param_bytes,
         activation_bytes=kept / batch_split,
@@ -283,6 +300,8 @@ def solve_piece(pp: PipelineProgram, piece: Piece, graph: OpGraph, paths: dict[s
         sync_collectives=tuple(per_step_moves),
         value_specs=forward_value_specs(pp, piece, graph, paths, tensor_spec),
         choices=tuple(int(c) for c in solution.choices),
+        launch_s=launched,
+        update_launch_s=update_launch,
     )
 
 

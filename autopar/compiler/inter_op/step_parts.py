@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from autopar.compiler.cost.mesh import LogicalMesh
-from autopar.compiler.graph.fusion import kernel_bytes
+from autopar.compiler.graph.fusion import kernel_bytes, kernel_launches
 from autopar.compiler.graph.opgraph import SCAN_EXIT, OpGraph
 from autopar.compiler.graph.trace import build_graph
 from autopar.compiler.intra_op.edges import input_needs
@@ -47,25 +47,34 @@ class StepWork:
     the equations before the loss function (batch preprocessing), per step;
     ``update_bytes``: what the update's kernels read and write per parameter element
     (``graph.fusion``: Adam reads a parameter, its gradient and two moments and writes
-    three)."""
+    three); ``update_kernels``: the kernels the update starts per parameter
+    (``graph.fusion.kernel_launches``), ``before_kernels`` the preprocessing's per step."""
 
     update_flops: dict[str, float]
     before_flops: dict[str, float]
     param_elements: float
     update_bytes: float = 0.0
+    update_kernels: float = 0.0
+    before_kernels: float = 0.0
 
     def update_seconds(self, elements: float, mesh: LogicalMesh) -> float:
         """Seconds of the update of ``elements`` parameter elements on one device of
-        ``mesh``: its flops, or its bytes at the memory bandwidth where that is slower."""
+        ``mesh``: its flops, or its bytes at the memory bandwidth where that is slower (its
+        kernels' launches, the same under every plan, are ``update_launch_s``)."""
         seconds = math.fsum(per * elements / _rate(mesh, dtype)
                             for dtype, per in self.update_flops.items())
         bandwidth = mesh.device.memory_bandwidth_bytes_per_s
         return max(seconds, self.update_bytes * elements / bandwidth) if bandwidth else seconds
 
+    def update_launch_s(self, mesh: LogicalMesh) -> float:
+        """Seconds of the launches of one parameter's update kernels."""
+        return self.update_kernels * mesh.device.kernel_launch_s
+
     def before_seconds(self, mesh: LogicalMesh, parts: int) -> float:
         """Seconds of the preprocessing, split ``parts`` ways (the batch's devices)."""
         return math.fsum(f / max(parts, 1) / _rate(mesh, dtype)
-                         for dtype, f in self.before_flops.items())
+                         for dtype, f in self.before_flops.items()) + \
+            self.before_kernels * mesh.device.kernel_launch_s
 
 
 def _rate(mesh: LogicalMesh, dtype: str) -> float:
@@ -81,6 +90,7 @@ def step_work(pp: PipelineProgram) -> StepWork:
     update: defaultdict[str, float] = defaultdict(float)
     before: defaultdict[str, float] = defaultdict(float)
     moved = 0.0
+    kernels = {"update": 0, "before": 0}
     for node in graph.nodes:
         if node.id == pp.vg_index:
             continue
@@ -89,13 +99,17 @@ def step_work(pp: PipelineProgram) -> StepWork:
             after.update(node.outputs)
             update[dtype] += node.flops
             moved += kernel_bytes(graph, node)
+            kernels["update"] += kernel_launches(graph, node)
         else:
             before[dtype] += node.flops
+            kernels["before"] += kernel_launches(graph, node)
     elements = float(sum(math.prod(outer.avals[pp.operand_of[f]].shape)
                          for f in pp.diff_inputs))
     per = {d: f / elements for d, f in update.items() if f} if elements else {}
+    params = len(pp.diff_inputs)
     return StepWork(per, {d: f for d, f in before.items() if f}, elements,
-                    moved / elements if elements else 0.0)
+                    moved / elements if elements else 0.0,
+                    kernels["update"] / params if params else 0.0, kernels["before"])
 
 
 def gradient_nodes(graph: OpGraph) -> tuple[dict[int, int], set[int]]:

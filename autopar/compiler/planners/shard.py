@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from autopar.compiler.cost.estimate import summarize_collectives
+from autopar.compiler.cost.estimate import launch_time_s, summarize_collectives
 from autopar.compiler.cost.memory_model import estimate_memory, resharded_operand_bytes
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.opgraph import OpGraph
@@ -63,7 +63,8 @@ def plan_shard_parallel(
     sizes = {a: mesh.axis_size(a) for a in mesh.axis_names}
     input_specs, output_specs, tensor_specs = _layouts(graph, result)
     collectives = _collectives(result, mesh)
-    compute_s = sum(s.compute_time_s for s in result.node_strategy.values())
+    compute_s = sum(s.compute_time_s for s in result.node_strategy.values()) + \
+        launch_time_s(graph, mesh)
     comm_s = sum(c.time_s for c in collectives)
     shard_count = {t: spec.num_shards(sizes) for t, spec in result.tensor_spec.items()}
     resharded = resharded_operand_bytes(
