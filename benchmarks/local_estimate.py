@@ -8,7 +8,7 @@ median. Writes ``docs/benchmarks/local-estimate.md`` (a table: plan, estimate, m
 measured / estimated) and prints each row; nothing is asserted (the issue's bound is [0.5,
 2.0]: docs/cost-model.md quotes the run).
 
-    python benchmarks/local_estimate.py [--models gpt,moe,mlp,wresnet] [--devices 1,2,8]
+    python benchmarks/local_estimate.py [--models gpt,moe,mlp,wresnet,gpt-small] [--devices 1,2,8]
 """
 
 from __future__ import annotations
@@ -29,11 +29,16 @@ import autopar  # noqa: E402
 from autopar.models import get_model  # noqa: E402
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "local-estimate.md"
+# ``gpt-small``: the local suite's GPT at hidden 256 (``bench.suites.local_suite``), whose
+# step is compute, where the tiny models' are launches and collectives
+SHAPES = {"gpt-small": ("gpt", {"hidden_size": 256, "num_layers": 4, "seq_len": 64,
+                                "batch_size": 16, "vocab_size": 1024})}
 
 
 def measure(name: str, devices: int, steps: int = 15) -> dict:
     """The default plan's estimate and the median of ``steps`` timed steps."""
-    model = get_model(name, "tiny")
+    zoo, sizes = SHAPES.get(name, (name, {}))
+    model = get_model(zoo, "tiny", **sizes)
     step = autopar.parallelize(model.train_step, cache=False, devices=jax.devices()[:devices])
     state = model.init_state(jax.random.key(0))
     batch = model.make_batch(jax.random.key(1))
@@ -56,7 +61,7 @@ def measure(name: str, devices: int, steps: int = 15) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="gpt,moe,mlp,wresnet")
+    parser.add_argument("--models", default="gpt,moe,mlp,wresnet,gpt-small")
     parser.add_argument("--devices", default="1,2,8")
     args = parser.parse_args()
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -82,7 +87,8 @@ def main() -> None:
         "docs/cost-model.md, \"Kernel launches and devices sharing a host\"); measured is "
         "the median of 15 steps after 3 warm-up steps, each waited for.",
         "",
-        "| model (tiny) | devices | plan | est. (ms) | measured (ms) | measured / est. |",
+        "| model (tiny; gpt-small: hidden 256, 4 layers) | devices | plan | est. (ms) "
+        "| measured (ms) | measured / est. |",
         "|---|---:|---|---:|---:|---:|",
         *(f"| {r['model']} | {r['devices']} | {r['method']} {r['mesh']} | "
           f"{r['est_s'] * 1e3:.3f} | {r['measured_s'] * 1e3:.3f} | {r['ratio']:.2f} |"

@@ -80,6 +80,13 @@ class _Local:
                              hand_steps=hand_steps)
 
 
+def single_local_device(local: _Local) -> ClusterSpec:
+    """The default description of the first of a local case's devices, alone."""
+    from autopar.runtime.local_cluster import local_cluster
+
+    return local_cluster(local.devices[:1])
+
+
 def case_cluster(case: BenchCase, options: RunOptions) -> ClusterSpec:
     """The described cluster (with ``case.hosts``), or the local devices as one host."""
     if case.cluster is None:  # a local case
@@ -253,8 +260,12 @@ def _baselines(case: BenchCase, cluster: ClusterSpec, traced: Any, searched: Sea
     measured = (row["measured"] or {}).get("step_time_s")
     limit = options.ilp_time_limit_s
     candidates = searched.candidates
+    # one local device alone does not share the host (runtime.local_cluster): the default
+    # description of that device, not one of the case's devices
+    alone = single_local_device(local) if local is not None else None
     planners: dict[Baseline, Callable[[ClusterSpec], Plan]] = {
-        Baseline.SINGLE_DEVICE: lambda c: bl.plan_single_device(traced, c),
+        Baseline.SINGLE_DEVICE: lambda c: bl.plan_single_device(
+            traced, alone if alone is not None and c is cluster else c),
         Baseline.DATA_PARALLEL: lambda c: bl.plan_data_parallel(traced, c),
         Baseline.INTRA_OP: lambda c: bl.plan_intra_op(traced, c, limit),
         Baseline.MEGATRON: lambda c: bl.plan_megatron(traced, c, limit),

@@ -22,11 +22,13 @@ def local_cluster(devices: Sequence[Any] | None = None) -> ClusterSpec:
     """A description of ``devices`` (default: every device of the run): one host per process
     holding some of them (``jax.distributed``: one host per process, devices per host = its
     local devices), the devices host-major as :func:`autopar.runtime.distributed.global_devices`
-    lists them; a single-process run is one host."""
+    lists them; a single-process run is one host. ``cpu-sim``'s figures, which XLA's CPU
+    devices divide among themselves (:func:`sharing_one_host`)."""
     devices = list(global_devices() if devices is None else devices)
     hosts, per_host = host_layout(devices)
-    fields = sharing_one_host(load_cluster("cpu-sim").to_dict(), per_host) | {
-        "name": f"local-{devices[0].platform}"}
+    fields = load_cluster("cpu-sim").to_dict() | {"name": f"local-{devices[0].platform}"}
+    if devices[0].platform == "cpu":  # XLA's CPU devices: threads sharing the host
+        fields = sharing_one_host(fields, per_host)
     if hosts > 1:
         fields["inter_host"] = dict(MULTIPROCESS_INTER_HOST)
     return ClusterSpec.from_dict(fields).with_devices(hosts, per_host)

@@ -8,8 +8,14 @@ import jax
 import pytest
 from matplotlib.image import imread
 
+import autopar
 from autopar.bench import SUITE_NAMES, get_suite
-from autopar.bench.baselines import megatron_mesh, megatron_specs, plan_megatron
+from autopar.bench.baselines import (
+    megatron_mesh,
+    megatron_specs,
+    plan_megatron,
+    plan_single_device,
+)
 from autopar.bench.harness import output_prefix
 from autopar.bench.machine import cpu_model
 from autopar.bench.measure import MEASURE_ROUNDS
@@ -19,7 +25,7 @@ from autopar.compiler.graph.trace import trace_step
 from autopar.errors import InvalidOptionError
 from autopar.models import get_model
 from autopar.plan import MethodName, ShardingSpec
-from autopar.runtime.local_cluster import sharing_one_host
+from autopar.runtime.local_cluster import local_cluster, sharing_one_host
 
 # the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
 pytestmark = pytest.mark.e2e
@@ -119,6 +125,15 @@ def test_local_rows_have_measured_times_hlo_counts_and_cost_model_ratios(smoke):
         assert model["est_calibrated_s"] > row["search_est_step_time_s"]
         timed = {b["name"]: b for b in row["baselines"] if b["measured_step_time_s"]}
         assert {"single-device", "data-parallel"} <= set(timed)
+        # one device alone, described as it runs: not as one of the case's devices, which
+        # share the host (runtime.local_cluster.sharing_one_host)
+        case = next(c for c in SMOKE.cases if c.cluster is None)
+        model = get_model(case.model, case.size, **dict(case.overrides)).with_value_and_grad(
+            autopar.value_and_grad)
+        alone = plan_single_device(trace_step(model.train_step, model.abstract_inputs()),
+                                   local_cluster(jax.devices()[:1]))
+        assert timed["single-device"]["est_step_time_s"] == pytest.approx(
+            alone.est_step_time_s, rel=1e-6)
         for b in timed.values():
             assert b["measured_ratio"] > 0 and b["cost_model"]["measured_over_default"] > 0
         # two devices: the gradient is all-reduced, in the plan and in the compiled program

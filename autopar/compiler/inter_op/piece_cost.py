@@ -249,8 +249,9 @@ def solve_piece(pp: PipelineProgram, piece: Piece, graph: OpGraph, paths: dict[s
     else:
         solution = solve_limited(problem)
     node_strategy, input_spec, _, tensor_spec, _ = read_solution(parts, solution.choices)
+    updates, makers = gradient_nodes(graph)
     per_microbatch_moves, per_step_moves = piece_collectives(
-        parts, graph, node_strategy, tensor_spec, *gradient_nodes(graph))
+        parts, graph, node_strategy, tensor_spec, updates, makers)
     sync, update, placeholder, feed = per_step(solution.choices)
     sizes = {a: mesh.axis_size(a) for a in mesh.axis_names}
     by_path = {io.path: io.tensor for io in graph.inputs}
@@ -277,7 +278,6 @@ def solve_piece(pp: PipelineProgram, piece: Piece, graph: OpGraph, paths: dict[s
     compute = sum(st.compute_time_s for st in node_strategy.values()) - placeholder
     # the kernels' launches, left out of the ILP (the same under every plan): the piece's
     # forward and backward per microbatch, its parameters' updates per step
-    updates, _ = gradient_nodes(graph)
     launched = launch_time_s(graph, mesh, skip=updates)
     update_launch = len(updates) * built.update_launch_s
     update += update_launch

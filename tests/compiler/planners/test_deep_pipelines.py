@@ -3,6 +3,7 @@ Megatron-LM runs GPT 529.6B in 35 stages of its 105 layers, which a DP over at m
 cannot build. Planned on abstract shapes; nothing here runs a step or is timed."""
 
 import dataclasses
+
 import pytest
 
 import autopar
