@@ -45,17 +45,17 @@ def sharing_one_host(fields: dict[str, Any], devices: int) -> dict[str, Any]:
     which are copies and waits between those threads. Measured 2026-11-29 on 2 cores: a
     chain of small kernels 3.1-4.0 us each on 1 or 2 devices, 11.5 us on 8; one all-reduce
     inside a program 15 us on 2 devices, 165-204 us on 8; the zoo's tiny steps on 8 devices
-    2-5x the time of one. Everything the devices do is divided alike, so the plans the ILP
-    prefers do not change, only what they are estimated at; the driver's own costs
-    (``runtime``: calls, tasks, transfers) are the host's and stay."""
+    2-5x the time of one; GPT at hidden 256, whose step is compute, about the same on 1, 2
+    and 8 devices (the host's one rate, split). Everything the devices do is divided alike,
+    so the plans the ILP prefers do not change, only what they are estimated at; the
+    driver's own costs (``runtime``: calls, tasks, transfers) are the host's and stay."""
     if devices <= 1:
         return fields
     out = dict(fields)
     device = dict(fields["device"])
     device["peak_flops"] = {k: v / devices for k, v in device["peak_flops"].items()}
-    for rate in ("memory_bandwidth_bytes_per_s",):
-        if device.get(rate):
-            device[rate] = device[rate] / devices
+    if device.get("memory_bandwidth_bytes_per_s"):
+        device["memory_bandwidth_bytes_per_s"] = device["memory_bandwidth_bytes_per_s"] / devices
     if device.get("kernel_launch_s"):
         device["kernel_launch_s"] = device["kernel_launch_s"] * devices
     out["device"] = device
