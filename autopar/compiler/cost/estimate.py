@@ -67,8 +67,7 @@ def node_compute_time_s(graph: OpGraph, node: OpNode, mesh: LogicalMesh, parts: 
     seconds of the kernels it starts (``device.kernel_launch_s``)."""
     dtype = graph.tensors[node.outputs[0]].dtype if node.outputs else "float32"
     nbytes = kernel_bytes(graph, node) if mesh.device.memory_bandwidth_bytes_per_s else 0.0
-    launch = mesh.device.kernel_launch_s
-    launched = kernel_launches(graph, node) * launch if launch else 0.0
+    launched = launch_time_s(graph, mesh, nodes=(node,))
     if not node.flops and not nbytes:
         return launched
     share = max(parts, 1)
@@ -80,14 +79,16 @@ def node_compute_time_s(graph: OpGraph, node: OpNode, mesh: LogicalMesh, parts: 
     return roofline_time_s(node.flops / share, nbytes / share, mesh, dtype, shape) + launched
 
 
-def launch_time_s(graph: OpGraph, mesh: LogicalMesh, skip: Collection[int] = ()) -> float:
-    """Seconds of the launches of every kernel ``graph`` starts (but the nodes ``skip``) on
-    one device of ``mesh``: the same under every plan, so the ILP leaves them out (a constant
-    would only loosen its relative gap) and its estimates add them."""
+def launch_time_s(graph: OpGraph, mesh: LogicalMesh, skip: Collection[int] = (),
+                  nodes: Iterable[OpNode] | None = None) -> float:
+    """Seconds of the launches of every kernel ``graph`` starts (or ``nodes`` of it; but the
+    nodes ``skip``) on one device of ``mesh``: the same under every plan, so the ILP leaves
+    them out (a constant would only loosen its relative gap) and its estimates add them."""
     launch = mesh.device.kernel_launch_s
     if not launch:
         return 0.0
-    return launch * sum(kernel_launches(graph, node) for node in graph.nodes
+    return launch * sum(kernel_launches(graph, node)
+                        for node in (graph.nodes if nodes is None else nodes)
                         if node.id not in skip)
 
 
