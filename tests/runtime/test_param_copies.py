@@ -50,9 +50,12 @@ def planned(name, sizes, stages):
     return model, state, batch, pp, plan_pipeshard(pp, method, local_cluster(devices))
 
 
+# Llama rather than GPT for one stage: GPT's position embedding has two optimal layouts on
+# 2 devices (whole, its gradient reduced; split by columns, an all-to-all per microbatch),
+# equal in the cost model to the last bit, and which one the exact ILP returns is the tie's.
 @pytest.mark.parametrize("name, sizes, stages, fuse", [
-    ("gpt", {"batch_size": 64, "num_layers": 2}, 1, True),
-    ("gpt", {"batch_size": 64, "num_layers": 2}, 1, False),
+    ("llama", {"batch_size": 64, "num_layers": 2}, 1, True),
+    ("llama", {"batch_size": 64, "num_layers": 2}, 1, False),
     ("mlp", {"batch_size": 2048, "num_layers": 4}, 2, False),
 ], ids=["one-stage-one-program", "one-stage-task-by-task", "two-stages"])
 def test_a_pipeline_reduces_data_parallel_gradients_once_per_step(name, sizes, stages, fuse):
@@ -72,8 +75,8 @@ def test_a_pipeline_reduces_data_parallel_gradients_once_per_step(name, sizes, s
     # the gradients once (and the loss's scalars); reduced per microbatch (copies off:
     # ``PipelineRunner(..., param_copies=False)``) they were 4x-4.6x the parameter bytes
     assert param_bytes <= once <= param_bytes + 64
-    # the plan prices one reduction per step (GPT's tied embedding's two gradient makers
-    # each once: a little above what XLA emits once they are added before the reduction)
+    # the plan prices one reduction per step (a little above what XLA emits where two
+    # gradient makers of one parameter are priced each once: added before the reduction)
     predicted = sum(c.nbytes for s in plan.stages for c in s.collectives
                     if c.kind.value == "all-reduce")
     assert param_bytes <= predicted <= 1.25 * once

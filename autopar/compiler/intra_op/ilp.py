@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from autopar.compiler.intra_op.dual_bound import DualBound, reduced_objective, tighten
+from autopar.compiler.intra_op.elimination import solve_by_elimination
 from autopar.compiler.intra_op.mip import (
     MIP_REL_GAP,
     build_mip,
@@ -141,7 +142,8 @@ def brute_force(problem: IntraOpProblem) -> tuple[list[int], float]:
 
 def solve(problem: IntraOpProblem, *, solver: str = "auto", time_limit_s: float = 30.0,
           presolve: bool = True, relative_gap: float = MIP_REL_GAP,
-          start: Sequence[int] | None = None, dual_bound: bool = True) -> IntraOpSolution:
+          start: Sequence[int] | None = None, dual_bound: bool = True,
+          elimination: bool = True) -> IntraOpSolution:
     """Cheapest choices within the memory budget.
 
     The solver gets what is left of ``time_limit_s`` after presolve and model building (at least
@@ -159,6 +161,9 @@ def solve(problem: IntraOpProblem, *, solver: str = "auto", time_limit_s: float 
     MIP solves what is left (exact). False skips that (for tests and measurements).
     ``relative_gap``: the solver stops once its incumbent is within this fraction of its bound
     (default 1e-9: optimal up to solver tolerances; a looser gap "optimal" means within it).
+    ``elimination``: a problem without memory rows whose presolved graph eliminates within
+    ``elimination.MAX_WORK`` table entries is solved exactly that way (solver "elimination"),
+    before any of the above. False skips that (for tests of the other paths).
     """
     t0 = time.perf_counter()
     name = solver_name(solver)
@@ -176,6 +181,13 @@ def solve(problem: IntraOpProblem, *, solver: str = "auto", time_limit_s: float 
         choices = complete_choices(r, n, {})
         return IntraOpSolution(choices, evaluate(problem, choices), IlpStatus.OPTIMAL, True,
                                0.0, "presolve", 0, 0, time.perf_counter() - t0, 0.0)
+    if elimination and presolve and (core := solve_by_elimination(r)) is not None:
+        choices = complete_choices(r, n, core)
+        if start is not None and evaluate(problem, start) < evaluate(problem, choices):
+            choices = list(start)  # equally optimal, and cheaper by round-off
+        return IntraOpSolution(choices, evaluate(problem, choices), IlpStatus.OPTIMAL, True,
+                               0.0, "elimination", 0, 0, time.perf_counter() - t0, 0.0,
+                               len(r.cost), sum(len(a) for a in r.adj.values()) // 2)
     if dual_bound and presolve and _pair_count(r) > DUAL_BOUND_MIN_PAIRS:
         return _solve_bounded(problem, r, solver=name, time_limit_s=time_limit_s,
                               relative_gap=relative_gap, started=t0, start=start)

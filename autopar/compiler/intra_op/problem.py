@@ -115,7 +115,9 @@ class IntraOpSolution:
     status: IlpStatus
     proven_optimal: bool
     gap: float | None
-    solver: str  # "highs" | "cbc" | "presolve" (solved exactly without a MIP) | "trivial"
+    # "highs" | "cbc" | "highs-lp" | "dual-ascent[+...]" | "presolve" or "elimination" (solved
+    # exactly without a MIP) | "trivial"
+    solver: str
     num_variables: int
     num_constraints: int
     build_time_s: float
