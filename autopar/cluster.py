@@ -21,6 +21,7 @@ import numbers
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from dataclasses import field as dataclass_field
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -80,7 +81,11 @@ class DeviceSpec:
     (``cost.gemm``: 0, not described, prices every GEMM at the same fraction of the peak);
     ``kernel_launch_s`` the fixed seconds each kernel the device runs costs beside its work
     (its launch and the threads' start: 0, not described), which decides small steps'
-    time.
+    time; ``gemm_flops`` (per dtype; empty, not described) the flop/s a large matrix
+    multiplication reaches where that is far above what ``peak_flops`` and the cluster's
+    efficiency give other ops (a CPU's vectorised GEMM on every core of its host), and
+    ``gemm_threading_s`` what spreading one GEMM over those cores costs: a GEMM is priced at
+    the faster of that and the general rate (``cost.gemm.described_gemm_time_s``).
     """
 
     name: str
@@ -89,6 +94,8 @@ class DeviceSpec:
     memory_bandwidth_bytes_per_s: float = 0.0
     multiprocessors: int = 0
     kernel_launch_s: float = 0.0
+    gemm_flops: Mapping[str, float] = dataclass_field(default_factory=dict)
+    gemm_threading_s: float = 0.0
 
     def __post_init__(self) -> None:
         if _FALLBACK_DTYPE not in self.peak_flops:
@@ -96,11 +103,14 @@ class DeviceSpec:
                 f"device '{self.name}': peak_flops needs a '{_FALLBACK_DTYPE}' entry")
         object.__setattr__(self, "peak_flops", {str(k): float(v)
                                                 for k, v in self.peak_flops.items()})
+        object.__setattr__(self, "gemm_flops", {str(k): float(v)
+                                                for k, v in self.gemm_flops.items()})
 
     def __hash__(self) -> int:
         return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory_bytes,
                      self.memory_bandwidth_bytes_per_s, self.multiprocessors,
-                     self.kernel_launch_s))
+                     self.kernel_launch_s, tuple(sorted(self.gemm_flops.items())),
+                     self.gemm_threading_s))
 
     def flops_for(self, dtype: Any) -> float:
         """Peak flop/s for ``dtype`` (a name or a numpy/JAX dtype); float32 if it is unknown."""
@@ -122,6 +132,9 @@ class DeviceSpec:
             out["multiprocessors"] = self.multiprocessors
         if self.kernel_launch_s:
             out["kernel_launch_s"] = self.kernel_launch_s
+        if self.gemm_flops:
+            out["gemm_flops"] = dict(self.gemm_flops)
+            out["gemm_threading_s"] = self.gemm_threading_s
         return out
 
     @classmethod
@@ -141,9 +154,16 @@ class DeviceSpec:
                                   integer=True, positive=False)
         launch = _number(data.get("kernel_launch_s", 0.0), f"{where}kernel_launch_s",
                          positive=False)
+        gemm = data.get("gemm_flops", {})
+        if not isinstance(gemm, Mapping):
+            raise InvalidOptionError(f"bad field '{where}gemm_flops': needs a mapping of "
+                                     "dtype names to flop/s")
+        gemm_flops = {str(k): _number(v, f"{where}gemm_flops.{k}") for k, v in gemm.items()}
+        threading = _number(data.get("gemm_threading_s", 0.0), f"{where}gemm_threading_s",
+                            positive=False)
         return cls(name=name, peak_flops=peak, memory_bytes=memory,
                    memory_bandwidth_bytes_per_s=bandwidth, multiprocessors=multiprocessors,
-                   kernel_launch_s=launch)
+                   kernel_launch_s=launch, gemm_flops=gemm_flops, gemm_threading_s=threading)
 
 
 @dataclass(frozen=True)

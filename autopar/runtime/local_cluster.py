@@ -35,19 +35,19 @@ def local_cluster(devices: Sequence[Any] | None = None) -> ClusterSpec:
 
 
 def sharing_one_host(fields: dict[str, Any], devices: int) -> dict[str, Any]:
-    """A described CPU device's figures (``fields``, a cluster's dict: each device as if it
-    ran alone on the host) as each of ``devices`` devices of one process runs them at once.
+    """A described CPU device's figures (``fields``, a cluster's dict: each device as if it ran
+    alone on the host) as each of ``devices`` devices of one process runs them at once.
 
     XLA's CPU devices are threads of one process on the host's shared thread pool, and one
     device alone already uses every core the pool has for a large op: so ``devices`` of them
     running together split the host's rate ``devices`` ways, in every kind of work a device
-    does: its compute and memory traffic, its kernels' launches, and the collectives' steps,
-    which are copies and waits between those threads. Measured 2026-11-29 on 2 cores: a
-    chain of small kernels 3.1-4.0 us each on 1 or 2 devices, 11.5 us on 8; one all-reduce
-    inside a program 15 us on 2 devices, 165-204 us on 8; the zoo's tiny steps on 8 devices
-    2-5x the time of one; GPT at hidden 256, whose step is compute, about the same on 1, 2
-    and 8 devices (the host's one rate, split). Everything the devices do is divided alike,
-    so the plans the ILP prefers do not change, only what they are estimated at; the
+    does: its compute (its GEMMs' too) and memory traffic, its kernels' launches, and the
+    collectives' steps, which are copies and waits between those threads. Measured 2026-11-29
+    on 2 cores: a chain of small kernels 3.1-4.0 us each on 1 or 2 devices, 11.5 us on 8; one
+    all-reduce inside a program 15 us on 2 devices, 165-204 us on 8; the zoo's tiny steps on 8
+    devices 2-5x the time of one; GPT at hidden 256, whose step is compute, about the same on
+    1, 2 and 8 devices (the host's one rate, split). Everything the devices do is divided
+    alike, so the plans the ILP prefers do not change, only what they are estimated at; the
     driver's own costs (``runtime``: calls, tasks, transfers) are the host's and stay."""
     if devices <= 1:
         return fields
@@ -58,6 +58,9 @@ def sharing_one_host(fields: dict[str, Any], devices: int) -> dict[str, Any]:
         device["memory_bandwidth_bytes_per_s"] = device["memory_bandwidth_bytes_per_s"] / devices
     if device.get("kernel_launch_s"):
         device["kernel_launch_s"] = device["kernel_launch_s"] * devices
+    if device.get("gemm_flops"):  # a GEMM's rate and its threading's seconds, split alike
+        device["gemm_flops"] = {k: v / devices for k, v in device["gemm_flops"].items()}
+        device["gemm_threading_s"] = device.get("gemm_threading_s", 0.0) * devices
     out["device"] = device
     for link in ("intra_host", "inter_host"):
         out[link] = {"bandwidth_bytes_per_s": fields[link]["bandwidth_bytes_per_s"] / devices,

@@ -8,7 +8,7 @@ from collections.abc import Callable, Collection, Iterable
 
 from autopar.cluster import RuntimeCosts
 from autopar.compiler.cost.collectives import collective_time
-from autopar.compiler.cost.gemm import dot_efficiency
+from autopar.compiler.cost.gemm import described_gemm_time_s, dot_efficiency
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.fusion import kernel_bytes, kernel_launches
 from autopar.compiler.graph.opgraph import OpGraph, OpNode
@@ -48,13 +48,17 @@ def summarize_collectives(
 
 
 def roofline_time_s(flops: float, nbytes: float, mesh: LogicalMesh, dtype: str,
-                    shape_efficiency: float = 1.0) -> float:
+                    shape_efficiency: float = 1.0, gemm: bool = False) -> float:
     """Seconds of a kernel that does ``flops`` and moves ``nbytes`` on one device: the slower
     of its flops at the device's peak for ``dtype`` times its efficiency (and times
     ``shape_efficiency``: a GEMM's wave quantization, ``cost.gemm``) and its bytes at the
-    device's memory bandwidth (flops alone where the cluster does not describe it)."""
+    device's memory bandwidth (flops alone where the cluster does not describe it). A
+    ``gemm`` on a device that describes its GEMM rate runs at the faster of that and the
+    general rate (``gemm.described_gemm_time_s``)."""
     seconds = flops / (mesh.device.flops_for(dtype) * mesh.compute_efficiency
                        * shape_efficiency)
+    if gemm and (described := described_gemm_time_s(flops, mesh.device, dtype)) is not None:
+        seconds = min(seconds, described)
     bandwidth = mesh.device.memory_bandwidth_bytes_per_s
     return max(seconds, nbytes / bandwidth) if bandwidth > 0 else seconds
 
@@ -76,7 +80,8 @@ def node_compute_time_s(graph: OpGraph, node: OpNode, mesh: LogicalMesh, parts: 
         lhs, rhs = (graph.tensors[t].shape for t in node.inputs)
         shape = dot_efficiency(lhs, rhs, node.params["dimension_numbers"], share,
                                mesh.device.multiprocessors)
-    return roofline_time_s(node.flops / share, nbytes / share, mesh, dtype, shape) + launched
+    return roofline_time_s(node.flops / share, nbytes / share, mesh, dtype, shape,
+                           gemm=node.primitive == "dot_general") + launched
 
 
 def launch_time_s(graph: OpGraph, mesh: LogicalMesh, skip: Collection[int] = (),

@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from autopar.cluster import DeviceSpec
 
 # The output tile one thread block computes (cuBLAS's common 128 x 128 tile on Volta, Ampere
 # and Hopper; the guide lists 256 x 128 down to 64 x 64, larger for large GEMMs): square, so
@@ -79,3 +83,14 @@ def gemm_efficiency(sizes: Sequence[int], roles: Sequence[str], multiprocessors:
     for size, role in zip(sizes, roles, strict=True):
         extent[role] *= int(size)
     return wave_efficiency(extent[ROWS], extent[COLUMNS], extent[BATCH], multiprocessors)
+
+
+def described_gemm_time_s(flops: float, device: DeviceSpec, dtype: str) -> float | None:
+    """Seconds of a GEMM of ``flops`` on a device that describes its GEMM rate for ``dtype``
+    (``DeviceSpec.gemm_flops``, with the fixed ``gemm_threading_s`` of spreading it over
+    the host's cores), or None where it does not. The caller takes the faster of this and
+    the general rate: a small GEMM runs on one core without the threading's cost."""
+    rate = device.gemm_flops.get(dtype)
+    if not rate:
+        return None
+    return flops / rate + device.gemm_threading_s

@@ -86,7 +86,8 @@ class StrategyContext:
         GEMM's flops at its ``shape_efficiency``, ``cost.gemm``)."""
         parts = self.axes_size(parallel_axes)
         return roofline_time_s(flops / parts, self.kernel_bytes / parts, self.mesh,
-                               self.dominant_dtype, shape_efficiency)
+                               self.dominant_dtype, shape_efficiency,
+                               gemm=self.node.primitive == "dot_general")
 
     @cached_property
     def kernel_bytes(self) -> float:
