@@ -66,10 +66,13 @@ class RuntimeSample:
     """One timed runtime operation (``autopar profile``): ``kind`` is ``call`` (an empty
     jitted program over ``devices`` devices), ``task`` (an empty jitted program on one
     device, as a pipeline task is launched), ``transfer`` (``jax.device_put`` of ``nbytes``
-    to another device) or ``accumulate`` (a donated ``acc + g`` of ``nbytes``); ``seconds``:
-    the median of the timed calls."""
+    to another device), ``accumulate`` (a donated ``acc + g`` of ``nbytes``), ``stream`` (an
+    element-wise kernel of ``nbytes`` per device on every device at once) or ``all-reduces``
+    (one program of ``count`` all-reduces of ``nbytes``, one after the other, over
+    ``devices`` devices); ``seconds``: the median of the timed calls."""
 
     kind: str
     devices: int
     nbytes: float
     seconds: float
+    count: int = 1

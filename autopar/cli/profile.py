@@ -216,8 +216,8 @@ def calibrate_profile(result: ProfileResult, base: ClusterSpec | None = None,
             {"dtype": m.dtype, "m": m.m, "n": m.n, "k": m.k, "concurrent": m.concurrent,
              "seconds": m.seconds, "flops_per_s": m.flops_per_s} for m in result.matmuls],
         "runtime_samples": [
-            {"kind": r.kind, "devices": r.devices, "nbytes": r.nbytes, "seconds": r.seconds}
-            for r in result.runtime],
+            {"kind": r.kind, "devices": r.devices, "nbytes": r.nbytes, "count": r.count,
+             "seconds": r.seconds} for r in result.runtime],
     }
     return calibrate_cluster(
         result.collectives, result.matmuls, base, num_devices=result.num_devices,

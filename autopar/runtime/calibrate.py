@@ -22,9 +22,14 @@ devices (what a one-stage step pays once), one with 16 small operands on half th
 pipeline task on a stage), a ``jax.device_put`` of a small array to another device (a transfer
 between stages) and a donated ``acc + g`` on one device at two sizes (the gradient
 accumulation's bandwidth), and an element-wise kernel on every device at once at two sizes
-(the memory bandwidth a fused kernel sees, with every device busy). Calls are issued back to
-back and waited for at the end, as the pipeline driver issues them; the median over rounds is
-kept.
+(the memory bandwidth a fused kernel sees, with every device busy), and programs of 9 and 17
+small all-reduces one after the other over every device (the slope: an all-reduce's latency
+inside a step, which the per-call collectives' fit leaves to the dispatch it takes out). A
+kernel's launch is not measured: chains of small element-wise kernels gave 0.3 to 17 us a
+kernel on 8 CPU devices by their size, op and wrapping (2026-11-29), too spread to fit one
+figure on; the base cluster's is kept. Calls are
+issued back to back and waited for at the end, as the pipeline driver issues them; the
+median over rounds is kept.
 
 Matmuls: ``m x m`` by ``m x m`` in each dtype, on one device alone and on every device at once
 (``shard_map`` of a local matmul); the fit uses the latter, since a step keeps every device busy
@@ -267,6 +272,12 @@ _ACCUMULATE_BYTES = (1 << 20, 16 << 20)
 # Per device: an element-wise kernel on every device at once, at two sizes (the slope is the
 # memory bandwidth a fused kernel sees; the call's and the kernel's fixed costs cancel).
 _STREAM_BYTES = (256 << 10, 4 << 20)
+# Chain lengths of the in-program all-reduces: long enough that running them takes longer
+# than issuing the call (calls go back to back, so a short chain's time is the dispatch's,
+# about 0.3 ms on 8 CPU devices), and the elements each device all-reduces: few enough that
+# only latency counts.
+_ALL_REDUCE_CHAINS = (9, 17)
+_LATENCY_ELEMENTS = 16
 
 
 def _per_call(fn: Callable[[], Any], calls: int = _CALLS_PER_ROUND,
@@ -319,10 +330,23 @@ def _time_runtime(devices: Sequence[Any]) -> list[RuntimeSample]:
         # bytes moved per device: its part read once and written once
         out.append(RuntimeSample("stream", n, 2.0 * nbytes,
                                  _per_call(partial(scale, v), calls=5)))
+    small = _sharded_ones(every, _LATENCY_ELEMENTS, jnp.float32)
+    for count in _ALL_REDUCE_CHAINS:
+        reduces = jax.jit(_shard_mapped(every, partial(_all_reduce_chain, axis="d",
+                                                       count=count)))
+        out.append(RuntimeSample("all-reduces", n, float(_LATENCY_ELEMENTS * 4),
+                                 _per_call(partial(reduces, small), calls=5), count=count))
     for sample in out:
-        logger.info("runtime %s (%d device(s), %d bytes): %.0f us", sample.kind, sample.devices,
-                    sample.nbytes, sample.seconds * 1e6)
+        logger.info("runtime %s (%d device(s), %d bytes, %d): %.0f us", sample.kind,
+                    sample.devices, sample.nbytes, sample.count, sample.seconds * 1e6)
     return out
+
+
+def _all_reduce_chain(x: jax.Array, axis: str, count: int) -> jax.Array:
+    """``count`` all-reduces of ``x`` over ``axis``, each reading the one before."""
+    for _ in range(count):
+        x = jax.lax.optimization_barrier(jax.lax.psum(x, axis) * 0.5)
+    return x
 
 
 def _memory_bytes(device: Any) -> int | None:

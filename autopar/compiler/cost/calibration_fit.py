@@ -299,6 +299,36 @@ def fit_memory_bandwidth(samples: Sequence[RuntimeSample]) -> float | None:
     return 1.0 / slope if slope > 0 else None
 
 
+def _slope_per_count(samples: Sequence[RuntimeSample], kind: str) -> float | None:
+    """Seconds each more of the operation adds inside one program: the slope between the
+    shortest and the longest ``kind`` chain (the call's own cost cancels); None when fewer
+    than two lengths were timed or the slope is not positive."""
+    rows = sorted((r for r in samples if r.kind == kind), key=lambda r: r.count)
+    if len(rows) < 2 or rows[-1].count <= rows[0].count:
+        return None
+    slope = (rows[-1].seconds - rows[0].seconds) / (rows[-1].count - rows[0].count)
+    return slope if slope > 0 else None
+
+
+def fit_in_program_latency(samples: Sequence[RuntimeSample], beta: float) -> float | None:
+    """The link latency (alpha) under which the cost model prices one small all-reduce over
+    the sampled devices as it took inside a program (the ``all-reduces`` chains' slope), with
+    ``beta`` as fitted: the per-call fit leaves alpha to the call's dispatch it takes out,
+    which a step's collectives, many to a program, do not pay. None if not measured."""
+    per = _slope_per_count(samples, "all-reduces")
+    rows = [r for r in samples if r.kind == "all-reduces"]
+    if per is None or rows[0].devices < 2:
+        return None
+    n, nbytes = rows[0].devices, rows[0].nbytes
+    if allreduce_time(nbytes, n, 0.0, beta) >= per:
+        return 0.0
+    low, high = 0.0, per  # every algorithm has a round at least: the time at alpha = per >= per
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if allreduce_time(nbytes, n, mid, beta) < per else (low, mid)
+    return high
+
+
 def fit_runtime(samples: Sequence[RuntimeSample], base: RuntimeCosts) -> RuntimeCosts:
     """The runtime's costs from ``samples`` (``runtime.calibrate``); ``base``'s for kinds not
     measured."""
@@ -356,6 +386,7 @@ def calibrate_cluster(
     ratio = peak["float32"] / base.device.flops_for("float32")
     rates = {d: r * ratio for d, r in base.device.peak_flops.items()} | peak
     bandwidth = fit_memory_bandwidth(runtime)
+    latency = fit_in_program_latency(runtime, link.beta)
     device = DeviceSpec(name=device_name, peak_flops=rates,
                         memory_bytes=int(memory_bytes or base.device.memory_bytes),
                         memory_bandwidth_bytes_per_s=(
@@ -363,7 +394,7 @@ def calibrate_cluster(
                         multiprocessors=base.device.multiprocessors,
                         kernel_launch_s=base.device.kernel_launch_s)
     link_spec = LinkSpec(bandwidth_bytes_per_s=link.bandwidth_bytes_per_s,
-                         latency_s=link.alpha)
+                         latency_s=link.alpha if latency is None else latency)
     which = ("the joint fit over every collective and axis" if link.kind == "all"
              else f"the {link.kind} fit over every axis")
     notes = (
@@ -378,6 +409,9 @@ def calibrate_cluster(
            "memory bandwidth not measured: element-wise ops are priced by their flops.")
         + (f" kernel_launch_s: '{base.name}''s, not measured."
            if base.device.kernel_launch_s else "")
+        + (" latency_s: the alpha under which the model prices one small all-reduce as a "
+           "chain of them took inside one program (the per-call fit's alpha "
+           f"{link.alpha * 1e6:.1f} us)." if latency is not None else "")
     )
     cluster = ClusterSpec(
         name=name,

@@ -23,11 +23,12 @@ from autopar.compiler.cost.calibration_fit import (
     FitOptions,
     calibrate_cluster,
     fit_all,
+    fit_in_program_latency,
     fit_link,
     fit_memory_bandwidth,
     model_time,
 )
-from autopar.compiler.cost.collectives import collective_time
+from autopar.compiler.cost.collectives import allreduce_time, collective_time
 from autopar.compiler.cost.estimate import roofline_time_s
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.errors import InvalidOptionError
@@ -166,6 +167,31 @@ def test_the_memory_bandwidth_is_the_slope_between_two_element_wise_kernels():
     assert roofline_time_s(flops, nbytes, flops_only, "float32") == pytest.approx(flops / 4e9)
 
 
+def test_the_in_program_latency_is_the_all_reduce_chains_slope():
+    """Programs of 17 and of 9 small all-reduces over 8 devices (300 us of call, 40 us each):
+    the alpha under which the model prices one such all-reduce at 40 us goes into the
+    cluster; the per-call fit's alpha (the dispatch taken out) does not."""
+    reduces = [RuntimeSample("all-reduces", 8, 64.0, 3e-4 + k * 40e-6, count=k)
+               for k in (9, 17)]
+    alpha = fit_in_program_latency(reduces, BETA)
+    assert alpha is not None and alpha > 0
+    assert allreduce_time(64.0, 8, alpha, BETA) == pytest.approx(40e-6, rel=1e-9)
+    assert fit_in_program_latency(reduces[:1], BETA) is None
+    flat = [RuntimeSample("all-reduces", 8, 64.0, 1e-4, count=k) for k in (9, 17)]
+    assert fit_in_program_latency(flat, BETA) is None  # no slope: not measured
+    base = load_cluster("cpu-sim")
+    fitted = calibrate_cluster(synthetic(noise=0.0), MATMULS, base, num_devices=8, name="a",
+                               device_name="d", source="s", runtime=reduces)
+    plain = calibrate_cluster(synthetic(noise=0.0), MATMULS, base, num_devices=8, name="a",
+                              device_name="d", source="s")
+    assert fitted.cluster.intra_host.latency_s == pytest.approx(alpha)
+    assert plain.cluster.intra_host.latency_s == pytest.approx(plain.link.alpha)
+    assert "latency_s: the alpha" in fitted.cluster.notes
+    # a step's small all-reduce on the fitted cluster costs what the chain measured
+    mesh = LogicalMesh.from_cluster(fitted.cluster, (8,))
+    assert collective_time("all-reduce", 64.0, mesh, 0) == pytest.approx(40e-6, rel=1e-6)
+
+
 def test_link_from_one_kind_and_bad_options():
     samples = synthetic(seed=1) + [
         CollectiveSample("all-to-all", "2x4", "y", 4, float(m), 1e-3 + m * 1e-8)
@@ -242,6 +268,8 @@ def test_profile_writes_a_cluster_file_that_loads(profiled, tmp_path):
     data = json.loads(path.read_text())["calibration"]
     streams = [r for r in data["runtime_samples"] if r["kind"] == "stream"]
     assert len({r["nbytes"] for r in streams}) == 2  # the bandwidth's two sizes were timed
+    chains = [r for r in data["runtime_samples"] if r["kind"] == "all-reduces"]
+    assert len({r["count"] for r in chains}) == 2  # the in-program latency's two lengths
     assert data["link"]["kind"] == "all" and len(data["collective_samples"]) == 24
     assert {f["kind"] for f in data["fits"]} == {*CALIBRATED_KINDS, "all"}
 
