@@ -22,14 +22,9 @@ devices (what a one-stage step pays once), one with 16 small operands on half th
 pipeline task on a stage), a ``jax.device_put`` of a small array to another device (a transfer
 between stages) and a donated ``acc + g`` on one device at two sizes (the gradient
 accumulation's bandwidth), and an element-wise kernel on every device at once at two sizes
-(the memory bandwidth a fused kernel sees, with every device busy), and programs of 9 and 17
-small all-reduces one after the other over every device (the slope: an all-reduce's latency
-inside a step, which the per-call collectives' fit leaves to the dispatch it takes out). A
-kernel's launch is not measured: chains of small element-wise kernels gave 0.3 to 17 us a
-kernel on 8 CPU devices by their size, op and wrapping (2026-11-29), too spread to fit one
-figure on; the base cluster's is kept. Calls are
-issued back to back and waited for at the end, as the pipeline driver issues them; the
-median over rounds is kept.
+(the memory bandwidth a fused kernel sees), and programs of 9 and 17 small all-reduces (the
+slope: an all-reduce's latency inside a step). Calls go back to back, waited for at the end,
+as the pipeline driver issues them; the median over rounds is kept.
 
 Matmuls: ``m x m`` by ``m x m`` in each dtype, on one device alone and on every device at once
 (``shard_map`` of a local matmul); the fit uses the latter, since a step keeps every device busy

@@ -1,0 +1,81 @@
+"""Fitting the runtime's own costs and what a step pays inside its programs to the samples
+``autopar profile`` takes (``RuntimeSample``; :mod:`autopar.runtime.calibrate`): the memory
+bandwidth with every device busy, the latency of an all-reduce inside a program, and the
+driver's call, task, transfer and accumulation costs. Pure: it touches no devices.
+:mod:`autopar.compiler.cost.calibration_fit` puts them into the calibrated cluster.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from autopar.calibration_samples import RuntimeSample
+from autopar.cluster import RuntimeCosts
+from autopar.compiler.cost.collectives import allreduce_time
+
+
+def fit_memory_bandwidth(samples: Sequence[RuntimeSample]) -> float | None:
+    """Bytes per second one device's element-wise kernels move with every device busy: the
+    slope between the ``stream`` samples' sizes (the call's and the kernel's own fixed costs
+    cancel); None when fewer than two sizes were timed or the slope is not positive."""
+    rows = sorted((r for r in samples if r.kind == "stream"), key=lambda r: r.nbytes)
+    if len(rows) < 2 or rows[-1].nbytes <= rows[0].nbytes:
+        return None
+    slope = (rows[-1].seconds - rows[0].seconds) / (rows[-1].nbytes - rows[0].nbytes)
+    return 1.0 / slope if slope > 0 else None
+
+
+def _slope_per_count(samples: Sequence[RuntimeSample], kind: str) -> float | None:
+    """Seconds each more of the operation adds inside one program: the slope between the
+    shortest and the longest ``kind`` chain (the call's own cost cancels); None when fewer
+    than two lengths were timed or the slope is not positive."""
+    rows = sorted((r for r in samples if r.kind == kind), key=lambda r: r.count)
+    if len(rows) < 2 or rows[-1].count <= rows[0].count:
+        return None
+    slope = (rows[-1].seconds - rows[0].seconds) / (rows[-1].count - rows[0].count)
+    return slope if slope > 0 else None
+
+
+def fit_in_program_latency(samples: Sequence[RuntimeSample], beta: float) -> float | None:
+    """The link latency (alpha) under which the cost model prices one small all-reduce over
+    the sampled devices as it took inside a program (the ``all-reduces`` chains' slope), with
+    ``beta`` as fitted: the per-call fit leaves alpha to the call's dispatch it takes out,
+    which a step's collectives, many to a program, do not pay. None if not measured."""
+    per = _slope_per_count(samples, "all-reduces")
+    rows = [r for r in samples if r.kind == "all-reduces"]
+    if per is None or rows[0].devices < 2:
+        return None
+    n, nbytes = rows[0].devices, rows[0].nbytes
+    if allreduce_time(nbytes, n, 0.0, beta) >= per:
+        return 0.0
+    low, high = 0.0, per  # every algorithm has a round at least: the time at alpha = per >= per
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if allreduce_time(nbytes, n, mid, beta) < per else (low, mid)
+    return high
+
+
+def fit_runtime(samples: Sequence[RuntimeSample], base: RuntimeCosts) -> RuntimeCosts:
+    """The runtime's costs from ``samples`` (``runtime.calibrate``); ``base``'s for kinds not
+    measured."""
+    by_kind: dict[str, list[RuntimeSample]] = {}
+    for sample in samples:
+        by_kind.setdefault(sample.kind, []).append(sample)
+
+    def median(kind: str, default: float) -> float:
+        rows = by_kind.get(kind)
+        return float(np.median([r.seconds for r in rows])) if rows else default
+
+    bandwidth = base.accumulate_bytes_per_s
+    rows = sorted(by_kind.get("accumulate", []), key=lambda r: r.nbytes)
+    if len(rows) >= 2 and rows[-1].nbytes > rows[0].nbytes:
+        slope = (rows[-1].seconds - rows[0].seconds) / (rows[-1].nbytes - rows[0].nbytes)
+        if slope > 0:
+            bandwidth = 1.0 / slope
+    elif rows and rows[0].seconds > 0:
+        bandwidth = rows[0].nbytes / rows[0].seconds
+    return RuntimeCosts(call_s=median("call", base.call_s), task_s=median("task", base.task_s),
+                        transfer_s=median("transfer", base.transfer_s),
+                        accumulate_bytes_per_s=bandwidth)
