@@ -162,8 +162,9 @@ def solve(problem: IntraOpProblem, *, solver: str = "auto", time_limit_s: float 
     ``relative_gap``: the solver stops once its incumbent is within this fraction of its bound
     (default 1e-9: optimal up to solver tolerances; a looser gap "optimal" means within it).
     ``elimination``: a problem without memory rows whose presolved graph eliminates within
-    ``elimination.MAX_WORK`` table entries is solved exactly that way (solver "elimination"),
-    before any of the above. False skips that (for tests of the other paths).
+    the price ``elimination.solve_by_elimination`` allows (table entries: 5M, or 100 per
+    edge pair) is solved exactly that way (solver "elimination"), before any of the above.
+    False skips that (for tests of the other paths).
     """
     t0 = time.perf_counter()
     name = solver_name(solver)
