@@ -16,26 +16,22 @@ from autopar.cluster import RuntimeCosts
 from autopar.compiler.cost.collectives import allreduce_time
 
 
-def fit_memory_bandwidth(samples: Sequence[RuntimeSample]) -> float | None:
-    """Bytes per second one device's element-wise kernels move with every device busy: the
-    slope between the ``stream`` samples' sizes (the call's and the kernel's own fixed costs
-    cancel); None when fewer than two sizes were timed or the slope is not positive."""
-    rows = sorted((r for r in samples if r.kind == "stream"), key=lambda r: r.nbytes)
-    if len(rows) < 2 or rows[-1].nbytes <= rows[0].nbytes:
+def _slope(samples: Sequence[RuntimeSample], kind: str, by: str) -> float | None:
+    """Seconds per unit of ``by`` (``"nbytes"`` or ``"count"``) between the smallest and the
+    largest ``kind`` sample: the fixed costs both pay (the call's, the kernel's) cancel. None
+    when fewer than two sizes were timed or the slope is not positive."""
+    rows = sorted((r for r in samples if r.kind == kind), key=lambda r: getattr(r, by))
+    if len(rows) < 2 or getattr(rows[-1], by) <= getattr(rows[0], by):
         return None
-    slope = (rows[-1].seconds - rows[0].seconds) / (rows[-1].nbytes - rows[0].nbytes)
-    return 1.0 / slope if slope > 0 else None
-
-
-def _slope_per_count(samples: Sequence[RuntimeSample], kind: str) -> float | None:
-    """Seconds each more of the operation adds inside one program: the slope between the
-    shortest and the longest ``kind`` chain (the call's own cost cancels); None when fewer
-    than two lengths were timed or the slope is not positive."""
-    rows = sorted((r for r in samples if r.kind == kind), key=lambda r: r.count)
-    if len(rows) < 2 or rows[-1].count <= rows[0].count:
-        return None
-    slope = (rows[-1].seconds - rows[0].seconds) / (rows[-1].count - rows[0].count)
+    slope = (rows[-1].seconds - rows[0].seconds) / (getattr(rows[-1], by) - getattr(rows[0], by))
     return slope if slope > 0 else None
+
+
+def fit_memory_bandwidth(samples: Sequence[RuntimeSample]) -> float | None:
+    """Bytes per second one device's element-wise kernels move with every device busy (the
+    ``stream`` samples' slope); None when not measured."""
+    slope = _slope(samples, "stream", "nbytes")
+    return None if slope is None else 1.0 / slope
 
 
 def fit_in_program_latency(samples: Sequence[RuntimeSample], beta: float) -> float | None:
@@ -43,7 +39,7 @@ def fit_in_program_latency(samples: Sequence[RuntimeSample], beta: float) -> flo
     the sampled devices as it took inside a program (the ``all-reduces`` chains' slope), with
     ``beta`` as fitted: the per-call fit leaves alpha to the call's dispatch it takes out,
     which a step's collectives, many to a program, do not pay. None if not measured."""
-    per = _slope_per_count(samples, "all-reduces")
+    per = _slope(samples, "all-reduces", "count")
     rows = [r for r in samples if r.kind == "all-reduces"]
     if per is None or rows[0].devices < 2:
         return None
@@ -69,12 +65,11 @@ def fit_runtime(samples: Sequence[RuntimeSample], base: RuntimeCosts) -> Runtime
         return float(np.median([r.seconds for r in rows])) if rows else default
 
     bandwidth = base.accumulate_bytes_per_s
-    rows = sorted(by_kind.get("accumulate", []), key=lambda r: r.nbytes)
-    if len(rows) >= 2 and rows[-1].nbytes > rows[0].nbytes:
-        slope = (rows[-1].seconds - rows[0].seconds) / (rows[-1].nbytes - rows[0].nbytes)
-        if slope > 0:
-            bandwidth = 1.0 / slope
-    elif rows and rows[0].seconds > 0:
+    rows = by_kind.get("accumulate", [])
+    slope = _slope(rows, "accumulate", "nbytes")
+    if slope is not None:
+        bandwidth = 1.0 / slope
+    elif len({r.nbytes for r in rows}) == 1 and rows[0].seconds > 0:  # one size: its rate
         bandwidth = rows[0].nbytes / rows[0].seconds
     return RuntimeCosts(call_s=median("call", base.call_s), task_s=median("task", base.task_s),
                         transfer_s=median("transfer", base.transfer_s),
