@@ -91,8 +91,8 @@ def fill_entry(one_stage: OneStagePipelinePlans | str | None,
                                  "measured_s": timing.median_s,
                                  "measured_over_default": timing.median_s
                                  / plan.est_step_time_s if plan.est_step_time_s else None,
-                                 "est_calibrated_s": None, "measured_over_calibrated": None,
-                                 "same_plan": None}})
+                                 "est_calibrated_s": None, "measured_calibrated_s": None,
+                                 "measured_over_calibrated": None, "same_plan": None}})
     mesh = "x".join(str(d) for d in plan.stages[0].logical_mesh_shape)
     single_mesh = "x".join(str(d) for d in one_stage.one_microbatch.stages[0].logical_mesh_shape)
     entry["note"] = (f"{plan.num_microbatches} microbatches; ShardParallel on the same "

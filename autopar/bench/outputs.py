@@ -185,9 +185,10 @@ def _what_if_table(cases: Sequence[Row]) -> list[str]:
 
 
 def _cost_model_table(cases: Sequence[Row]) -> list[str]:
-    lines = ["| case | plan | est. default (s) | est. calibrated (s) | measured (s) | "
-             "measured / est. default | measured / est. calibrated | same plan calibrated |",
-             "|---|---|---:|---:|---:|---:|---:|---|"]
+    lines = ["| case | plan | est. default (s) | measured (s) | measured / est. default | "
+             "same plan calibrated | est. calibrated (s) | measured calibrated (s) | "
+             "measured / est. calibrated |",
+             "|---|---|---:|---:|---:|---|---:|---:|---:|"]
     found = False
     for r in cases:
         items = [("autopar", r.get("cost_model"))]
@@ -199,9 +200,9 @@ def _cost_model_table(cases: Sequence[Row]) -> list[str]:
             same = "—" if cm["same_plan"] is None else ("yes" if cm["same_plan"] else "no")
             lines.append(
                 f"| {r['case']} | {name} | {_f(cm['est_default_s'])} | "
-                f"{_f(cm['est_calibrated_s'])} | {_f(cm['measured_s'])} | "
-                f"{_f(cm['measured_over_default'])} | {_f(cm['measured_over_calibrated'])} | "
-                f"{same} |")
+                f"{_f(cm['measured_s'])} | {_f(cm['measured_over_default'])} | {same} | "
+                f"{_f(cm['est_calibrated_s'])} | {_f(cm.get('measured_calibrated_s'))} | "
+                f"{_f(cm['measured_over_calibrated'])} |")
     return lines if found else ["No local case in this suite."]
 
 

@@ -67,8 +67,10 @@ def planning_vs_devices(rows: Sequence[Row]) -> Figure | None:
 _MARKERS = "osD^vPX*<>"
 
 
-def _measured_points(rows: Sequence[Row]) -> list[tuple[str, str, float, float, float | None]]:
-    """(case, plan, estimated s, measured s, calibrated estimate s) of every timed plan."""
+def _measured_points(rows: Sequence[Row]
+                     ) -> list[tuple[str, str, float, float, float | None, float | None]]:
+    """(case, plan, estimated s, measured s, calibrated estimate s, the calibrated plan's
+    measured s) of every timed plan."""
     found = []
     for r in rows:
         if r.get("kind") != "case" or r.get("cost_model") is None:
@@ -78,7 +80,8 @@ def _measured_points(rows: Sequence[Row]) -> list[tuple[str, str, float, float, 
                   if b.get("cost_model")]
         for name, cm in items:
             found.append((r["case"], name, cm["est_default_s"], cm["measured_s"],
-                          cm.get("est_calibrated_s")))
+                          cm.get("est_calibrated_s"),
+                          cm.get("measured_calibrated_s", cm["measured_s"])))
     return found
 
 
@@ -95,14 +98,14 @@ def estimated_vs_measured(rows: Sequence[Row]) -> Figure | None:
     plans = list(dict.fromkeys(p[1] for p in points))
     figure = Figure(figsize=(8, 5), dpi=100)
     ax = figure.add_subplot()
-    for case, plan, est, measured, calibrated in points:
+    for case, plan, est, measured, calibrated, measured_calibrated in points:
         colour = f"C{plans.index(plan) % 10}"
         marker = _MARKERS[cases.index(case) % len(_MARKERS)]
         ax.scatter([est], [measured], color=colour, marker=marker)
-        if calibrated:
-            ax.scatter([calibrated], [measured], marker=marker, facecolors="none",
+        if calibrated and measured_calibrated:
+            ax.scatter([calibrated], [measured_calibrated], marker=marker, facecolors="none",
                        edgecolors=colour)
-    every = [v for p in points for v in (p[2], p[3], p[4]) if v]
+    every = [v for p in points for v in (p[2], p[3], p[4], p[5]) if v]
     lo, hi = min(every) / 2, max(every) * 2
     ax.plot([lo, hi], [lo, hi], color="gray", linestyle=":")
     ax.set_xscale("log")

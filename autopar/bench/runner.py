@@ -166,7 +166,7 @@ def run_case(case: BenchCase, options: RunOptions, phase: Phase) -> dict[str, An
                                pipeline_layers=case.pipeline_layers).plan
 
         row["cost_model"] = _cost_model(est, timing.median_s, options, cluster, phase, replan,
-                                        plan)
+                                        plan, local)
     row["baselines"] = _baselines(case, cluster, traced, searched, options, local, row,
                                   phase, timings, one_stage)
     if case.hand_plans:
@@ -231,23 +231,33 @@ def _local_run(case: BenchCase, model: ZooModel, options: RunOptions, phase: Pha
 
 
 def _cost_model(est_s: float, measured_s: float, options: RunOptions, cluster: ClusterSpec,
-                phase: Phase, replan: Callable[[ClusterSpec], Plan], plan: Plan
-                ) -> dict[str, Any]:
+                phase: Phase, replan: Callable[[ClusterSpec], Plan], plan: Plan,
+                local: _Local | None = None) -> dict[str, Any]:
     """Measured over estimated step time under the default description and, with
-    ``--calibrated``, under the calibrated one (re-planned: the plan may change, ``same_plan``
-    says whether it did; only then is its ratio about the same program)."""
+    ``--calibrated``, under the calibrated one. The calibrated description plans anew, and
+    its plan may differ (``same_plan``): then that plan is run and timed too
+    (``measured_calibrated_s``), so that each ratio sets an estimate beside the clock of the
+    program it estimates."""
     out: dict[str, Any] = {"est_default_s": est_s, "measured_s": measured_s,
                            "measured_over_default": measured_s / est_s if est_s else None,
-                           "est_calibrated_s": None, "measured_over_calibrated": None,
-                           "same_plan": None}
+                           "est_calibrated_s": None, "measured_calibrated_s": None,
+                           "measured_over_calibrated": None, "same_plan": None}
     cal = calibrated_cluster(options, cluster.num_devices)
     if cal is not None:
         with phase("re-planning under the calibrated description"):
             other = replan(cal)
+        same = same_plan(plan, other)
+        measured_cal: float | None = measured_s
+        if not same:
+            measured_cal = None
+            if local is not None:
+                with phase("running the plan the calibrated description chose"):
+                    measured_cal = local.run(other).median_s
         est_cal = other.est_step_time_s
-        out.update({"est_calibrated_s": est_cal,
-                    "measured_over_calibrated": measured_s / est_cal if est_cal else None,
-                    "same_plan": same_plan(plan, other)})
+        out.update({"est_calibrated_s": est_cal, "measured_calibrated_s": measured_cal,
+                    "measured_over_calibrated":
+                        measured_cal / est_cal if est_cal and measured_cal else None,
+                    "same_plan": same})
     return out
 
 
@@ -325,7 +335,7 @@ def _plan_baseline(baseline: Baseline, planner: Callable[[ClusterSpec], Plan],
     entry["measured_step_time_s"] = timing.median_s
     entry["hlo_collectives"] = timing.hlo_collectives
     entry["cost_model"] = _cost_model(plan.est_step_time_s, timing.median_s, options,
-                                      cluster, phase, planner, plan)
+                                      cluster, phase, planner, plan, local)
 
 
 def _pipeline_baseline(baseline: Baseline, plan: Plan, entry: dict) -> None:

@@ -119,6 +119,12 @@ def test_local_rows_have_measured_times_hlo_counts_and_cost_model_ratios(smoke):
         assert measured["tflops_per_device"] > 0
         model = row["cost_model"]
         assert model["measured_over_default"] > 0 and model["measured_over_calibrated"] > 0
+        # the calibrated ratio is about the program the calibrated plan runs: the default's
+        # measurement when the plans agree, that plan's own run when they do not
+        assert model["measured_over_calibrated"] == pytest.approx(
+            model["measured_calibrated_s"] / model["est_calibrated_s"])
+        if model["same_plan"]:
+            assert model["measured_calibrated_s"] == model["measured_s"]
         # half the flops: every plan slower, so the calibrated search's best is slower than
         # the default search's own (not than the plan the clock kept, which may be estimated
         # slower than the search's choice: a loaded run kept one)
@@ -290,3 +296,34 @@ def test_missing_calibrated_file_is_one_line_and_exit_2(capsys, tmp_path):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "nope.json" in err
     assert not list(tmp_path.glob("bench-*"))  # nothing ran
+
+
+def test_a_calibrated_plan_that_is_not_the_default_plan_is_timed_itself(monkeypatch):
+    """The calibrated ratio sets the calibrated plan's estimate beside that plan's own clock:
+    a plan the calibrated description chose differently is run, not read off the default
+    plan's measurement."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from autopar.bench import runner
+
+    cluster = load_cluster("cpu-sim").with_devices(1, 2)
+    default, calibrated = SimpleNamespace(est_step_time_s=1.0), SimpleNamespace(
+        est_step_time_s=2.0)
+    ran = []
+
+    class Local:
+        def run(self, plan):
+            ran.append(plan)
+            return SimpleNamespace(median_s=3.0)
+
+    options = runner.RunOptions(devices=2, calibrated=cluster)
+    for same in (False, True):
+        ran.clear()
+        monkeypatch.setattr(runner, "same_plan", lambda a, b, same=same: same)
+        model = runner._cost_model(1.0, 1.5, options, cluster, lambda _: nullcontext(),
+                                   lambda _: calibrated, default, Local())
+        assert model["measured_over_default"] == pytest.approx(1.5)
+        assert ran == ([] if same else [calibrated])
+        assert model["measured_calibrated_s"] == (1.5 if same else 3.0)
+        assert model["measured_over_calibrated"] == pytest.approx(0.75 if same else 1.5)
