@@ -182,8 +182,7 @@ def amortise(problem: Any, parts: ProblemParts, graph: OpGraph, mesh: LogicalMes
                           for c, d in zip(node.costs, matrix.diagonal(), strict=True)]
         elif (src, dst) in edges:
             edge = edges[(src, dst)]
-            edge.costs = [[max(c - (1.0 - keep) * d, 0.0) for c, d in zip(row, mrow, strict=True)]
-                          for row, mrow in zip(edge.costs, matrix.tolist(), strict=True)]
+            edge.costs = np.maximum(edge.costs - (1.0 - keep) * matrix, 0.0)
 
     fed = {-(1 + k) for k, io in enumerate(graph.inputs) if io.path.startswith("batch/")}
 

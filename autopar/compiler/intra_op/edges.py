@@ -172,7 +172,7 @@ class ReshardingEdges:
                     f"tie t{out_t}=t{in_t}")
         return [
             ProblemEdge(
-                src, dst, matrix.tolist(), note="; ".join(notes[(src, dst)][:_NOTES_PER_EDGE])
+                src, dst, matrix, note="; ".join(notes[(src, dst)][:_NOTES_PER_EDGE])
             )
             for (src, dst), matrix in matrices.items()
             if matrix.any()

@@ -68,8 +68,8 @@ def _check(problem: IntraOpProblem) -> None:
             raise ValueError(f"node {u} ({nd.name}): needs >= 1 strategy, finite costs and "
                              "equally long costs, strategy_names and memory")
     for e in problem.edges:
-        if not (0 <= e.src < n and 0 <= e.dst < n) or np.shape(e.costs) != (
-                sizes[e.src], sizes[e.dst]) or not np.all(np.isfinite(e.costs)):
+        if not (0 <= e.src < n and 0 <= e.dst < n) or e.costs.shape != (
+                sizes[e.src], sizes[e.dst]) or not np.isfinite(e.costs).all():
             raise ValueError(f"edge {e.src}->{e.dst}: needs node indices in range and finite "
                              "costs of shape [src strategies][dst strategies]")
     if any(not 0 <= u < n for s in problem.live_sets for u in s):
@@ -86,7 +86,8 @@ def evaluate(problem: IntraOpProblem, choices: Sequence[int]) -> float:
     """Objective (seconds) of ``choices``: chosen node costs plus chosen edge costs."""
     _check_choices(problem, choices)
     total = math.fsum(nd.costs[c] for nd, c in zip(problem.nodes, choices, strict=True))
-    return total + math.fsum(e.costs[choices[e.src]][choices[e.dst]] for e in problem.edges)
+    return total + math.fsum(float(e.costs[choices[e.src], choices[e.dst]])
+                             for e in problem.edges)
 
 
 def peak_memory(problem: IntraOpProblem, choices: Sequence[int]) -> float:
@@ -124,7 +125,7 @@ def brute_force(problem: IntraOpProblem) -> tuple[list[int], float]:
     for u, nd in enumerate(problem.nodes):
         total += np.asarray(nd.costs)[grid[u]]
     for e in problem.edges:
-        total += np.asarray(e.costs)[grid[e.src], grid[e.dst]]
+        total += e.costs[grid[e.src], grid[e.dst]]
     if problem.memory_budget is not None:
         for s in problem.live_sets:
             load = np.zeros(grid.shape[1])
@@ -258,9 +259,8 @@ def restrict(problem: IntraOpProblem,
     nodes = [ProblemNode(nd.name, [nd.costs[i] for i in s], [nd.strategy_names[i] for i in s],
                          None if nd.memory is None else [nd.memory[i] for i in s], nd.follow_note)
              for nd, s in zip(problem.nodes, kept, strict=True)]
-    edges = [ProblemEdge(e.src, e.dst,
-                         np.asarray(e.costs, float)[np.ix_(kept[e.src], kept[e.dst])].tolist(),
-                         e.note) for e in problem.edges]
+    edges = [ProblemEdge(e.src, e.dst, e.costs[np.ix_(kept[e.src], kept[e.dst])], e.note)
+             for e in problem.edges]
     return IntraOpProblem(nodes, edges, problem.memory_budget, problem.live_sets), kept
 
 

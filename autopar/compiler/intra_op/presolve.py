@@ -70,7 +70,7 @@ def presolve(problem: IntraOpProblem, exact_reductions: bool) -> ReducedProblem:
         else:
             r.cost[u], r.adj[u] = np.asarray(nd.costs, float), {}
     for e in problem.edges:
-        m, u, w = np.asarray(e.costs, float), e.src, e.dst
+        m, u, w = e.costs, e.src, e.dst
         if u == w and u not in r.fixed:  # a self-loop pays its diagonal
             r.cost[u] = r.cost[u] + np.diagonal(m)
         elif u in r.fixed and w in r.fixed:

@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
+import numpy as np
+
 from autopar.errors import AutoparError, PlanError, format_bytes
 
 FORMAT_VERSION = 1
@@ -26,14 +28,27 @@ class ProblemNode:
     follow_note: str = ""
 
 
-@dataclass
+@dataclass(eq=False)
 class ProblemEdge:
-    """Resharding cost ``costs[i][j]`` when ``src`` picks strategy i and ``dst`` picks j."""
+    """Resharding cost ``costs[i][j]`` when ``src`` picks strategy i and ``dst`` picks j.
+
+    Held as one float array (given as rows or as an array): the builder makes it with numpy
+    and every solver reads it with numpy, so it is converted once, not at each reader."""
 
     src: int
     dst: int
-    costs: list[list[float]]
+    costs: np.ndarray
     note: str = ""
+
+    def __post_init__(self) -> None:
+        self.costs = np.asarray(self.costs, dtype=float)
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, ProblemEdge) and (self.src, self.dst, self.note)
+                == (other.src, other.dst, other.note)
+                and np.array_equal(self.costs, other.costs))
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as a dataclass with eq
 
 
 @dataclass
@@ -55,7 +70,7 @@ class IntraOpProblem:
                            "memory": None if n.memory is None else [float(m) for m in n.memory],
                            "follow_note": n.follow_note} for n in self.nodes],
                 "edges": [{"src": e.src, "dst": e.dst, "note": e.note,
-                           "costs": [[float(c) for c in row] for row in e.costs]}
+                           "costs": e.costs.tolist()}
                           for e in self.edges],
                 "live_sets": [[int(u) for u in s] for s in self.live_sets]}
 
@@ -68,8 +83,8 @@ class IntraOpProblem:
         nodes = [ProblemNode(n["name"], [float(c) for c in n["costs"]], list(n["strategies"]),
                              None if n.get("memory") is None else [float(m) for m in n["memory"]],
                              n.get("follow_note", "")) for n in d["nodes"]]
-        edges = [ProblemEdge(int(e["src"]), int(e["dst"]),
-                             [[float(c) for c in row] for row in e["costs"]], e.get("note", ""))
+        edges = [ProblemEdge(int(e["src"]), int(e["dst"]), np.asarray(e["costs"], dtype=float),
+                             e.get("note", ""))
                  for e in d["edges"]]
         budget = d.get("memory_budget")
         return cls(nodes, edges, None if budget is None else float(budget),
