@@ -349,7 +349,8 @@ def calibrate_cluster(
         + ("memory_bandwidth_bytes_per_s: an element-wise kernel's bytes per second on one "
            "device with all busy (the slope between two sizes)." if bandwidth else
            "memory bandwidth not measured: element-wise ops are priced by their flops.")
-        + (f" kernel_launch_s: '{base.name}''s, not measured."
+        + (f" kernel_launch_s: '{base.name}''s ({base.device.kernel_launch_s * 1e6:.0f} us),"
+           " not measured."
            if base.device.kernel_launch_s else "")
         + (" latency_s: the alpha under which the model prices one small all-reduce as a "
            "chain of them took inside one program (the per-call fit's alpha "

@@ -349,3 +349,13 @@ def test_profile_unwritable_out_fails_before_timing(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith("autopar: error: cannot write --out file") and message in err
         assert err.count("\n") == 1
+
+
+def test_what_a_cpu_profile_does_not_measure_is_the_shared_devices_default(profiled):
+    """A kernel's launch is not profiled: the calibrated description takes it from the
+    description the local devices get without calibration (``cpu-sim`` as the devices run it
+    together), as every figure it measures is timed with all the devices busy."""
+    result, cal = profiled
+    alone = load_cluster("cpu-sim").device.kernel_launch_s
+    assert cal.cluster.device.kernel_launch_s == pytest.approx(alone * result.num_devices)
+    assert "sharing the host" in cal.cluster.notes
