@@ -30,10 +30,7 @@ from autopar.compiler.intra_op.presolve import ReducedProblem, local_search
 # Decode a plan from the reparametrised costs every this many sweeps.
 DECODE_EVERY = 5
 # Stop ascending once the bound rose less than this fraction of the gap over DECODE_EVERY sweeps.
-# The bound creeps before it closes: at 0.02 the zoo's MoE on 2 x 4 stopped at a 2% gap after
-# 90 sweeps and left HiGHS a 68k-column MIP (1.2 s); at 0.005 it closed the gap to 0 in 140
-# (0.5 s, the same plan). GPT-39B's and GPT-3 175B's searches take as long either way.
-STALL_FRACTION = 0.005
+STALL_FRACTION = 0.02
 
 
 @dataclass(frozen=True)
