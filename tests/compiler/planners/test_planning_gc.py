@@ -1,5 +1,6 @@
-"""Planning runs with fewer full collections of Python's cyclic collector, and puts the
-collector's thresholds back after, whatever happens."""
+"""Planning runs with fewer full collections of Python's cyclic collector, none of them
+scanning what was alive before it began, and puts the collector back as it was after,
+whatever happens."""
 
 from __future__ import annotations
 
@@ -25,6 +26,16 @@ def default_thresholds():
     gc.set_threshold(*saved)
 
 
+@pytest.fixture
+def nothing_frozen():
+    """A process that froze nothing (the suite's conftest froze what collection imported)."""
+    was_frozen = gc.get_freeze_count() > 0
+    gc.unfreeze()
+    yield
+    if was_frozen:
+        gc.freeze()
+
+
 def test_full_collections_are_rarer_inside_and_restored_after(default_thresholds):
     with fewer_full_collections():
         assert gc.get_threshold() == (700, 10, FULL_COLLECTION_EVERY)
@@ -34,11 +45,31 @@ def test_full_collections_are_rarer_inside_and_restored_after(default_thresholds
     assert gc.get_threshold() == DEFAULT
 
 
-def test_planning_runs_with_them_and_leaves_them_as_they_were(default_thresholds):
+def test_what_was_alive_before_is_frozen_inside_and_released_after(nothing_frozen):
+    before = [object() for _ in range(3)]
+    with fewer_full_collections():
+        assert gc.get_freeze_count() >= len(before)
+    assert gc.get_freeze_count() == 0
+    with pytest.raises(PlanError), fewer_full_collections():
+        raise PlanError("no plan")
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_process_that_froze_objects_itself_keeps_them_frozen(nothing_frozen):
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    with fewer_full_collections():
+        assert gc.get_freeze_count() == frozen
+    assert gc.get_freeze_count() == frozen
+
+
+def test_planning_runs_with_them_and_leaves_them_as_they_were(default_thresholds,
+                                                             nothing_frozen):
     model = get_model("mlp", "tiny")
     step = trace(model.train_step, model.abstract_inputs(), ShardParallel(), (1,))
     during = []
     plan(step, load_cluster("cpu-sim").with_devices(1, 8),
-         ilp_observer=lambda problem, solution: during.append(gc.get_threshold()))
-    assert during and all(t == (700, 10, FULL_COLLECTION_EVERY) for t in during)
-    assert gc.get_threshold() == DEFAULT
+         ilp_observer=lambda problem, solution: during.append(
+             (gc.get_threshold(), gc.get_freeze_count() > 0)))
+    assert during and all(t == ((700, 10, FULL_COLLECTION_EVERY), True) for t in during)
+    assert gc.get_threshold() == DEFAULT and gc.get_freeze_count() == 0
