@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from autopar.errors import InvalidOptionError, choices_text
 from autopar.ir.schedules import ScheduleName
-from autopar.method_options import Solver
+from autopar.method_options import RematMode, ReplicaMode, Solver, StageMode
 from autopar.methods import (
     AUTO_CANDIDATES,
+    FULL_SEARCH,
     AutoParallel,
     DataParallel,
     Method,
@@ -26,8 +27,9 @@ __all__ = ["METHOD_NAMES", "method_from_name", "pinned"]
 
 
 def pinned(data: int, tensor: int = 1, pipeline: int = 1, *, num_microbatches: int = 1,
-           schedule: str = ScheduleName.ONE_F_ONE_B, num_chunks: int = 2, remat: str = "layers",
-           memory_budget_bytes: float | None = None, solver: str = Solver.AUTO,
+           schedule: str = ScheduleName.ONE_F_ONE_B, num_chunks: int = 2,
+           remat: str = RematMode.LAYERS, memory_budget_bytes: float | None = None,
+           solver: str = Solver.AUTO,
            time_limit_s: float = 30.0) -> Method:
     """A hand configuration at given degrees, planned as given: what a Megatron-LM-style run
     (tensor x pipeline x data) costs before the search improves on it.
@@ -41,7 +43,7 @@ def pinned(data: int, tensor: int = 1, pipeline: int = 1, *, num_microbatches: i
     With one stage and one microbatch this is ``DataParallel`` (``tensor=1``) or
     ``ShardParallel`` on ``(data, tensor)``; otherwise ``PipeshardParallel`` with uniform
     stages (one stage with several microbatches: gradient accumulation)."""
-    for name, value in (("data", data), ("tensor", tensor), ("pipeline", pipeline)):
+    for name, value in dict(data=data, tensor=tensor, pipeline=pipeline).items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise InvalidOptionError(f"pinned degrees: {name} must be a positive integer, "
                                      f"got {value!r}")
@@ -53,20 +55,20 @@ def pinned(data: int, tensor: int = 1, pipeline: int = 1, *, num_microbatches: i
                              solver=solver, time_limit_s=time_limit_s, remat=remat)
     chunks = num_chunks if schedule == ScheduleName.INTERLEAVED_1F1B else 1
     return PipeshardParallel(num_microbatches=num_microbatches, layers=pipeline * chunks,
-                             stages="uniform", num_stages=pipeline, schedule=schedule,
+                             stages=StageMode.UNIFORM, num_stages=pipeline, schedule=schedule,
                              num_chunks=num_chunks, memory_budget_bytes=memory_budget_bytes,
                              solver=solver, time_limit_s=time_limit_s, remat=remat,
-                             replicas="none", stage_mesh_shape=mesh)
+                             replicas=ReplicaMode.NONE, stage_mesh_shape=mesh)
 
 
 # what the CLI and ``method_from_name`` accept: every plan method, and the full search
-METHOD_NAMES: tuple[str, ...] = (*AUTO_CANDIDATES, "auto")
+METHOD_NAMES: tuple[str, ...] = (*AUTO_CANDIDATES, FULL_SEARCH)
 
 
 def method_from_name(name: str, mesh_shape: tuple[int, ...] | None = None, **options) -> Method:
     """The method for a CLI name (``auto``, ``data``, ``shard``, ``pipeshard``, ``zero2``,
     ``zero3``); raises ``InvalidOptionError`` for others."""
-    if name == "auto":
+    if name == FULL_SEARCH:
         return AutoParallel(**options)
     if name == MethodName.DATA:
         return DataParallel(mesh_shape=mesh_shape)

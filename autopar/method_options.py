@@ -1,6 +1,8 @@
-"""The option values the methods share (solvers, recomputation, replicas, the schedule the
-planner chooses) and their checks: each raises ``InvalidOptionError`` in one line naming the
-valid choices. ``autopar.methods`` builds its option dataclasses from them."""
+"""The option values the methods share (solvers, recomputation, replicas, stages, layers, the
+schedule the planner chooses) and their checks: each raises ``InvalidOptionError`` in one line
+naming the valid choices. ``autopar.methods`` builds its option dataclasses from them. Each is
+a ``StrEnum`` whose members equal their strings: users pass ``remat="layers"``, the code
+compares with ``RematMode.LAYERS``."""
 
 from __future__ import annotations
 
@@ -27,25 +29,65 @@ def check_solver(value: object) -> None:
         )
 
 
-REMAT_MODES: tuple[str, ...] = ("none", "layers", "auto")
+class RematMode(StrEnum):
+    """``remat=``: keep every activation (``NONE``), recompute each layer's forward in the
+    backward (``LAYERS``), or let the planner choose per candidate (``AUTO``)."""
+
+    NONE = "none"
+    LAYERS = "layers"
+    AUTO = "auto"
+
+
+class ReplicaMode(StrEnum):
+    """``replicas=``: search how many data-parallel copies of the pipeline to run (``AUTO``)
+    or run one (``NONE``)."""
+
+    AUTO = "auto"
+    NONE = "none"
+
+
+class StageMode(StrEnum):
+    """``stages=``: the stage DP chooses the stages (``AUTO``) or the layers are split into
+    equal stages (``UNIFORM``); a ``ManualStages`` gives them by hand."""
+
+    AUTO = "auto"
+    UNIFORM = "uniform"
+
+
+class LayerMode(StrEnum):
+    """``layers=`` besides a count: cut at the planner's choice (``AUTO``: the user's
+    ``autopar.mark_pipeline_boundary`` calls where there are any) or at those marks only
+    (``MARKED``)."""
+
+    AUTO = "auto"
+    MARKED = "marked"
+
+
 SCHEDULE_AUTO = "auto"  # PipeshardParallel(schedule=...): the planner compares schedules
-REPLICA_MODES: tuple[str, ...] = ("auto", "none")
+
+
+def _check_choice(kind: str, value: object, choices: type[StrEnum]) -> None:
+    if not (isinstance(value, str) and value in {c.value for c in choices}):
+        raise InvalidOptionError(f"unknown {kind} option {value!r}; valid: {choices_text(choices)}")
 
 
 def check_replicas(value: str) -> None:
     """Raise ``InvalidOptionError`` unless ``value`` is a replicas mode."""
-    if value not in REPLICA_MODES:
-        raise InvalidOptionError(
-            f"unknown replicas option {value!r}; valid: {choices_text(REPLICA_MODES)}"
-        )
+    _check_choice("replicas", value, ReplicaMode)
 
 
 def check_remat(value: str) -> None:
     """Raise ``InvalidOptionError`` unless ``value`` is a remat mode."""
-    if value not in REMAT_MODES:
-        raise InvalidOptionError(
-            f"unknown remat option {value!r}; valid: {choices_text(REMAT_MODES)}"
-        )
+    _check_choice("remat", value, RematMode)
+
+
+def check_positive(name: str, value: object, *, optional: bool = False) -> None:
+    """Raise ``InvalidOptionError`` unless ``value`` is a positive number (or None, when the
+    option is ``optional``)."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise InvalidOptionError(f"{name} must be positive, got {value}")
 
 
 def check_flag(name: str, value: object) -> None:

@@ -11,11 +11,14 @@ from dataclasses import dataclass
 from autopar.errors import InvalidOptionError, choices_text
 from autopar.ir.schedules import ScheduleName, schedule_name
 from autopar.method_options import (
-    REMAT_MODES,
-    REPLICA_MODES,
     SCHEDULE_AUTO,
+    LayerMode,
+    RematMode,
+    ReplicaMode,
     Solver,
+    StageMode,
     check_flag,
+    check_positive,
     check_remat,
     check_replicas,
     check_solver,
@@ -24,9 +27,10 @@ from autopar.method_options import (
 from autopar.plan import MethodName, ShardingSpec
 
 __all__ = [
-    "AUTO_CANDIDATES", "METHOD_TYPES", "REMAT_MODES", "REPLICA_MODES", "SCHEDULE_AUTO",
-    "STAGE_MODES", "AutoParallel", "DataParallel", "ManualStages", "Method", "OneStageMethod",
-    "PipeshardParallel", "ShardParallel", "Solver", "Zero2Parallel", "Zero3Parallel",
+    "AUTO_CANDIDATES", "FULL_SEARCH", "METHOD_TYPES", "SCHEDULE_AUTO", "AutoParallel",
+    "DataParallel", "LayerMode", "ManualStages", "Method", "OneStageMethod", "PipeshardParallel",
+    "RematMode", "ReplicaMode", "ShardParallel", "Solver", "StageMode", "Zero2Parallel",
+    "Zero3Parallel",
 ]
 
 
@@ -40,7 +44,7 @@ class DataParallel:
     """
 
     mesh_shape: tuple[int, ...] | None = None
-    remat: str = "none"
+    remat: str = RematMode.NONE
 
     name = MethodName.DATA
 
@@ -74,7 +78,7 @@ class ShardParallel:
     solver: str = Solver.AUTO
     time_limit_s: float = 30.0
     prefer_reduce_scatter: bool = False
-    remat: str = "none"
+    remat: str = RematMode.NONE
     pinned_inputs: tuple[tuple[str, ShardingSpec], ...] = ()
 
     name = MethodName.SHARD
@@ -82,12 +86,8 @@ class ShardParallel:
     def __post_init__(self) -> None:
         check_remat(self.remat)
         check_solver(self.solver)
-        if self.time_limit_s <= 0:
-            raise InvalidOptionError(f"time_limit_s must be positive, got {self.time_limit_s}")
-        if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
-            raise InvalidOptionError(
-                f"memory_budget_bytes must be positive, got {self.memory_budget_bytes}"
-            )
+        check_positive("time_limit_s", self.time_limit_s)
+        check_positive("memory_budget_bytes", self.memory_budget_bytes, optional=True)
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,6 @@ class Zero3Parallel:
     name = MethodName.ZERO3
 
 
-STAGE_MODES: tuple[str, ...] = ("auto", "uniform")
 
 
 @dataclass(frozen=True)
@@ -176,16 +175,16 @@ class PipeshardParallel:
     """
 
     num_microbatches: int = 4
-    layers: int | str = "auto"
-    stages: str | ManualStages = "auto"
+    layers: int | str = LayerMode.AUTO
+    stages: str | ManualStages = StageMode.AUTO
     schedule: str = ScheduleName.ONE_F_ONE_B
     num_stages: int | None = None
     num_chunks: int = 2
     memory_budget_bytes: float | None = None
     solver: str = Solver.AUTO
     time_limit_s: float = 30.0
-    remat: str = "none"
-    replicas: str = "auto"
+    remat: str = RematMode.NONE
+    replicas: str = ReplicaMode.AUTO
     allow_async: bool = False
     stage_mesh_shape: tuple[int, ...] | None = None
     planning_workers: int | None = None
@@ -207,15 +206,17 @@ class PipeshardParallel:
                 f"unknown schedule '{self.schedule}'; valid schedules: "
                 f"{choices_text(ScheduleName)}, {SCHEDULE_AUTO}"
             )
-        if not isinstance(self.stages, ManualStages) and self.stages not in STAGE_MODES:
+        if not isinstance(self.stages, ManualStages) and self.stages not in {
+                m.value for m in StageMode}:
             raise InvalidOptionError(
-                f"unknown stages option {self.stages!r}; valid: {choices_text(STAGE_MODES)} "
+                f"unknown stages option {self.stages!r}; valid: {choices_text(StageMode)} "
                 "or autopar.ManualStages(...)"
             )
         if isinstance(self.layers, str):
-            if self.layers not in ("auto", "marked"):
+            if self.layers not in {m.value for m in LayerMode}:
                 raise InvalidOptionError(
-                    f"unknown layers option '{self.layers}'; valid: auto, marked, or a number"
+                    f"unknown layers option '{self.layers}'; valid: {choices_text(LayerMode)}, "
+                    "or a number"
                 )
         elif not isinstance(self.layers, int) or self.layers < 1:
             raise InvalidOptionError(f"layers must be a positive number, got {self.layers!r}")
@@ -226,10 +227,8 @@ class PipeshardParallel:
                 f"num_stages must be a positive integer, got {self.num_stages!r}"
             )
         check_solver(self.solver)
-        if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
-            raise InvalidOptionError(
-                f"memory_budget_bytes must be positive, got {self.memory_budget_bytes}"
-            )
+        check_positive("time_limit_s", self.time_limit_s)
+        check_positive("memory_budget_bytes", self.memory_budget_bytes, optional=True)
         if self.stage_mesh_shape is not None:
             shape = tuple(self.stage_mesh_shape)
             if not 1 <= len(shape) <= 2 or any(
@@ -242,6 +241,9 @@ class PipeshardParallel:
 
 # the full search's candidates are the plan's method names, in that order
 AUTO_CANDIDATES: tuple[str, ...] = tuple(name.value for name in MethodName)
+# the full search's name (``AutoParallel``): not a ``MethodName``, since each of its plans is
+# made by one of the methods it compares
+FULL_SEARCH = "auto"
 
 
 @dataclass(frozen=True)
@@ -286,21 +288,21 @@ class AutoParallel:
 
     candidates: tuple[str, ...] = AUTO_CANDIDATES
     num_microbatches: int = 4
-    layers: int | str = "auto"
+    layers: int | str = LayerMode.AUTO
     schedule: str = ScheduleName.ONE_F_ONE_B
     num_chunks: int = 2
     memory_budget_bytes: float | None = None
     solver: str = Solver.AUTO
     time_limit_s: float = 30.0
-    remat: str = "auto"
-    replicas: str = "auto"
+    remat: str = RematMode.AUTO
+    replicas: str = ReplicaMode.AUTO
     time_budget_s: float | None = None
     planning_workers: int | None = None
     prune: bool = True
     measure_candidates: int = 3
     per_microbatch_statistics: bool = False
 
-    name = "auto"
+    name = FULL_SEARCH
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidates", tuple(self.candidates))
@@ -313,14 +315,9 @@ class AutoParallel:
         check_solver(self.solver)
         check_replicas(self.replicas)
         check_flag("per_microbatch_statistics", self.per_microbatch_statistics)
-        if self.time_budget_s is not None and not self.time_budget_s > 0:
-            raise InvalidOptionError(f"time_budget_s must be positive, got {self.time_budget_s}")
-        if self.time_limit_s <= 0:
-            raise InvalidOptionError(f"time_limit_s must be positive, got {self.time_limit_s}")
-        if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
-            raise InvalidOptionError(
-                f"memory_budget_bytes must be positive, got {self.memory_budget_bytes}"
-            )
+        check_positive("time_budget_s", self.time_budget_s, optional=True)
+        check_positive("time_limit_s", self.time_limit_s)
+        check_positive("memory_budget_bytes", self.memory_budget_bytes, optional=True)
         if (not isinstance(self.measure_candidates, int)
                 or isinstance(self.measure_candidates, bool) or self.measure_candidates < 0):
             raise InvalidOptionError(f"measure_candidates must be a non-negative integer (0: "

@@ -31,7 +31,7 @@ from autopar.frontend.planning import (
 )
 from autopar.frontend.progress import Progress
 from autopar.frontend.static_leaves import array_leaves
-from autopar.methods import AutoParallel, Method, PipeshardParallel
+from autopar.methods import AutoParallel, Method, PipeshardParallel, ReplicaMode
 from autopar.plan import Plan
 from autopar.runtime.distributed import global_devices, same_plan_everywhere
 from autopar.runtime.executables import StepExecutable, build_executable
@@ -212,8 +212,8 @@ def _method_for_runtime(step: StepSource) -> Any:
     """The step's method as the runtime can run it: the pipeline runtime runs one replica, so
     a pipelined search plans these devices with none."""
     method = step.method
-    if isinstance(method, AutoParallel | PipeshardParallel) and method.replicas == "auto":
-        return dataclasses.replace(method, replicas="none")
+    if isinstance(method, AutoParallel | PipeshardParallel) and method.replicas == ReplicaMode.AUTO:
+        return dataclasses.replace(method, replicas=ReplicaMode.NONE)
     return method
 
 

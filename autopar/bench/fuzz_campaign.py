@@ -25,25 +25,27 @@ import numpy as np
 
 import autopar
 from autopar.bench.fuzz_programs import ProgramSpec, build, leaves, shrink
+from autopar.ir.schedules import ScheduleName
+from autopar.plan import MethodName
 
 STEPS = 2
 DEVICE_COUNTS = (2, 4, 8)
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "zb-h1")
+PIPELINE_SCHEDULES = (ScheduleName.GPIPE, ScheduleName.ONE_F_ONE_B, ScheduleName.ZB_H1)
 
 
 def _method(name: str, devices: int, spec: ProgramSpec) -> Any:
     """The method ``name`` for ``devices`` devices (None where it has no such form)."""
-    if name == "data":
+    if name == MethodName.DATA:
         return autopar.DataParallel()
     if name == "shard-1d":
         return autopar.ShardParallel(mesh_shape=(devices,))
     if name == "shard-2d":
         return None if devices < 4 else autopar.ShardParallel(mesh_shape=(2, devices // 2))
-    if name == "zero2":
+    if name == MethodName.ZERO2:
         return autopar.Zero2Parallel()
-    if name == "zero3":
+    if name == MethodName.ZERO3:
         return autopar.Zero3Parallel()
-    if name == "pipeshard":
+    if name == MethodName.PIPESHARD:
         schedule = PIPELINE_SCHEDULES[spec.seed % len(PIPELINE_SCHEDULES)]
         return autopar.PipeshardParallel(num_microbatches=2, num_stages=2, schedule=schedule)
     if name == "default":
@@ -53,7 +55,8 @@ def _method(name: str, devices: int, spec: ProgramSpec) -> Any:
     raise ValueError(f"unknown method {name!r}; valid: {', '.join(METHODS)}")
 
 
-METHODS = ("data", "shard-1d", "shard-2d", "zero2", "zero3", "pipeshard", "default")
+METHODS = (MethodName.DATA, "shard-1d", "shard-2d", MethodName.ZERO2, MethodName.ZERO3,
+           MethodName.PIPESHARD, "default")
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.compiler.planners.zero import state_shard_spec
-from autopar.plan import ShardingSpec
+from autopar.plan import MethodName, ShardingSpec
 
 __all__ = [
     "COLUMN_PARALLEL",
@@ -339,13 +339,14 @@ def _conv_data_head_tensor(leaves: Sequence[Leaf], axes: Axes) -> dict[str, Shar
 
 
 HAND_PLANS: tuple[HandPlan, ...] = (
-    HandPlan("data", "batch split over every device, state replicated", _data),
+    HandPlan(MethodName.DATA, "batch split over every device, state replicated", _data),
     HandPlan("megatron", "Megatron tensor parallelism over every device, batch replicated",
              _megatron),
     HandPlan("data-megatron", "batch over the first mesh axis, Megatron over the last",
              _data_megatron),
-    HandPlan("zero2", "data parallel, optimizer state sharded over every device", _zero(2)),
-    HandPlan("zero3", "data parallel, optimizer state and parameters sharded", _zero(3)),
+    HandPlan(MethodName.ZERO2, "data parallel, optimizer state sharded over every device",
+             _zero(2)),
+    HandPlan(MethodName.ZERO3, "data parallel, optimizer state and parameters sharded", _zero(3)),
     HandPlan("experts", "tokens and expert kernels split over every device (GShard)", _experts),
     HandPlan("conv-data-head-tensor", "data-parallel convolutions, tensor-parallel dense head",
              _conv_data_head_tensor),

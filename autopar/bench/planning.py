@@ -17,6 +17,7 @@ from autopar.cluster import ClusterSpec, format_mesh_shape
 from autopar.compiler.graph.trace import TracedStep
 from autopar.compiler.inter_op.stages import StagePartition
 from autopar.ir.pipeline_program import PipelineProgram
+from autopar.method_options import LayerMode, StageMode
 from autopar.models import ZooModel
 from autopar.plan import MethodName, Plan
 
@@ -36,7 +37,7 @@ class Searched:
 
 
 def full_search(model: ZooModel, cluster: ClusterSpec, *, microbatches: int,
-                pipeline_layers: int | str = "auto",
+                pipeline_layers: int | str = LayerMode.AUTO,
                 memory_budget_bytes: float | None = None) -> Searched:
     """Trace ``model``'s train step (differentiated with ``autopar.value_and_grad``) at
     abstract shapes and plan it with ``AutoParallel`` on ``cluster``, every candidate planned
@@ -126,7 +127,7 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
 def partition_summary(partition: StagePartition) -> dict[str, Any]:
     """A stage partition (the DP's or a hand split) in ``plan_summary``'s stage layout."""
     return {
-        "method": "pipeshard",
+        "method": MethodName.PIPESHARD,
         "num_stages": len(partition.stages),
         "num_microbatches": partition.num_microbatches,
         "stages": [
@@ -200,7 +201,7 @@ class OneStagePipelinePlans:
 
 
 def plan_one_stage_pipeline(model: ZooModel, cluster: ClusterSpec, *, microbatches: int,
-                            pipeline_layers: int | str = "auto") -> OneStagePipelinePlans:
+                            pipeline_layers: int | str = LayerMode.AUTO) -> OneStagePipelinePlans:
     """``PipeshardParallel`` with one stage over every device of ``cluster``, at
     ``microbatches`` and at one, and the same stage (its logical mesh) run by
     ``ShardParallel`` (see ``OneStagePipelinePlans``)."""
@@ -211,7 +212,7 @@ def plan_one_stage_pipeline(model: ZooModel, cluster: ClusterSpec, *, microbatch
 
     def pipeline(m: int) -> Plan:
         method = autopar.PipeshardParallel(num_microbatches=m, num_stages=1,
-                                           stages="uniform", layers=pipeline_layers,
+                                           stages=StageMode.UNIFORM, layers=pipeline_layers,
                                            per_microbatch_statistics=True)
         step = dispatch.trace(marked.train_step, marked.abstract_inputs(), method, (1,))
         return dispatch.plan(step, cluster).plan

@@ -23,6 +23,7 @@ from typing import Any
 
 from autopar.cluster import ClusterSpec, load_cluster
 from autopar.ir.schedules import ScheduleName
+from autopar.method_options import SCHEDULE_AUTO, RematMode
 from autopar.models import ZooModel, get_model
 from autopar.plan import Plan
 
@@ -201,7 +202,7 @@ def plan_pinned(run: PublishedRun, within_device: bool = True) -> PlannedRun:
         for budget in budgets:
             try:
                 method = pinned(run.data, run.tensor, run.pipeline, num_microbatches=m,
-                                schedule=run.schedule, remat="layers",
+                                schedule=run.schedule, remat=RematMode.LAYERS,
                                 memory_budget_bytes=budget)
                 plan, seconds = _plan(run, method)
             except InvalidOptionError as err:
@@ -228,7 +229,7 @@ def plan_full_search(run: PublishedRun, num_microbatches: int) -> PlannedRun:
     cluster, its schedules compared; timed from the trace on."""
     import autopar
 
-    method = autopar.AutoParallel(num_microbatches=num_microbatches, schedule="auto")
+    method = autopar.AutoParallel(num_microbatches=num_microbatches, schedule=SCHEDULE_AUTO)
     plan, seconds = _plan(run, method)
     return PlannedRun(plan, num_microbatches, seconds)
 

@@ -77,7 +77,7 @@ def run_published(run: PublishedRun) -> dict[str, Any]:
     row: dict[str, Any] = {
         "label": run.label, "source": run.source, "system": run.system,
         "gpus": run.gpus, "cluster": run.cluster, "hosts": run.hosts,
-        "degrees": {"data": run.data, "tensor": run.tensor, "pipeline": run.pipeline},
+        "degrees": dict(data=run.data, tensor=run.tensor, pipeline=run.pipeline),
         "schedule": run.schedule, "published_tflops_per_gpu": run.tflops,
         "formula": run.formula, "note": run.note, "pinned": _plan_row(run, pinned),
     }

@@ -346,7 +346,7 @@ def _pipeline_baseline(baseline: Baseline, plan: Plan, entry: dict) -> None:
     row = next((c for c in plan.planning.candidates if c.get("name") == name), None)
     if row is None:
         reasons = [c.get("note") for c in plan.planning.candidates
-                   if c.get("method") == "pipeshard" and c.get("est_step_time_s") is None]
+                   if c.get("method") == MethodName.PIPESHARD and c.get("est_step_time_s") is None]
         entry["note"] = ("not planned: " + "; ".join(r for r in reasons if r)
                          if any(reasons) else "no stage count near the DP's splits the "
                          "layers and devices evenly, or the step is not pipelined")

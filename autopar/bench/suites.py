@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.errors import InvalidOptionError, choices_text
+from autopar.method_options import LayerMode
 
 # Memory is not enforced on described clusters: without rematerialisation (not implemented
 # yet) the Alpa sizes keep more activations than a 16 GB V100 holds, and the planner would
@@ -86,7 +87,7 @@ class BenchCase:
     cluster: str | None = None
     hosts: int | None = None
     microbatches: int = 4
-    pipeline_layers: int | str = "auto"
+    pipeline_layers: int | str = LayerMode.AUTO
     baselines: tuple[Baseline, ...] = ALL_BASELINES
     published: Published | None = None
     comparable: bool = True
@@ -131,7 +132,7 @@ class ScalingPoint:
     hosts: int
     devices_per_host: int | None = None
     microbatches: int = 32
-    pipeline_layers: int | str = "auto"
+    pipeline_layers: int | str = LayerMode.AUTO
     overrides: tuple[tuple[str, Any], ...] = ()
 
     @property

@@ -25,6 +25,7 @@ from autopar.compiler.graph.opgraph import OpGraph
 from autopar.compiler.inter_op.layer_cuts import flops_band, min_max_cut, min_sum_cut
 from autopar.errors import PlanError
 from autopar.ir.pipeline_program import PipelineProgram
+from autopar.method_options import LayerMode
 
 DEFAULT_BALANCE_TOLERANCE = 0.25
 
@@ -239,7 +240,7 @@ def layer_positions(pp: PipelineProgram, graph: OpGraph, layers: int | str,
     ``autopar.mark_pipeline_boundary`` calls), ``"auto"`` (the marks when there are any, else
     clustering into about one layer per two devices) or a number of layers to cluster into."""
     marked = sorted(set(p for p in pp.boundary_positions() if 0 < p < len(graph.nodes)))
-    if layers == "marked" or (layers == "auto" and marked):
+    if layers == LayerMode.MARKED or (layers == LayerMode.AUTO and marked):
         if not marked:
             raise PlanError("layers='marked' but the loss function has no "
                             "autopar.mark_pipeline_boundary() calls")
@@ -257,6 +258,6 @@ def remat_layer_positions(pp: PipelineProgram, graph: OpGraph) -> list[int]:
     """Where to cut the loss forward into layers for one-stage rematerialisation: the user's
     ``mark_pipeline_boundary`` calls, else up to ``DEFAULT_MAX_LAYERS`` clustered layers."""
     if pp.boundary_positions():
-        return layer_positions(pp, graph, "marked", num_devices=1)
+        return layer_positions(pp, graph, LayerMode.MARKED, num_devices=1)
     heavy = sum(1 for n in graph.nodes if n.flops > 0)
     return layer_positions(pp, graph, max(1, min(DEFAULT_MAX_LAYERS, heavy)), num_devices=1)

@@ -22,6 +22,7 @@ from functools import partial
 from typing import Any
 
 from autopar.compiler.inter_op.submesh import StageCandidate
+from autopar.method_options import RematMode
 
 REMAT_SUFFIX = "+remat"
 # a candidate whose layers split every parameter at least k ways (or as many as it can be):
@@ -102,13 +103,13 @@ def remat_candidates(sums: LayerSums, shape: tuple[int, ...], mode: str, *,
     candidate = partial(StageCandidate, fixed_memory=sums.fixed_bytes, logical_mesh_shape=shape,
                         tail_time=tail_time, host_time=host_time, param_bytes=param_bytes)
     found = []
-    if mode != "layers":
+    if mode != RematMode.LAYERS:
         found.append(candidate(
             time=sums.time_s + extra_time,
             activation_memory_per_microbatch=sums.activation_bytes,
             key=key,
         ))
-    if mode != "none":
+    if mode != RematMode.NONE:
         found.append(candidate(
             time=sums.remat_time_s + extra_time,
             activation_memory_per_microbatch=sums.boundary_bytes,

@@ -42,13 +42,6 @@ from autopar.methods import Solver
 # A gap this loose or looser is first tried by rounding the LP relaxation (a proof when the
 # rounded plan is within the gap of the LP's bound); tighter gaps go straight to the MIP.
 LP_ROUNDING_MIN_GAP = 1e-4
-# How the MIP ended (``mip.MipResult.status``) -> the solution's status. "time_limit": the
-# solver stopped at its limit with a plan (the better of it and the greedy plan is used);
-# "no_solution": it stopped with none (the greedy plan is used); "solver_error": it failed
-# (logged as a warning; the greedy plan is used). Planners name the last two in the plan's
-# notes: a greedy plan is a valid plan, not an optimal one.
-SOLUTION_STATUS = {"optimal": IlpStatus.OPTIMAL, "feasible": IlpStatus.TIME_LIMIT,
-                   "none": IlpStatus.NO_SOLUTION, "error": IlpStatus.SOLVER_ERROR}
 WARM_START = True  # hand the greedy plan to the solver (a switch for measurements)
 # Problems whose edges would pair more strategies than this are first bounded by dual ascent
 # (``dual_bound``): past it the MIP's LP alone takes HiGHS seconds to minutes.
@@ -103,7 +96,7 @@ def least_memory_choices(problem: IntraOpProblem) -> list[int]:
     return [0 if nd.memory is None else int(np.argmin(nd.memory)) for nd in problem.nodes]
 
 
-def min_peak_memory(problem: IntraOpProblem, *, solver: str = "auto",
+def min_peak_memory(problem: IntraOpProblem, *, solver: str = Solver.AUTO,
                     time_limit_s: float = 30.0) -> float:
     """Smallest peak memory any plan has. Exact and solver-free: every live-set sum grows with
     each node's own memory, so each node at its least-memory strategy minimises all of them at
@@ -141,7 +134,7 @@ def brute_force(problem: IntraOpProblem) -> tuple[list[int], float]:
     return choices, evaluate(problem, choices)
 
 
-def solve(problem: IntraOpProblem, *, solver: str = "auto", time_limit_s: float = 30.0,
+def solve(problem: IntraOpProblem, *, solver: str = Solver.AUTO, time_limit_s: float = 30.0,
           presolve: bool = True, relative_gap: float = MIP_REL_GAP,
           start: Sequence[int] | None = None, dual_bound: bool = True,
           elimination: bool = True) -> IntraOpSolution:
@@ -151,7 +144,7 @@ def solve(problem: IntraOpProblem, *, solver: str = "auto", time_limit_s: float 
     0.05 s); PuLP's hand-over to it and CBC's overshoot come on top (docs/ilp-format.md). On the
     limit, the better of the solver's incumbent and the greedy start plan comes back with status
     "time_limit"; when the solver stopped without a plan, the greedy plan with "no_solution";
-    when it failed, the greedy plan with "solver_error" (``SOLUTION_STATUS``). Raises
+    when it failed, the greedy plan with "solver_error" (``IlpStatus``). Raises
     ``InfeasibleMemoryError`` when no plan fits the budget.
     ``presolve=False`` keeps every node in the MIP (for tests and measurements).
     ``start``: a plan (a strategy per node) the answer must not be worse than, handed to the
@@ -224,19 +217,19 @@ def solve(problem: IntraOpProblem, *, solver: str = "auto", time_limit_s: float 
     t1 = time.perf_counter()
     result = run_mip(model, name, max(time_limit_s - (t1 - t0), 0.05), relative_gap)
     t2 = time.perf_counter()
-    if result.status in ("optimal", "feasible"):
+    if result.status in (IlpStatus.OPTIMAL, IlpStatus.TIME_LIMIT):
         plans.append(complete_choices(r, n, result.core))
     plans = [p for p in plans if budget is None or peak_memory(problem, p) <= budget * (1 + 1e-9)]
     if not plans:  # unreachable while the least-memory plan fits; kept as a guard
         raise AutoparError(f"the ILP solver found no plan within time_limit_s={time_limit_s:g}; "
                            "raise the time limit")
     choices = min(plans, key=lambda p: evaluate(problem, p))
-    optimal = result.status == "optimal"
+    optimal = result.status == IlpStatus.OPTIMAL
     objective, gap = evaluate(problem, choices), (0.0 if optimal else None)
     if result.bound is not None and objective:  # in original units: constant + scaled MIP's
         gap = max(0.0, objective - (r.const + model.scale * result.bound)) / abs(objective)
     return IntraOpSolution(
-        choices, objective, SOLUTION_STATUS[result.status], optimal, gap, name,
+        choices, objective, result.status, optimal, gap, name,
         model.num_columns, model.num_rows, t1 - t0, t2 - t1, len(r.cost),
         sum(len(a) for a in r.adj.values()) // 2)
 

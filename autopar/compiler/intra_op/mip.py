@@ -25,6 +25,7 @@ import numpy as np
 import pulp
 
 from autopar.compiler.intra_op.presolve import ReducedProblem
+from autopar.compiler.intra_op.problem import IlpStatus
 from autopar.compiler.intra_op.solver_output import HighsLog, log_lines, new_highs
 from autopar.errors import InvalidOptionError, choices_text
 from autopar.methods import Solver
@@ -66,12 +67,13 @@ class MipModel:
 
 @dataclass(frozen=True)
 class MipResult:
-    """``status``: "optimal" | "feasible" (stopped at the time limit with a plan) | "none"
-    (stopped with no plan) | "error" (the solver failed: ``message`` says how); ``bound``: the
+    """``status``: ``OPTIMAL``, ``TIME_LIMIT`` (stopped at the time limit with a plan),
+    ``NO_SOLUTION`` (stopped with none) or ``SOLVER_ERROR`` (the solver failed: ``message``
+    says how); ``bound``: the
     solver's lower bound on the scaled objective (None when it gave none); ``core``: each free
     node's chosen strategy."""
 
-    status: str
+    status: IlpStatus
     bound: float | None
     core: dict[int, int]
     message: str = ""
@@ -208,10 +210,10 @@ def run_mip(
         values, status, bound = run(model, time_limit_s, relative_gap)
     except _SolverFailed as failed:
         logger.warning("%s failed: %s", name, failed)
-        return MipResult("error", None, {}, f"{name}: {failed}")
+        return MipResult(IlpStatus.SOLVER_ERROR, None, {}, f"{name}: {failed}")
     core = {} if values is None else {
         u: int(np.argmax(values[cols])) for u, cols in model.node_columns.items()}
-    return MipResult(status if values is not None else "none", bound, core)
+    return MipResult(status if values is not None else IlpStatus.NO_SOLUTION, bound, core)
 
 
 class _SolverFailed(Exception):
@@ -220,7 +222,7 @@ class _SolverFailed(Exception):
 
 def _run_highs(
     model: MipModel, limit: float, gap: float
-) -> tuple[np.ndarray | None, str, float | None]:
+) -> tuple[np.ndarray | None, IlpStatus, float | None]:
     import highspy
 
     h = new_highs()
@@ -267,7 +269,7 @@ def _run_highs(
     optimal = h.getModelStatus() == highspy.HighsModelStatus.kOptimal
     bound = info.mip_dual_bound if math.isfinite(info.mip_dual_bound) else None
     values = np.asarray(h.getSolution().col_value) if has else None
-    return values, ("optimal" if optimal else "feasible"), bound
+    return values, (IlpStatus.OPTIMAL if optimal else IlpStatus.TIME_LIMIT), bound
 
 
 def lp_rounding(model: MipModel, time_limit_s: float) -> tuple[float, dict[int, int]]:
@@ -281,7 +283,7 @@ def lp_rounding(model: MipModel, time_limit_s: float) -> tuple[float, dict[int, 
     except _SolverFailed as failed:  # the MIP that follows reports its own failure
         logger.debug("highs LP relaxation failed: %s", failed)
         return -math.inf, {}
-    if values is None or status != "optimal":
+    if values is None or status != IlpStatus.OPTIMAL:
         return -math.inf, {}
     rounded = {u: int(np.argmax(values[cols])) for u, cols in model.node_columns.items()}
     return float(model.cost @ values), rounded
@@ -289,7 +291,7 @@ def lp_rounding(model: MipModel, time_limit_s: float) -> tuple[float, dict[int, 
 
 def _run_cbc(
     model: MipModel, limit: float, gap: float
-) -> tuple[np.ndarray | None, str, float | None]:
+) -> tuple[np.ndarray | None, IlpStatus, float | None]:
     prob = pulp.LpProblem("autopar_intra_op", pulp.LpMinimize)
     # PuLP 3.3 deprecates free-standing LpVariable for prob.add_variable (PuLP 4.0's only way).
     var = getattr(prob, "add_variable", pulp.LpVariable)
@@ -323,7 +325,7 @@ def _run_cbc(
             with open(log, errors="replace") as f:
                 text = f.read()
             if logger.isEnabledFor(logging.DEBUG):
-                log_lines("cbc", text)
+                log_lines(Solver.CBC, text)
     except pulp.PulpSolverError as exc:
         reason = " ".join(str(exc).split())[:200]
         raise _SolverFailed(f"CBC raised {type(exc).__name__}: {reason}") from None
@@ -332,8 +334,9 @@ def _run_cbc(
     # CBC's summary says "Lower bound: x" on time limit, nothing when optimal.
     found = re.search(r"^Lower bound:\s*(\S+)", text, re.M)
     bound = float(found.group(1)) if found else None
-    status = {pulp.LpSolutionOptimal: "optimal",
-              pulp.LpSolutionIntegerFeasible: "feasible"}.get(prob.sol_status, "none")
-    if status == "none":
+    status = {pulp.LpSolutionOptimal: IlpStatus.OPTIMAL,
+              pulp.LpSolutionIntegerFeasible: IlpStatus.TIME_LIMIT}.get(
+        prob.sol_status, IlpStatus.NO_SOLUTION)
+    if status == IlpStatus.NO_SOLUTION:
         return None, status, bound
     return np.asarray([x.varValue or 0.0 for x in xs]), status, bound

@@ -49,6 +49,7 @@ from autopar.compiler.intra_op.variables import (
     MeshCaches,
     Variable,
 )
+from autopar.method_options import Solver
 from autopar.plan import CollectiveEstimate, ShardingSpec
 
 # The solution's status when the memory rows admit no plan but the memory model finds the
@@ -76,7 +77,7 @@ class IntraOpOptions:
     """Options of the intra-operator ILP."""
 
     memory_budget_bytes: float | None = None
-    solver: str = "auto"
+    solver: str = Solver.AUTO
     time_limit_s: float = 30.0
     # the MIP stops within this relative gap (1e-9: optimal up to solver tolerances)
     relative_gap: float = 1e-9

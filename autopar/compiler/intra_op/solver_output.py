@@ -15,6 +15,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from autopar.method_options import Solver
+
 # the mip module's logger: the solvers' logs are documented (and tested) under its name
 logger = logging.getLogger("autopar.compiler.intra_op.mip")
 
@@ -76,7 +78,7 @@ def new_highs() -> Any:
         h, banner = with_fd1_captured(highspy.Highs)
         _first_highs_made = True
     if logger.isEnabledFor(logging.DEBUG):
-        log_lines("highs", banner)
+        log_lines(Solver.HIGHS, banner)
     return h
 
 
@@ -89,8 +91,8 @@ class HighsLog:
     def __call__(self, event: Any) -> None:
         self.pending += event.message
         *lines, self.pending = self.pending.split("\n")
-        log_lines("highs", "\n".join(lines))
+        log_lines(Solver.HIGHS, "\n".join(lines))
 
     def flush(self) -> None:
-        log_lines("highs", self.pending)
+        log_lines(Solver.HIGHS, self.pending)
         self.pending = ""

@@ -18,6 +18,7 @@ from autopar.compiler.planners.step_program import IlpObserver, PlannedProgram, 
 from autopar.errors import BatchSizeError, NoLossFunctionError
 from autopar.ir.flatten import trace_jaxpr
 from autopar.methods import AutoParallel
+from autopar.plan import MethodName
 
 
 def trace_auto(fn: Callable, args: Sequence[Any], method: AutoParallel,
@@ -29,7 +30,7 @@ def trace_auto(fn: Callable, args: Sequence[Any], method: AutoParallel,
                        args=tuple(args))
     step.memo.jaxpr = jaxpr
     step.annotations = user_layout(args, jaxpr.in_paths)
-    if "pipeshard" not in method.candidates:
+    if MethodName.PIPESHARD not in method.candidates:
         return step
     try:
         pp = cut_into_microbatches(fn, args, batch_argnums, method.num_microbatches,

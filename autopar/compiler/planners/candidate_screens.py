@@ -19,6 +19,7 @@ from autopar.compiler.planners.candidate_rows import fits_budget
 from autopar.compiler.planners.pipeline_search import driver_floor_s
 from autopar.compiler.planners.stage_costs import logical_shapes
 from autopar.compiler.planners.step_program import PlannedProgram, StepProgram
+from autopar.method_options import RematMode
 from autopar.methods import (
     AutoParallel,
     DataParallel,
@@ -28,7 +29,7 @@ from autopar.methods import (
     ShardParallel,
     Zero2Parallel,
 )
-from autopar.plan import Plan
+from autopar.plan import MethodName, Plan
 
 M = TypeVar("M", bound=Method)
 
@@ -83,7 +84,8 @@ def floor_without_recompute(step: StepProgram, method: Method, cluster: ClusterS
     which checks it itself, and for methods that may recompute to save activations. At
     Megatron's 1T row, estimating a ZeRO-3 plan that needs 11,278 GiB took 5 s; the floor
     (884 GiB) was known."""
-    if isinstance(method, ShardParallel) or getattr(method, "remat", "none") != "none":
+    if isinstance(method, ShardParallel) or getattr(method, "remat",
+                                                    RematMode.NONE) != RematMode.NONE:
         return 0.0
     return step.memo.memory_floor(step.traced, step.batch_argnums, cluster.num_devices).total
 
@@ -105,7 +107,8 @@ def pipelines_cannot_win(found: dict[str, PlannedProgram], budget: float, method
     floor = driver_floor_s(method.pipeline_method(), cluster)
     if not fitting or min(fitting) > floor:
         return False
-    rows.append({"name": "pipeshard", "method": "pipeshard", "est_step_time_s": None,
+    rows.append({"name": MethodName.PIPESHARD, "method": MethodName.PIPESHARD,
+                 "est_step_time_s": None,
                  "fits": False, "note": (
                      f"not planned: any pipeline of two or more stages costs at least "
                      f"{floor * 1e3:.3g} ms a step in driver tasks on this cluster, and a "

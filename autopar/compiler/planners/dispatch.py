@@ -43,6 +43,7 @@ from autopar.errors import (
 )
 from autopar.ir.flatten import trace_jaxpr
 from autopar.ir.pipeline_program import build_pipeline_program
+from autopar.method_options import RematMode
 from autopar.methods import (
     METHOD_TYPES,
     AutoParallel,
@@ -178,15 +179,16 @@ def _plan_one_stage_with_remat(step: StepProgram, cluster: ClusterSpec,
     from autopar.compiler.intra_op.problem import InfeasibleMemoryError
 
     method = step.method
-    remat = getattr(method, "remat", "none")
+    remat = getattr(method, "remat", RematMode.NONE)
     planned = None
-    if remat != "layers":
+    if remat != RematMode.LAYERS:
         try:
             planned = PlannedProgram(step.traced, _plan_one_stage(
                 step.traced, method, cluster, step.batch_argnums, ilp_observer, step.memo,
                 beat))
         except InfeasibleMemoryError as err:
-            if remat == "none" or step.fn is None or _state_over_budget(step, cluster, err.budget):
+            if remat == RematMode.NONE or step.fn is None or _state_over_budget(
+                    step, cluster, err.budget):
                 raise
             # "auto": no plan without recomputation fits, which is what it is for
             try:
@@ -194,7 +196,7 @@ def _plan_one_stage_with_remat(step: StepProgram, cluster: ClusterSpec,
             except InvalidOptionError:  # no layers to recompute: the memory is the answer
                 pass
             raise
-    if remat != "none" and (planned is None
+    if remat != RematMode.NONE and (planned is None
                             or not _fits(planned.plan, method, cluster, budget)):
         if planned is not None and _beyond_recompute(planned.plan, method, cluster, budget):
             return planned.with_plan(planned.plan.noted(

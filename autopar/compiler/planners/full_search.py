@@ -37,8 +37,16 @@ from autopar.compiler.planners.candidate_screens import (
 )
 from autopar.compiler.planners.step_program import IlpObserver, PlannedProgram, StepProgram
 from autopar.errors import AutoparError, CannotWinError, PlanError
-from autopar.methods import AutoParallel, OneStageMethod, PipeshardParallel, ShardParallel
-from autopar.plan import Plan
+from autopar.methods import (
+    FULL_SEARCH,
+    AutoParallel,
+    OneStageMethod,
+    PipeshardParallel,
+    ShardParallel,
+)
+from autopar.plan import MethodName, Plan
+
+PIPESHARD = MethodName.PIPESHARD  # the pipelined candidate's name among the found plans
 
 OneStagePlanner = Callable[[StepProgram, ClusterSpec, IlpObserver | None, float,
                             float | None], PlannedProgram]
@@ -107,7 +115,7 @@ class FullSearch:
         pruned = step.pipeline is not None and self.method.prune and pipelines_cannot_win(
             self.found, self.budget, self.method, self.cluster, self.rows)
         try:
-            if step.pipeline is not None and not pruned and self.within_budget("pipeshard"):
+            if step.pipeline is not None and not pruned and self.within_budget(PIPESHARD):
                 self.plan_pipelines()
             answer = child.join() if child is not None else None
         except BaseException:  # an error, or Ctrl-C: the child is ended, not left behind
@@ -216,15 +224,15 @@ class FullSearch:
         assert traced is not None, "trace_auto traces the pipeline's outer program with its cut"
         began = time.perf_counter()
         try:
-            self.found["pipeshard"] = self.plan_pipelined(self.step, pipelined, traced,
+            self.found[PIPESHARD] = self.plan_pipelined(self.step, pipelined, traced,
                                                           self.cluster)
         except AutoparError as err:
-            self.rows.append(failed_row("pipeshard", "pipeshard", err))
+            self.rows.append(failed_row(PIPESHARD, PIPESHARD, err))
         finally:
             self.phases["pipeshard_s"] = time.perf_counter() - began
-        if "pipeshard" not in self.found:
+        if PIPESHARD not in self.found:
             return
-        planned = self.found["pipeshard"]
+        planned = self.found[PIPESHARD]
         self.phases.update(planned.plan.planning.phases)
         self.phases.pop("total_s", None)
         inner = planned.plan.planning.candidates
@@ -290,11 +298,11 @@ class FullSearch:
         # it adds (each microbatch reduces its gradients, smaller programs) its stage costs do
         # not price (docs/pipeline.md), so it is kept only for its memory, when no one-stage
         # plan fits; replicated with one microbatch per replica it is not cut at all
-        one_stage_fits = any(n != "pipeshard" for n, _ in fitting)
-        if one_stage_fits and "pipeshard" in found and cut_one_stage(found["pipeshard"].plan):
-            fitting = [(n, p) for n, p in fitting if n != "pipeshard"]
+        one_stage_fits = any(n != PIPESHARD for n, _ in fitting)
+        if one_stage_fits and PIPESHARD in found and cut_one_stage(found[PIPESHARD].plan):
+            fitting = [(n, p) for n, p in fitting if n != PIPESHARD]
             for row in self.rows:
-                if row.get("chosen_plan") is found["pipeshard"].plan:
+                if row.get("chosen_plan") is found[PIPESHARD].plan:
                     row["eligible"] = False
                     row["note"] = "; ".join(x for x in (row.get("note", ""), (
                         "one stage: a one-stage plan fits, and the microbatch split's costs "
@@ -334,12 +342,12 @@ class FullSearch:
                          f"{', '.join(self.skipped)}: not planned")
         if self.step.annotations is not None:
             first.append(annotations_note(self.step.annotations, rows, plan))
-        pipelined = self.found.get("pipeshard")
+        pipelined = self.found.get(PIPESHARD)
         last = []
         if self.step.pipeline is not None and pipelined is not None and \
                 plan is not pipelined.plan:
             last = [f"pipelined candidates: {n}" for n in self.ilp_notes]
-        options = {"method": "auto", "chosen": plan.method.value,
+        options = {"method": FULL_SEARCH, "chosen": plan.method.value,
                    "candidates": list(method.candidates),
                    "num_microbatches": method.num_microbatches, "schedule": method.schedule,
                    "remat": method.remat, "time_budget_s": method.time_budget_s,

@@ -22,6 +22,7 @@ from autopar.cluster import ClusterSpec
 from autopar.compiler.inter_op.forked import Beside, available_cores, start_beside
 from autopar.compiler.planners.pipeline_search import driver_floor_s
 from autopar.compiler.planners.step_program import PlannedProgram, StepProgram, TraceNeeded
+from autopar.method_options import RematMode
 from autopar.methods import AutoParallel, Method, OneStageMethod, ShardParallel
 from autopar.plan import Plan
 
@@ -76,10 +77,10 @@ def trace_first(step: StepProgram, candidates: Sequence[Method], cluster: Cluste
     """Trace the rematerialised step here when a candidate will plan from it: ``remat =
     "layers"``, or ``"auto"`` with the plain step's memory floor over ``budget`` (no plan of
     it fits, so recomputation is tried)."""
-    modes = {getattr(c, "remat", "none") for c in candidates}
-    if "layers" not in modes and "auto" not in modes:
+    modes = {getattr(c, "remat", RematMode.NONE) for c in candidates}
+    if RematMode.LAYERS not in modes and RematMode.AUTO not in modes:
         return
-    if "layers" not in modes:
+    if RematMode.LAYERS not in modes:
         floor = step.memo.memory_floor(step.traced, step.batch_argnums, cluster.num_devices)
         if floor.total <= budget:
             return

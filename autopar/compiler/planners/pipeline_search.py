@@ -46,7 +46,13 @@ from autopar.compiler.planners.stage_table import CostClock, stage_cost_table
 from autopar.errors import PlanError
 from autopar.ir.pipeline_program import PipelineProgram
 from autopar.ir.schedules import ScheduleName
-from autopar.methods import SCHEDULE_AUTO, ManualStages, PipeshardParallel
+from autopar.methods import (
+    SCHEDULE_AUTO,
+    ManualStages,
+    PipeshardParallel,
+    ReplicaMode,
+    StageMode,
+)
 from autopar.plan import MethodName
 
 
@@ -151,7 +157,7 @@ def replica_counts(method: PipeshardParallel, cluster: ClusterSpec) -> list[int]
     """How many data-parallel replicas of the pipeline the search tries: 1, and every count
     of equal groups of whole hosts that also divides the microbatches (each replica runs
     ``m / r`` of them), when the stages are the DP's own (not uniform, manual, interleaved)."""
-    if method.replicas == "none" or method.stages != "auto" \
+    if method.replicas == ReplicaMode.NONE or method.stages != StageMode.AUTO \
             or method.schedule == ScheduleName.INTERLEAVED_1F1B:
         return [1]
     hosts, m = cluster.num_hosts, method.num_microbatches
@@ -191,7 +197,7 @@ def search_pipelines(pp: PipelineProgram, method: PipeshardParallel, cluster: Cl
                 raise
             last_error = err
             continue
-        label = "stage DP" if method.stages == "auto" else f"stages={method.stages!r}"
+        label = "stage DP" if method.stages == StageMode.AUTO else f"stages='{method.stages}'"
         if isinstance(method.stages, ManualStages):
             label = "manual stages"
         where = f" x {r} replicas of {hosts} host(s)" if r > 1 else ""
@@ -199,7 +205,7 @@ def search_pipelines(pp: PipelineProgram, method: PipeshardParallel, cluster: Cl
             f"{label}{where}", partition, tuple(positions), r, m, group,
             _estimate(pp, partition, positions, method.schedule, m, chunks, group, cache),
             chunks))
-        if r > 1 or method.stages != "auto" or method.schedule == \
+        if r > 1 or method.stages != StageMode.AUTO or method.schedule == \
                 ScheduleName.INTERLEAVED_1F1B:
             continue
         for split in hand_splits(pp, method, group, cache, positions, table,
@@ -207,7 +213,7 @@ def search_pipelines(pp: PipelineProgram, method: PipeshardParallel, cluster: Cl
             found.append(split)
     if not found and last_error is not None:
         raise last_error
-    if method.stages == "auto" and method.schedule != ScheduleName.INTERLEAVED_1F1B:
+    if method.stages == StageMode.AUTO and method.schedule != ScheduleName.INTERLEAVED_1F1B:
         best = min((c.estimate.total_s for c in found), default=math.inf)
         found.extend(deep_equal_splits(pp, method, cluster, cache, num_layers, clock,
                                        beat=best))
@@ -308,7 +314,7 @@ def _partition(method: PipeshardParallel, table: StageCostTable, num_layers: int
         # (manual_stages reads each range as a (start, end) pair)
         return manual_stages(table, method.stages.layer_ranges, shapes, hosts, per_host,
                              options), 1
-    if options.schedule == ScheduleName.INTERLEAVED_1F1B or method.stages == "uniform":
+    if options.schedule == ScheduleName.INTERLEAVED_1F1B or method.stages == StageMode.UNIFORM:
         p = method.num_stages or 2
         v = options.num_chunks
         if num_layers % (p * v):

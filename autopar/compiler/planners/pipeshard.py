@@ -25,6 +25,7 @@ from autopar.compiler.inter_op.layer_costs import LayerCostCache
 from autopar.compiler.inter_op.piece_cost import PieceCost
 from autopar.compiler.inter_op.remat import is_remat_key, state_split_of_key
 from autopar.compiler.inter_op.stages import StagePartition, place_submeshes
+from autopar.compiler.intra_op.problem import IlpStatus
 from autopar.compiler.planners.pipeline_search import (
     PipeshardSearch,
     piece_owners,
@@ -39,7 +40,7 @@ from autopar.compiler.planners.stage_costs import (
 from autopar.ir.pieces import Piece
 from autopar.ir.pipeline_program import PipelineProgram
 from autopar.ir.schedules import ScheduleName
-from autopar.methods import PipeshardParallel
+from autopar.methods import PipeshardParallel, StageMode
 from autopar.plan import (
     InputSignature,
     MethodName,
@@ -200,7 +201,7 @@ def _notes(search: PipeshardSearch, stitched: Sequence[PieceCost | None],
     notes = []
     if not best.partition.exact:
         notes.append("stage search thinned its stage-time caps: not proven optimal")
-    if method.schedule == ScheduleName.INTERLEAVED_1F1B and method.stages == "auto":
+    if method.schedule == ScheduleName.INTERLEAVED_1F1B and method.stages == StageMode.AUTO:
         notes.append("interleaved-1f1b uses uniform stages (equal layers on equal submeshes)")
     if best.name.startswith("equal-"):
         notes.append(f"the {best.name} split ({best.note}) is estimated faster than the stage "
@@ -227,7 +228,7 @@ def stage_ilp_notes(cache: LayerCostCache) -> list[str]:
     statuses = cache.statuses
     total = sum(statuses.values())
     notes = []
-    stopped = statuses.get("time_limit", 0)
+    stopped = statuses.get(IlpStatus.TIME_LIMIT, 0)
     if stopped:
         notes.append(f"{stopped} of {total} stage-cost ILPs stopped at their time limit "
                      f"({cache.options.time_limit_s:g} s): their best plan so far is used, "
@@ -236,8 +237,8 @@ def stage_ilp_notes(cache: LayerCostCache) -> list[str]:
     if within:
         notes.append(f"{within} of {total} stage-cost ILPs stopped within their relative gap "
                      f"({cache.options.relative_gap:g}) of the optimum")
-    for status, what in (("no_solution", "found no plan in time"),
-                         ("solver_error", "failed")):
+    for status, what in ((IlpStatus.NO_SOLUTION, "found no plan in time"),
+                         (IlpStatus.SOLVER_ERROR, "failed")):
         if statuses.get(status):
             notes.append(f"{statuses[status]} of {total} stage-cost ILPs: the solver {what}; "
                          "the greedy plan is used for them")

@@ -106,5 +106,5 @@ def choose_schedule(pp: PipelineProgram, method: PipeshardParallel, cluster: Clu
     return plan.noted(*notes, first=True).with_planning(
         phases=phases, candidates=rows,
         method_options=plan.planning.method_options | {
-            "schedule": "auto", "allow_async": method.allow_async,
+            "schedule": SCHEDULE_AUTO, "allow_async": method.allow_async,
             "chosen_schedule": str(best)})

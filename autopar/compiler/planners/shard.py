@@ -132,7 +132,7 @@ def _notes(result: IntraOpResult, mesh: LogicalMesh) -> list[str]:
     if solution.status == IlpStatus.NO_SOLUTION:
         notes.append(f"the ILP solver ({solution.solver}) found no plan within its time limit: "
                      "the greedy plan is used, not proven optimal")
-    elif solution.status == "solver_error":
+    elif solution.status == IlpStatus.SOLVER_ERROR:
         notes.append(f"the ILP solver ({solution.solver}) failed (see the warning logged): "
                      "the greedy plan is used, not proven optimal")
     elif solution.status == LEAST_MEMORY:

@@ -24,7 +24,7 @@ from autopar.errors import InvalidOptionError, MeshError
 from autopar.ir.pieces import LayerRanges, Piece, cut_pieces
 from autopar.ir.pipeline_program import PipelineProgram
 from autopar.ir.schedules import ScheduleName
-from autopar.methods import PipeshardParallel
+from autopar.methods import PipeshardParallel, StageMode
 from autopar.plan import CollectiveEstimate
 
 
@@ -76,7 +76,7 @@ def check_stage_mesh(method: PipeshardParallel, cluster: ClusterSpec) -> None:
     """A pinned stage mesh must fill the cluster with the uniform stages' count (MeshError,
     one line, otherwise)."""
     shape = method.stage_mesh_shape
-    if shape is None or method.stages != "uniform":
+    if shape is None or method.stages != StageMode.UNIFORM:
         return
     stages = method.num_stages or 2
     need = math.prod(shape) * stages

@@ -36,7 +36,7 @@ from autopar.ir.pieces import LayerRanges, Piece, cut_pieces
 from autopar.ir.pipeline_pieces import piece_roles
 from autopar.ir.pipeline_program import PipelineProgram
 from autopar.ir.schedules import ScheduleName
-from autopar.methods import PipeshardParallel
+from autopar.methods import PipeshardParallel, StageMode
 
 
 @dataclass
@@ -275,7 +275,7 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
     start_s = time.perf_counter()
     workers = method.planning_workers or available_cores()
     if prefetch_on is None:
-        read_whole = method.stages == "auto" and \
+        read_whole = method.stages == StageMode.AUTO and \
             method.schedule != ScheduleName.INTERLEAVED_1F1B
         prefetch_on = submeshes if read_whole else ()
     meshes = [entries.mesh_of(sub, shape) for sub in prefetch_on

@@ -13,7 +13,7 @@ import pytest
 import autopar
 from autopar.compiler.intra_op import elimination, mip
 from autopar.compiler.intra_op.ilp import evaluate, solve
-from autopar.compiler.intra_op.problem import IntraOpProblem, ProblemEdge, ProblemNode
+from autopar.compiler.intra_op.problem import IlpStatus, IntraOpProblem, ProblemEdge, ProblemNode
 from autopar.runtime.local_cluster import local_cluster
 
 # the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
@@ -44,7 +44,8 @@ def test_a_cbc_failure_is_a_solver_error_with_the_greedy_plan(monkeypatch, caplo
 
 
 def test_highs_stopping_without_a_plan_is_no_solution(monkeypatch):
-    monkeypatch.setattr(mip, "_run_highs", lambda model, limit, gap: (None, "feasible", None))
+    monkeypatch.setattr(mip, "_run_highs",
+                        lambda model, limit, gap: (None, IlpStatus.TIME_LIMIT, None))
     monkeypatch.setattr(mip, "lp_rounding", lambda model, limit: (float("-inf"), {}))
     from autopar.compiler.intra_op import ilp
 
@@ -59,7 +60,7 @@ def test_highs_error_status_is_a_solver_error(monkeypatch):
 
     monkeypatch.setattr(mip, "_run_highs", failing)
     result = mip.run_mip(mip.build_mip(*_reduced(frustrated())), "highs", 1.0)
-    assert result.status == "error" and "Solve error" in result.message
+    assert result.status == IlpStatus.SOLVER_ERROR and "Solve error" in result.message
 
 
 def _reduced(problem):
