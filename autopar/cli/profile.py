@@ -233,7 +233,7 @@ def calibrate_profile(result: ProfileResult, base: ClusterSpec | None = None,
         name=f"calibrated-{result.platform}-{result.num_devices}",
         device_name=_device_name(result), source=source,
         memory_bytes=result.memory_bytes, options=options, measured=measured,
-        runtime=result.runtime,
+        runtime=result.runtime, gemm_only=result.platform == "cpu",
     )
 
 

@@ -30,6 +30,7 @@ from autopar.compiler.cost.calibration_fit import (
 )
 from autopar.compiler.cost.collectives import allreduce_time, collective_time
 from autopar.compiler.cost.estimate import roofline_time_s
+from autopar.compiler.cost.gemm import described_gemm_time_s
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.errors import InvalidOptionError
 from autopar.frontend.planning import plan_train_step
@@ -142,6 +143,25 @@ def test_calibrated_cluster_plugs_straight_back_into_the_cost_model():
         m, a = (one_d, 0) if s.mesh == "8" else (mesh, axis)
         predicted = collective_time(s.kind, s.nbytes, m, a)
         assert predicted == pytest.approx(s.seconds - DISPATCH, rel=1e-6, abs=1e-12)
+
+
+def test_a_cpu_calibration_gives_its_matmul_rate_to_gemms_alone():
+    """On a CPU the matmul rate is a GEMM's (``gemm_flops``): every other op keeps the base's
+    rate and efficiency, and a GEMM is priced at the measured rate."""
+    base = load_cluster("cpu-sim")
+    cal = calibrate_cluster(synthetic(noise=0.0), MATMULS, base, num_devices=8,
+                            name="calibrated-test-8", device_name="test", source="test",
+                            gemm_only=True)
+    device = cal.cluster.device
+    assert device.gemm_flops["float32"] == pytest.approx(4e9)
+    assert device.gemm_flops["bfloat16"] == pytest.approx(2e9)
+    assert device.peak_flops == base.device.peak_flops
+    assert cal.cluster.compute_efficiency == base.compute_efficiency
+    assert described_gemm_time_s(4e9, device, "float32") == pytest.approx(
+        1.0 + base.device.gemm_threading_s)
+    assert "gemm_flops: best matmul rate" in cal.cluster.notes
+    # written and read back as the same description
+    assert ClusterSpec.from_dict(cal.cluster.to_dict()) == cal.cluster
 
 
 def test_the_memory_bandwidth_is_the_slope_between_two_element_wise_kernels():
