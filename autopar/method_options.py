@@ -66,19 +66,22 @@ class LayerMode(StrEnum):
 SCHEDULE_AUTO = "auto"  # PipeshardParallel(schedule=...): the planner compares schedules
 
 
-def _check_choice(kind: str, value: object, choices: type[StrEnum]) -> None:
+def check_choice(kind: str, value: object, choices: type[StrEnum], besides: str = "") -> None:
+    """Raise ``InvalidOptionError`` unless ``value`` is one of ``choices`` (its members or
+    their strings); ``besides`` names what else the option takes, for the message."""
     if not (isinstance(value, str) and value in {c.value for c in choices}):
-        raise InvalidOptionError(f"unknown {kind} option {value!r}; valid: {choices_text(choices)}")
+        raise InvalidOptionError(f"unknown {kind} option {value!r}; valid: "
+                                 f"{choices_text(choices)}{besides}")
 
 
 def check_replicas(value: str) -> None:
     """Raise ``InvalidOptionError`` unless ``value`` is a replicas mode."""
-    _check_choice("replicas", value, ReplicaMode)
+    check_choice("replicas", value, ReplicaMode)
 
 
 def check_remat(value: str) -> None:
     """Raise ``InvalidOptionError`` unless ``value`` is a remat mode."""
-    _check_choice("remat", value, RematMode)
+    check_choice("remat", value, RematMode)
 
 
 def check_positive(name: str, value: object, *, optional: bool = False) -> None:

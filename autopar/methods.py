@@ -17,6 +17,7 @@ from autopar.method_options import (
     ReplicaMode,
     Solver,
     StageMode,
+    check_choice,
     check_flag,
     check_positive,
     check_remat,
@@ -206,18 +207,10 @@ class PipeshardParallel:
                 f"unknown schedule '{self.schedule}'; valid schedules: "
                 f"{choices_text(ScheduleName)}, {SCHEDULE_AUTO}"
             )
-        if not isinstance(self.stages, ManualStages) and self.stages not in {
-                m.value for m in StageMode}:
-            raise InvalidOptionError(
-                f"unknown stages option {self.stages!r}; valid: {choices_text(StageMode)} "
-                "or autopar.ManualStages(...)"
-            )
+        if not isinstance(self.stages, ManualStages):
+            check_choice("stages", self.stages, StageMode, " or autopar.ManualStages(...)")
         if isinstance(self.layers, str):
-            if self.layers not in {m.value for m in LayerMode}:
-                raise InvalidOptionError(
-                    f"unknown layers option '{self.layers}'; valid: {choices_text(LayerMode)}, "
-                    "or a number"
-                )
+            check_choice("layers", self.layers, LayerMode, ", or a number")
         elif not isinstance(self.layers, int) or self.layers < 1:
             raise InvalidOptionError(f"layers must be a positive number, got {self.layers!r}")
         if self.num_stages is not None and (
