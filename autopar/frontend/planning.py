@@ -226,7 +226,8 @@ def plan_traced(
     key = None if ilp_observer is not None else _cache_key(cache, step, cluster)
     cached = _cached_plan(cache, key, step.traced)
     if cached is not None:
-        if cached.remat_positions is not None:  # its ids name the rematerialised trace
+        if cached.remat_positions is not None or cached.attention_kernel:
+            # its ids name the rematerialised trace, or the one with the attention kernel
             step = dispatch.trace_for_plan(traced.fn, traced.args, cached,
                                            traced.batch_argnums)
         program, pipeline = step.parts_for(cached)
@@ -290,7 +291,7 @@ def _with_saved_plan(
         if len(sizes) == 1 and min(sizes) % plan.num_microbatches:
             raise PlanError(f"plan field num_microbatches={plan.num_microbatches} does not "
                             f"divide this step's batch size {min(sizes)}")
-    elif plan.remat_positions is not None:
+    elif plan.remat_positions is not None or plan.attention_kernel:
         # the signature is checked on the plain trace first: tracing with the plan's remat
         # cuts of another step would fail with a less helpful error
         check_signature(plan, trace_step(fn, args))

@@ -162,6 +162,13 @@ def layered_value_and_grad(loss: LossFunction, positions: Sequence[int] | None =
         run_shared(forward, pieces, env, shared, call, units)
         return [env[v] if v in env else forward.values[v] for v in forward.out_ids]
 
+    return value_and_grad_of(loss, run_forward)
+
+
+def value_and_grad_of(loss: LossFunction, run_forward: Callable[[list[Any]], list[Any]]
+                      ) -> Callable[..., list[Any]]:
+    """[loss, *aux, *grads] of ``loss`` with its forward computed by ``run_forward`` (the
+    loss forward's input values -> its output values; the loss first)."""
     def value_and_grad(*operands: Any) -> list[Any]:
         values = list(operands)
         first = loss.num_consts

@@ -144,20 +144,23 @@ class FlatProgram:
         flat_args: Sequence[Any],
         on_value: Callable[[int, Any], Any] | None = None,
         on_operand: Callable[[int, int, Any], Any] | None = None,
+        bind: Callable[[FlatEqn, Sequence[Any]], Sequence[Any]] | None = None,
     ) -> list[Any]:
         """Run the program on ``flat_args`` (arrays or tracers); returns the flat results.
 
         ``on_value(id, value)`` is called for every input and equation result and may return a
         replacement; ``on_operand(eqn_index, position, value)`` likewise for every operand as an
         equation reads it. The runtime uses them to put ``with_sharding_constraint`` on the
-        plan's chosen tensors (as produced, and as each consumer needs them).
+        plan's chosen tensors (as produced, and as each consumer needs them). ``bind``: applies
+        an equation (outside scan regions) in place of ``bind_eqn`` (the runtime runs an
+        attention split over the sequence as its ring kernel).
         """
         env: dict[int, Any] = dict(self.values)
         for vid, arg in zip(self.in_ids, flat_args, strict=True):
             env[vid] = arg
             if on_value is not None:
                 env[vid] = on_value(vid, arg)
-        self.run_range(0, len(self.eqns), env, on_value, on_operand)
+        self.run_range(0, len(self.eqns), env, on_value, on_operand, bind)
         return [env[i] for i in self.out_ids]
 
     def run_range(
@@ -167,6 +170,7 @@ class FlatProgram:
         env: dict[int, Any],
         on_value: Callable[[int, Any], Any] | None = None,
         on_operand: Callable[[int, int, Any], Any] | None = None,
+        bind: Callable[[FlatEqn, Sequence[Any]], Sequence[Any]] | None = None,
     ) -> None:
         """Apply equations ``start`` .. ``stop - 1`` to ``env`` (value id -> value), a scan
         region as one scan (see ``evaluate`` for the hooks)."""
@@ -181,7 +185,8 @@ class FlatProgram:
             operands = [env[v] if v in env else self.values[v] for v in eqn.inputs]
             if on_operand is not None:
                 operands = [on_operand(eqn.index, k, v) for k, v in enumerate(operands)]
-            for vid, value in zip(eqn.outputs, bind_eqn(eqn, operands), strict=True):
+            results = bind_eqn(eqn, operands) if bind is None else bind(eqn, operands)
+            for vid, value in zip(eqn.outputs, results, strict=True):
                 env[vid] = value if on_value is None else on_value(vid, value)
             i += 1
 

@@ -25,6 +25,13 @@ def string(value: Any) -> str:
     return value
 
 
+def boolean(value: Any) -> bool:
+    """``value``, a JSON true or false (TypeError for anything else)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"expected true or false, got {value!r}")
+    return value
+
+
 def spec_map(key: Any) -> Any:
     """A converter of ``{key: spec JSON}`` to ``{key(k): ShardingSpec}``."""
     def convert(value: Any) -> dict[Any, ShardingSpec]:

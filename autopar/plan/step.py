@@ -30,6 +30,7 @@ from autopar.errors import PlanError
 from autopar.ir.schedules import ScheduleName
 from autopar.plan.fields import (
     JsonField,
+    boolean,
     dump_fields,
     field_of,
     is_int,
@@ -191,6 +192,9 @@ class Plan:
     num_microbatches: int = 1
     pipeline: PipelineLayout | None = None
     remat_positions: tuple[int, ...] | None = None
+    # the step's attentions run by autopar's kernel (``ir.attention_rewrite``): its tensor ids
+    # are that trace's
+    attention_kernel: bool = False
     planning: PlanningRecord = field(default_factory=PlanningRecord)
     solver: dict[str, Any] | None = None
     notes: Sequence[str] = ()
@@ -343,6 +347,7 @@ PLAN_JSON = (
     JsonField("num_microbatches", int),
     JsonField("pipeline", optional(PipelineLayout.from_dict), optional(PipelineLayout.to_dict)),
     JsonField("remat_positions", optional(_ints), optional(listed)),
+    JsonField("attention_kernel", boolean, default=False),
     JsonField("planning", PlanningRecord.from_dict, PlanningRecord.to_dict),
     JsonField("solver", optional(lambda v: dict(object_of(v, "solver")))),
     JsonField("notes", lambda v: [string(n) for n in v], listed),

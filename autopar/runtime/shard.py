@@ -16,9 +16,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autopar.errors import MeshError, PlanError
-from autopar.ir.program import FlatProgram
+from autopar.ir.attention_op import BACKWARD_NAME, FORWARD_NAME, Ring
+from autopar.ir.program import FlatEqn, FlatProgram, bind_eqn
 from autopar.plan import Plan, ShardingSpec, StagePlan
 from autopar.runtime.distributed import global_devices, put
+from autopar.runtime.ring_attention import ring_backward, ring_forward
 
 
 def partition_spec(spec: ShardingSpec) -> PartitionSpec:
@@ -75,6 +77,7 @@ class ShardedProgram:
             use: NamedSharding(self.mesh, partition_spec(spec))
             for use, spec in stage.operand_shardings.items()
         }
+        self._rings = ring_calls(program, stage, self.mesh)
         # donated: per flat input leaf, whether XLA may reuse its buffer for an output
         self.jitted = jax.jit(
             self._run, in_shardings=self.in_shardings, out_shardings=self.out_shardings,
@@ -102,8 +105,13 @@ class ShardedProgram:
                 flat_args,
                 on_value=self._constrain if self._constraints else None,
                 on_operand=self._constrain_operand if self._operand_constraints else None,
+                bind=self._bind if self._rings else None,
             )
         )
+
+    def _bind(self, eqn: FlatEqn, operands: Sequence[Any]) -> Sequence[Any]:
+        ring = self._rings.get(eqn.index)
+        return bind_eqn(eqn, operands) if ring is None else ring(*operands)
 
     def place(self, flat_args: Sequence[Any]) -> list[Any]:
         """Move arguments to the devices and layouts the plan wants (no-op where they are).
@@ -136,3 +144,30 @@ class ShardedProgram:
     def hlo_text(self, flat_args: Sequence[Any]) -> str:
         """The compiled, optimized, SPMD-partitioned HLO text of the sharded program."""
         return self.compiled(flat_args).as_text()
+
+
+def ring_calls(program: FlatProgram, stage: StagePlan, mesh: Mesh) -> dict[int, Any]:
+    """The attention equations (``ir.attention_op``) whose keys the plan splits along the
+    sequence, each as its ring kernel over ``mesh`` (by equation index): the plan chose
+    context parallelism there (``strategies.attention``)."""
+    inputs = dict(zip(program.in_ids, program.in_paths, strict=True))
+
+    def spec(eqn: FlatEqn, position: int) -> ShardingSpec | None:
+        tensor = eqn.inputs[position]
+        found = stage.operand_shardings.get((eqn.index, position))
+        found = found or stage.tensor_shardings.get(tensor)
+        return found or stage.input_shardings.get(inputs.get(tensor, ""))
+
+    calls: dict[int, Any] = {}
+    for eqn in program.eqns:
+        if eqn.name not in (FORWARD_NAME, BACKWARD_NAME):
+            continue
+        query, key = spec(eqn, 0), spec(eqn, 1)
+        if query is None or key is None or not key.dims[-2]:
+            continue
+        (axis,) = key.dims[-2]
+        dims = tuple(partition_spec(query))[:-1] + (None,)
+        make = ring_forward if eqn.name == FORWARD_NAME else ring_backward
+        calls[eqn.index] = make(mesh, dims, Ring(axis, mesh.shape[axis]),
+                                eqn.params["causal"], eqn.params["scale"])
+    return calls

@@ -43,6 +43,10 @@ class AttentionSite:
     query_length: int
     key_length: int
     nodes: tuple[int, ...]
+    # the nodes between the scores matmul and the softmax's input, from the softmax's side
+    # (scale, mask, casts), and which operand of the output matmul the probabilities are
+    chain: tuple[int, ...] = ()
+    probabilities_side: int = 0
 
 
 def find_attention(graph: OpGraph) -> list[AttentionSite]:
@@ -130,7 +134,8 @@ def _match(graph: OpGraph, out: OpNode) -> AttentionSite | None:
             causal=any(_made_from_iota(graph, m.inputs[0]) for m in masks),
             query_length=shape[-2], key_length=shape[-1],
             nodes=tuple(sorted({scores.id, *chain, *_softmax_nodes(graph, logits, out.id),
-                                *path})))
+                                *path})),
+            chain=tuple(chain), probabilities_side=side)
     return None
 
 

@@ -12,6 +12,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from autopar.ir.attention_op import BACKWARD_NAME, FORWARD_NAME
+
 # Elementwise arithmetic whose cost is one flop per output element.
 ELEMENTWISE = frozenset(
     """
@@ -111,4 +113,20 @@ def primitive_flops(
         return _control_flow_flops(name, params)
     if name in ("jit", "pjit", "closed_call", "custom_jvp_call", "custom_vjp_call", "remat2"):
         return _nested_call_flops(params)
+    if name in (FORWARD_NAME, BACKWARD_NAME):
+        return attention_flops(name == BACKWARD_NAME, in_shapes)
     return 0.0
+
+
+def attention_flops(backward: bool, in_shapes: list[tuple[int, ...]]) -> float:
+    """The attention kernel's flops (``ir.attention_op``; q, k, v first among its operands):
+    every block of scores whole, masked or not, as the kernel computes them. The forward: the
+    scores and their product with the values, and about five element-wise steps per score
+    (mask, maximum, exponential, sum, rescale); the backward: the scores again, then the
+    value, probability, query and key gradients (four more matmuls) and about five steps per
+    score."""
+    (*lead, sq, d), sk, dv = in_shapes[0], in_shapes[1][-2], in_shapes[2][-1]
+    pairs = _prod(lead) * sq * sk
+    if backward:
+        return float(pairs * (2 * d + 2 * dv + 2 * dv + 2 * d + 2 * d + 5))
+    return float(pairs * (2 * d + 2 * dv + 5))

@@ -13,6 +13,7 @@ from typing import Any
 
 from autopar.compiler.cost.memory_floor import memory_floor, mesh_memory_floor
 from autopar.compiler.cost.memory_model import MemoryEstimate
+from autopar.compiler.graph.attention_forms import trace_with_attention_kernel
 from autopar.compiler.graph.trace import TracedStep, build_graph, trace_step
 from autopar.compiler.inter_op.layers import remat_layer_positions
 from autopar.compiler.planners.annotations import UserLayout
@@ -44,6 +45,8 @@ class TraceMemo:
 
     jaxpr: StepJaxpr | None = None
     remat: tuple[TracedStep, tuple[int, ...]] | Exception | None = None
+    # the step with its attentions run by the kernel (``attention_forms``); False: it has none
+    attention_kernel: TracedStep | bool | None = None
     memory_floors: dict[tuple, MemoryEstimate] = field(default_factory=dict)
     # sharding problems built without a budget (``solve_intra_op``'s ``built``) and the
     # fastest one-stage plans, by (graph, mesh, ILP options): the full search comes back to a
@@ -128,6 +131,20 @@ class StepProgram:
             except NoLossFunctionError as err:
                 memo.remat = err
         return memo.remat
+
+    def with_attention_kernel(self) -> TracedStep | None:
+        """The step traced again with its loss function's attentions run by the kernel (None:
+        it has none the kernel can run, or no ``autopar.value_and_grad``): traced once."""
+        memo = self.memo
+        if memo.attention_kernel is None:
+            if not memo.may_trace or self.fn is None:
+                raise TraceNeeded("the step with its attention kernel is not traced here")
+            if memo.jaxpr is None:
+                memo.jaxpr = trace_jaxpr(self.fn, self.args)
+            memo.attention_kernel = trace_with_attention_kernel(
+                self.fn, self.args, jaxpr=memo.jaxpr) or False
+        found = memo.attention_kernel
+        return found if isinstance(found, TracedStep) else None
 
     @property
     def programs(self) -> tuple[Any, ...]:

@@ -18,6 +18,7 @@ from autopar.compiler.intra_op.strategies.coverage import REPLICATED_BY_DESIGN
 
 FAMILY_MODULES = (
     "elementwise", "layout", "reduce", "dot", "conv", "indexing", "slicing", "misc", "control",
+    "attention",
 )
 
 logger = logging.getLogger("autopar.strategies")

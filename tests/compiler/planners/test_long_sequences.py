@@ -1,0 +1,58 @@
+"""Long sequences (issue 35): a GPT of one sequence, 2 heads and 2 layers on the 8 local
+devices, under a memory budget that no plan of its own equations fits. The full search plans it
+with the attention kernel, splitting the sequence over the mesh as ring attention, and the step
+equals the serial one; its compiled program passes key and value blocks around the ring
+(collective-permutes) and gathers no keys or values whole."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import autopar
+from autopar.compiler.planners import dispatch
+from autopar.models import get_model
+from autopar.runtime.local_cluster import local_cluster
+
+# the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
+pytestmark = pytest.mark.e2e
+
+
+def long_gpt(seq_len: int):
+    return get_model("gpt", "tiny", batch_size=1, seq_len=seq_len, num_heads=2,
+                     num_layers=2).with_value_and_grad(autopar.value_and_grad)
+
+
+def one_device_peak(model) -> int:
+    step = dispatch.trace(model.train_step, model.abstract_inputs(), autopar.DataParallel(),
+                          (1,))
+    return dispatch.plan(step, local_cluster(jax.devices()[:1])).plan.peak_memory_bytes
+
+
+@pytest.mark.parametrize("seq_len, fraction", [(2048, 12), (8192, 24)])
+def test_a_long_sequence_under_a_small_budget_runs_as_ring_attention(seq_len, fraction):
+    model = long_gpt(seq_len)
+    budget = one_device_peak(model) / fraction
+    step = autopar.parallelize(model.train_step, cache=False, method=autopar.AutoParallel(
+        memory_budget_bytes=budget, measure_candidates=0))
+    state, batch = model.init_state(jax.random.key(0)), model.make_batch(jax.random.key(1))
+    plan = step.get_plan(state, batch)
+    assert plan.attention_kernel and plan.peak_memory_bytes <= budget
+    assert any("ring attention" in note for note in plan.notes), plan.notes
+    new_state, loss = step(state, batch)
+    want_state, want_loss = jax.jit(model.train_step)(state, batch)
+    assert float(loss) == pytest.approx(float(want_loss), rel=1e-5)
+    for got, want in zip(jax.tree_util.tree_leaves(new_state),
+                         jax.tree_util.tree_leaves(want_state), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
+    emitted = step.get_hlo_collectives(state, batch)
+    assert emitted["collective-permute"]["count"] > 0
+    assert emitted["all-gather"]["count"] == 0
+    if seq_len == 2048:
+        # the saved plan alone tells the runtime to trace the step with the kernel again
+        loaded = autopar.Plan.from_json(plan.to_json())
+        assert loaded == plan
+        again = autopar.parallelize(model.train_step, plan=loaded, cache=False)
+        _, loss_again = again(state, batch)
+        assert float(loss_again) == pytest.approx(float(want_loss), rel=1e-5)
