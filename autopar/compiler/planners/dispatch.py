@@ -21,7 +21,7 @@ from autopar.compiler.cost.estimate import one_call_time_s
 from autopar.compiler.cost.mesh import logical_mesh_for
 from autopar.compiler.graph.attention_forms import trace_with_attention_kernel
 from autopar.compiler.graph.trace import TracedStep, build_graph, trace_step
-from autopar.compiler.intra_op.strategies.attention import attention_nodes, ring_attentions
+from autopar.compiler.planners.attention_kernel import plan_attention_kernel
 from autopar.compiler.planners.auto import plan_auto, trace_auto
 from autopar.compiler.planners.common import (
     PlanPlace,
@@ -185,56 +185,21 @@ def _plan_one_stage_with_remat(step: StepProgram, cluster: ClusterSpec,
     (the full search's): where the fastest plan does not fit and is estimated no faster,
     ``CannotWinError`` rather than the memory-constrained solve or the recomputation.
     With ``remat="auto"``, where neither the plain step nor its recomputed layers fit, the
-    step with its attentions run by autopar's kernel is planned too (``_plan_attention_kernel``).
+    step with its attentions run by autopar's kernel is planned too (``attention_kernel``).
     """
     from autopar.compiler.intra_op.problem import InfeasibleMemoryError
 
     try:
         planned = _plan_recomputing(step, cluster, ilp_observer, budget, beat)
     except InfeasibleMemoryError as err:
-        kernel = _plan_attention_kernel(step, cluster, ilp_observer, beat, err)
+        kernel = plan_attention_kernel(step, cluster, _plan_one_stage, ilp_observer, beat, err)
         if kernel is None:
             raise
         return kernel
     if _fits(planned.plan, step.method, cluster, budget):
         return planned
-    return _plan_attention_kernel(step, cluster, ilp_observer, beat, planned) or planned
-
-
-def _plan_attention_kernel(step: StepProgram, cluster: ClusterSpec,
-                           ilp_observer: IlpObserver | None, beat: float | None,
-                           short: Exception | PlannedProgram) -> PlannedProgram | None:
-    """The sharding plan of the step with its loss function's attentions run by autopar's
-    kernel, whose residuals are O(sequence) (``ir.attention_rewrite``; the ILP may split the
-    sequence over a mesh axis and run them as ring attention): for a ``ShardParallel`` with
-    ``remat="auto"`` whose plans did not fit (``short``: the error that said so, or the
-    least-memory plan). None where it is not tried or saves nothing; where it fits nothing
-    either, the error that names the smaller memory is raised."""
-    from autopar.compiler.intra_op.problem import InfeasibleMemoryError
-
-    method = step.method
-    if (not isinstance(method, ShardParallel) or method.remat != RematMode.AUTO
-            or step.fn is None):
-        return None
-    traced = step.with_attention_kernel()
-    if traced is None:
-        return None
-    try:
-        plan = _plan_one_stage(traced, method, cluster, step.batch_argnums, ilp_observer,
-                               step.memo, beat)
-    except InfeasibleMemoryError as err:
-        if isinstance(short, InfeasibleMemoryError) and err.min_peak_bytes < short.min_peak_bytes:
-            raise err from None
-        return None
-    if isinstance(short, PlannedProgram) and plan.peak_memory_bytes >= short.plan.peak_memory_bytes:
-        return None
-    rings = ring_attentions(traced.graph, plan.stages[0])
-    plan = replace(plan, attention_kernel=True).noted(
-        f"attention as one kernel: {len(attention_nodes(traced.graph))} attention(s) keep "
-        "O(sequence) for the backward, not their probabilities"
-        + (f"; context parallel: {rings} run as ring attention, the sequence split over the "
-           "mesh" if rings else ""))
-    return PlannedProgram(traced, plan)
+    return plan_attention_kernel(step, cluster, _plan_one_stage, ilp_observer, beat,
+                                 planned) or planned
 
 
 def _plan_recomputing(step: StepProgram, cluster: ClusterSpec,

@@ -119,12 +119,19 @@ def attention_nodes(graph: OpGraph) -> list[OpNode]:
     return [node for node in graph.nodes if node.primitive == FORWARD_NAME]
 
 
-def ring_attentions(graph: OpGraph, stage: StagePlan) -> int:
-    """How many of the graph's attention kernels ``stage`` runs as ring attention: those
-    whose keys it splits along the sequence."""
-    def key_spec(node: OpNode) -> ShardingSpec | None:
-        found = stage.operand_shardings.get((node.id, 1))
-        return found or stage.tensor_shardings.get(node.inputs[1])
+def sequence_splits(graph: OpGraph, stage: StagePlan) -> dict[str, int]:
+    """How many of the graph's attention kernels ``stage`` runs with the sequence split: as
+    ring attention (the keys split too: ``RING``) or with the queries split and the keys and
+    values gathered (``GATHER``, Llama 3's form of context parallelism)."""
+    def spec(node: OpNode, position: int) -> ShardingSpec | None:
+        found = stage.operand_shardings.get((node.id, position))
+        return found or stage.tensor_shardings.get(node.inputs[position])
 
-    return sum(1 for node in attention_nodes(graph)
-               if (spec := key_spec(node)) is not None and spec.dims[-2])
+    counts = {RING: 0, GATHER: 0}
+    for node in attention_nodes(graph):
+        query, key = spec(node, 0), spec(node, 1)
+        if key is not None and key.dims[-2]:
+            counts[RING] += 1
+        elif query is not None and query.dims[-2]:
+            counts[GATHER] += 1
+    return counts

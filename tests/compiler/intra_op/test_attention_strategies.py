@@ -1,0 +1,70 @@
+"""The attention kernel's strategies (``strategies.attention``) on the zoo GPT rewritten for it:
+the leading axes split freely; the sequence split over one mesh axis with the keys whole
+(their gradients then all-reduced) or as ring attention, whose collective-permutes are one
+per step (n - 1 forward, 2n - 1 backward) and count on the step only beyond the compute they
+run beside."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import pytest
+
+import autopar
+from autopar.cluster import load_cluster
+from autopar.compiler.cost.mesh import LogicalMesh
+from autopar.compiler.graph.attention_forms import trace_with_attention_kernel
+from autopar.compiler.intra_op.strategies import StrategyContext, strategies_for
+from autopar.compiler.intra_op.strategies.attention import GATHER, RING
+from autopar.models import get_model
+from autopar.plan import CollectiveKind
+
+SEQ = 64
+
+
+@cache
+def traced():
+    model = get_model("gpt", "tiny", seq_len=SEQ).with_value_and_grad(autopar.value_and_grad)
+    found = trace_with_attention_kernel(model.train_step, model.abstract_inputs())
+    assert found is not None
+    return found
+
+
+def strategies(primitive: str, shape: tuple[int, int]):
+    graph = traced().graph
+    node = next(n for n in graph.nodes if n.primitive == primitive)
+    mesh = LogicalMesh.from_cluster(load_cluster("a100-80gb-x8"), shape)
+    return mesh, strategies_for(StrategyContext(node, graph, mesh))
+
+
+@pytest.mark.parametrize("primitive, sends", [("autopar_attention", 1),
+                                              ("autopar_attention_bwd", 2)])
+def test_ring_and_gathered_keys_on_each_axis(primitive, sends):
+    mesh, found = strategies(primitive, (2, 4))
+    by_name = {s.name: s for s in found}
+    for axis, n in zip(mesh.axis_names, mesh.shape, strict=True):
+        ring = next(s for name, s in by_name.items() if name.endswith(RING)
+                    and s.input_specs[1].dims[-2] == (axis,) and not any(
+                        s.input_specs[0].dims[:-2]))
+        # queries, keys and values split alike along the sequence
+        assert ring.input_specs[0].dims[-2] == ring.input_specs[2].dims[-2] == (axis,)
+        permutes = [c for c in ring.collectives if c.kind == CollectiveKind.COLLECTIVE_PERMUTE]
+        assert sum(c.count for c in permutes) == (n - 1 if sends == 1 else 2 * n - 1)
+        total = sum(c.time_s for c in permutes)
+        assert ring.communication_time_s == pytest.approx(max(0.0, total - ring.compute_time_s))
+        gather = next(s for name, s in by_name.items() if name.endswith(GATHER)
+                      and s.input_specs[0].dims[-2] == (axis,) and not any(
+                          s.input_specs[0].dims[:-2]))
+        assert gather.input_specs[1].dims[-2] == ()  # the keys arrive whole
+        reduces = [c.kind for c in gather.collectives]
+        assert reduces == ([CollectiveKind.ALL_REDUCE] if sends == 2 else [])
+        # either way the work divides over the axis
+        whole = next(s for s in found if not any(d for spec in s.input_specs for d in spec.dims))
+        assert ring.compute_time_s == pytest.approx(whole.compute_time_s / n, rel=0.05)
+
+
+def test_the_batch_and_heads_split_without_communication():
+    _, found = strategies("autopar_attention", (2, 4))
+    lead = [s for s in found if not s.name.endswith((RING, GATHER))
+            and any(s.input_specs[0].dims[:-2])]
+    assert lead and all(not s.collectives and s.communication_time_s == 0 for s in lead)
