@@ -32,10 +32,13 @@ pytestmark = pytest.mark.e2e
 
 STEPS = 3
 LAYERS = 4
-SCHEDULES = [s.value for s in ScheduleName if not is_async(s)]  # async: not with scans yet
-# every schedule once, and both stage counts: the unrolled model runs every pair
-# (tests/runtime/test_pipeline_numerics.py); what a scan adds is the same for each
-CASES = [(s, 2 if k % 2 == 0 else 4) for k, s in enumerate(SCHEDULES)]
+# The two schedules whose tasks cut a stage further (interleaved 1F1B's chunks, zero-bubble's
+# weight-gradient tasks), one at each stage count: the unrolled model runs every schedule and
+# stage count (tests/runtime/test_pipeline_numerics.py), and GPipe and 1F1B run a stage's scan
+# iterations as they run its other layers (a suite-time decision, issue 34; async schedules
+# do not take scans yet)
+CASES = [(ScheduleName.INTERLEAVED_1F1B.value, 2), (ScheduleName.ZB_H1.value, 4)]
+assert not any(is_async(s) for s, _ in CASES)
 
 
 def scanned_gpt(layers=LAYERS):
