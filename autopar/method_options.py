@@ -31,10 +31,14 @@ def check_solver(value: object) -> None:
 
 class RematMode(StrEnum):
     """``remat=``: keep every activation (``NONE``), recompute each layer's forward in the
-    backward (``LAYERS``), or let the planner choose per candidate (``AUTO``)."""
+    backward (``LAYERS``), recompute each layer but its matmuls' outputs (``SELECTIVE``:
+    the attention core and the element-wise chains, Korthikanti et al.'s selective
+    recomputation; pipeline stages only), or let the planner choose per candidate
+    (``AUTO``)."""
 
     NONE = "none"
     LAYERS = "layers"
+    SELECTIVE = "selective"
     AUTO = "auto"
 
 
@@ -79,9 +83,16 @@ def check_replicas(value: str) -> None:
     check_choice("replicas", value, ReplicaMode)
 
 
-def check_remat(value: str) -> None:
-    """Raise ``InvalidOptionError`` unless ``value`` is a remat mode."""
-    check_choice("remat", value, RematMode)
+def check_remat(value: str, *, pipelined: bool = False) -> None:
+    """Raise ``InvalidOptionError`` unless ``value`` is a remat mode the method takes
+    (``SELECTIVE``: a ``pipelined`` one's only)."""
+    valid = [m.value for m in RematMode if pipelined or m != RematMode.SELECTIVE]
+    if value == RematMode.SELECTIVE and not pipelined:
+        raise InvalidOptionError(
+            f"remat={value!r} is planned for pipeline stages (PipeshardParallel); this "
+            f"method takes {', '.join(valid)}")
+    if not (isinstance(value, str) and value in valid):
+        raise InvalidOptionError(f"unknown remat option {value!r}; valid: {', '.join(valid)}")
 
 
 def check_positive(name: str, value: object, *, optional: bool = False) -> None:

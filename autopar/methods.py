@@ -157,9 +157,13 @@ class PipeshardParallel:
     ``num_stages``: fixes the stage count (None: the DP chooses; uniform needs it or uses 2).
     ``memory_budget_bytes``: per-device memory every stage must fit (default: the cluster's).
     ``remat``: rematerialisation, ``"none"``, ``"layers"`` (every stage keeps only its layers'
-    inputs for the backward and recomputes the rest, ``jax.checkpoint`` on each layer) or
-    ``"auto"`` (the stage search chooses per stage, paying the recompute only where memory
-    is short).
+    inputs for the backward and recomputes the rest, ``jax.checkpoint`` on each layer),
+    ``"selective"`` (every stage keeps its layers' inputs and matmul outputs and recomputes
+    the rest: the attention core and the element-wise chains, cheap to recompute and large
+    to keep at long sequences; ``jax.checkpoint`` with the policy
+    ``dots_with_no_batch_dims_saveable``) or ``"auto"`` (the stage search chooses per stage
+    between none and layers, paying the recompute only where memory is short; selective
+    recomputation is not among its choices yet).
     ``replicas``: ``"auto"`` (on several hosts the search also tries the pipeline replicated
     data-parallel over equal groups of hosts; such a plan is planned for a described cluster,
     the runtime does not run it yet) or ``"none"`` (one pipeline over every device).
@@ -201,7 +205,7 @@ class PipeshardParallel:
             raise InvalidOptionError(
                 f"num_microbatches must be a positive integer, got {self.num_microbatches!r}"
             )
-        check_remat(self.remat)
+        check_remat(self.remat, pipelined=True)
         if schedule_name(self.schedule) is None and self.schedule != SCHEDULE_AUTO:
             raise InvalidOptionError(
                 f"unknown schedule '{self.schedule}'; valid schedules: "

@@ -92,7 +92,9 @@ class PipelineLayout:
     piece per stage, or ``num_chunks`` per stage for interleaved 1F1B). ``stage_of_piece``:
     the stage that runs each piece; every equation outside the loss forward goes to the stage
     that owns what it reads (the segments, derived from this by ``ir.pipeline_program``).
-    ``remat_stages``: per stage, whether its layers run under ``jax.checkpoint``.
+    ``remat_stages``: per stage, whether its layers run under ``jax.checkpoint``;
+    ``selective_stages``: per stage (empty: none), whether that checkpoint keeps the layers'
+    matmul outputs (selective recomputation: ``dots_with_no_batch_dims_saveable``).
     ``replicas``: data-parallel copies of the whole pipeline, each on its own group of hosts
     (the stages' devices are the first group's; the microbatches are shared out between the
     groups and each stage's gradients all-reduced between them). The runtime runs one (1).
@@ -105,6 +107,7 @@ class PipelineLayout:
     stage_of_piece: tuple[int, ...]
     remat_stages: tuple[bool, ...]
     replicas: int = 1
+    selective_stages: tuple[bool, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return dump_fields(self, LAYOUT_JSON)
@@ -158,6 +161,13 @@ class PipelineLayout:
         if len(self.remat_stages) != num_stages:
             raise PlanError(f"plan field {where}.remat_stages has {len(self.remat_stages)} "
                             f"flag(s) for {num_stages} stage(s)")
+        if self.selective_stages and len(self.selective_stages) != num_stages:
+            raise PlanError(f"plan field {where}.selective_stages has "
+                            f"{len(self.selective_stages)} flag(s) for {num_stages} stage(s)")
+        if any(s and not r for s, r in zip(self.selective_stages, self.remat_stages,
+                                           strict=False)):
+            raise PlanError(f"plan field {where}.selective_stages marks a stage whose "
+                            "remat_stages flag is false; selective recomputation recomputes")
 
 
 # PipelineLayout's JSON form, field by field (``fields.JsonField``)
@@ -169,6 +179,7 @@ LAYOUT_JSON = (
     JsonField("stage_of_piece", _ints, listed),
     JsonField("remat_stages", _bools, listed),
     JsonField("replicas", _positive_int, default=1),
+    JsonField("selective_stages", _bools, listed, default=()),
 )
 
 

@@ -55,6 +55,7 @@ class PipelineRunner(StagePlacement):
         specs: Sequence[dict[int, Any]] | None = None,
         remat_layers: Sequence[Piece] = (),
         remat_stages: Sequence[bool] = (),
+        selective_stages: Sequence[bool] = (),
         fuse: bool = True,
         param_copies: bool = True,
     ):
@@ -69,6 +70,8 @@ class PipelineRunner(StagePlacement):
         # layer boundary) under jax.checkpoint: the backward keeps only layer inputs
         self.remat_layers = list(remat_layers)
         self.remat_stages = list(remat_stages) or [False] * len(stages)
+        # of those, the stages whose checkpoints keep the layers' matmul outputs
+        self.selective_stages = list(selective_stages) or [False] * len(stages)
         # the parameters the split batch meets read as copies made once per step, their
         # gradients reduced once, after the last microbatch (``runtime.param_copies``);
         # one microbatch reduces once anyway
@@ -109,7 +112,8 @@ class PipelineRunner(StagePlacement):
         remat = list(layout.remat_stages)
         layers = cut_pieces(pp.forward, list(layout.layer_positions)) if any(remat) else []
         return cls(pp, pieces, owner, stages, segments, home, schedule, devices, specs,
-                   remat_layers=layers, remat_stages=remat, fuse=fuse,
+                   remat_layers=layers, remat_stages=remat,
+                   selective_stages=layout.selective_stages, fuse=fuse,
                    param_copies=param_copies)
 
     # -- executables ---------------------------------------------------------------------------
@@ -118,7 +122,8 @@ class PipelineRunner(StagePlacement):
         stage = self.stage_of_piece[piece.index]
         layers = self.remat_layers if self.remat_stages[stage] else ()
         return piece_tasks(self.pp, piece, stage, self.meshes[stage], self.specs[stage], layers,
-                           read_copies=self._read_copies)
+                           read_copies=self._read_copies,
+                           selective=self.selective_stages[stage])
 
     def _input_split_fns(self) -> list[tuple[int, list[int], Any]]:
         """Per stacked step input: (its id, its slices' ids, a jitted function making them).

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import jax
@@ -59,7 +60,7 @@ class PieceTasks:
 
 def piece_tasks(pp: PipelineProgram, piece: Piece, stage: int, mesh: Mesh,
                 specs: dict[int, Any], remat_layers: Sequence[Piece] = (),
-                read_copies: bool = False) -> PieceTasks:
+                read_copies: bool = False, selective: bool = False) -> PieceTasks:
     """``piece``'s jitted tasks on ``stage`` (its devices as ``mesh``, ``specs`` its plan's
     forward value id -> ShardingSpec). ``remat_layers``: the forward cut at every layer
     boundary when the stage is rematerialised (empty otherwise): each layer of the piece then
@@ -67,7 +68,8 @@ def piece_tasks(pp: PipelineProgram, piece: Piece, stage: int, mesh: Mesh,
     the parameters whose gradients would be reduced over the batch's axes read as copies
     (``runtime.param_copies``; the caller makes them with ``make_copies`` and passes them in
     those parameters' places), their gradients left for the caller to reduce once per step
-    (a pipeline that is not rematerialised and has no layer scans)."""
+    (a pipeline that is not rematerialised and has no layer scans). ``selective``: the
+    layers' checkpoints keep their matmuls' outputs (``dots_with_no_batch_dims_saveable``)."""
     fwd = pp.forward
     roles = piece_roles(pp, piece)
     diff, params, nondiff = list(roles.diff), list(roles.params), list(roles.nondiff)
@@ -98,13 +100,16 @@ def piece_tasks(pp: PipelineProgram, piece: Piece, stage: int, mesh: Mesh,
         return [hold(v, g) if v in copies.params else g
                 for v, g in zip(params, grads[:n_params], strict=True)]
 
-    run = _forward_run(pp, piece, layers, t, hold if held or copies.copies else None)
+    checkpoint = partial(jax.checkpoint, policy=(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable if selective else None))
+    run = _forward_run(pp, piece, layers, t, hold if held or copies.copies else None,
+                       checkpoint)
     _jit_tasks(t, run, param_grads, mesh, specs)
     return t
 
 
 def _forward_run(pp: PipelineProgram, piece: Piece, layers: Sequence[Piece], t: PieceTasks,
-                 hold: Callable[[int, Any], Any] | None
+                 hold: Callable[[int, Any], Any] | None, checkpoint: Callable[[Any], Any]
                  ) -> Callable[[list[Any], list[Any]], tuple[list[Any], list[Any]]]:
     """The piece's forward on its differentiated and other inputs: its float and other
     outputs. Rematerialised (``layers``), each layer under ``jax.checkpoint``; otherwise its
@@ -118,7 +123,7 @@ def _forward_run(pp: PipelineProgram, piece: Piece, layers: Sequence[Piece], t: 
         if layers:
             for layer in layers:
                 ins = [v for v in layer.inputs if v in env]
-                outs = jax.checkpoint(piece_function(fwd, layer, ins))([env[v] for v in ins])
+                outs = checkpoint(piece_function(fwd, layer, ins))([env[v] for v in ins])
                 env.update(zip(layer.outputs, outs, strict=True))
         else:
             run_forward_eqns(fwd, piece.eqns, env, pp.layer_scans, hold, t.copies.bind)

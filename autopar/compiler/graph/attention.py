@@ -155,3 +155,4 @@ def _softmax_nodes(graph: OpGraph, logits: int, before: int) -> set[int]:
                 if node.primitive != "div":
                     todo.extend(node.outputs)
     return nodes
+

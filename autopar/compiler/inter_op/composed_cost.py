@@ -55,4 +55,6 @@ def compose_costs(pp: PipelineProgram, piece: Piece, units: Sequence[Piece],
         value_specs=values,
         launch_s=sum(c.launch_s for c in costs),
         update_launch_s=sum(c.update_launch_s for c in costs),
+        matmul_output_bytes=sum(c.matmul_output_bytes for c in costs),
+        selective_recompute_s=sum(c.selective_recompute_s for c in costs),
     )

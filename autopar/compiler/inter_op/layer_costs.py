@@ -24,6 +24,7 @@ from autopar.compiler.inter_op.piece_cost import (
     optimizer_state_per_parameter,
     piece_signature,
     piece_train_graph,
+    selective_parts,
     solve_piece,
     solve_status,
     stopped_early,
@@ -77,6 +78,8 @@ class LayerCostCache:
     signatures: dict[tuple[int, int], str] = field(default_factory=dict)
     # each piece's input and output roles, by its first and last equation
     roles: dict[tuple[int, int], PieceRoles] = field(default_factory=dict)
+    # per structure: what selective recomputation keeps and recomputes (``selective_parts``)
+    selective: dict[str, tuple[float, float]] = field(default_factory=dict)
     # bytes of optimizer state per byte of parameters, read off the step once
     state_per_parameter: float | None = None
     # each structure's train graph, traced once for all meshes, and the piece it was traced
@@ -195,6 +198,7 @@ class LayerCostCache:
         renamed like any cache hit), and the step's optimizer state and work, read once."""
         if signature not in self.graphs:
             self.graphs[signature] = (*piece_train_graph(pp, piece), piece)
+            self.selective[signature] = selective_parts(pp.forward, piece)
         if self.state_per_parameter is None:
             self.state_per_parameter = optimizer_state_per_parameter(pp)
         if self.work is None:
@@ -221,7 +225,8 @@ class LayerCostCache:
             if meets_state_split(built, options.batch_argnums, prior, split):
                 return replace(prior, derived=True)
         return solve_piece(pp, traced_from, graph, paths, mesh, options, built,
-                            state_per_parameter, self.num_microbatches, split)
+                            state_per_parameter, self.num_microbatches, split,
+                            selective=self.selective[signature])
 
     def _record(self, key: tuple, cost: PieceCost) -> None:
         self.solved[key] = (cost, self.graphs[key[0]][2])

@@ -5,6 +5,10 @@ the runtime).
 A rematerialised candidate pays one more forward per microbatch (a third of a layer's
 forward-plus-backward compute, the usual 1:2 flop split) and holds, per in-flight microbatch,
 only the bytes of its layers' activation inputs instead of everything their forwards produce.
+A selectively recomputed one (``remat="selective"``: the checkpoint keeps the matmuls' outputs,
+``piece_cost.keeps_output``) holds those inputs and the layers' matmul outputs, and recomputes
+the rest: that share of the forward's flops (the attention core and the element-wise chains,
+a few percent of a large transformer layer's), ``piece_cost.selective_parts``.
 
 The same candidates come in memory-lean variants (``state_split_levels``): the layers' plans
 splitting every parameter at least k ways. Both are read off the layers' costs summed
@@ -25,6 +29,7 @@ from autopar.compiler.inter_op.submesh import StageCandidate
 from autopar.method_options import RematMode
 
 REMAT_SUFFIX = "+remat"
+SELECTIVE_SUFFIX = "+selective"
 # a candidate whose layers split every parameter at least k ways (or as many as it can be):
 # "+split<k>" (the memory-lean variants, ``LayerCostCache.cost(split=k)``)
 SPLIT_SUFFIX = "+split"
@@ -33,8 +38,14 @@ FORWARD_SHARE = 1.0 / 3.0
 
 
 def is_remat_key(key: str) -> bool:
-    """Whether a stage candidate's key names a rematerialised variant."""
-    return key.endswith(REMAT_SUFFIX)
+    """Whether a stage candidate's key names a rematerialised variant (whole layers or
+    selective)."""
+    return key.endswith((REMAT_SUFFIX, SELECTIVE_SUFFIX))
+
+
+def is_selective_key(key: str) -> bool:
+    """Whether a stage candidate's key names a selectively recomputed variant."""
+    return key.endswith(SELECTIVE_SUFFIX)
 
 
 def state_split_of_key(key: str) -> int:
@@ -64,6 +75,9 @@ class LayerSums:
 
     time_s: float = 0.0
     remat_time_s: float = 0.0
+    # selective recomputation: the time with what it recomputes, the bytes it keeps
+    selective_time_s: float = 0.0
+    selective_bytes: float = 0.0
     fixed_bytes: float = 0.0
     activation_bytes: float = 0.0
     boundary_bytes: float = 0.0
@@ -75,6 +89,8 @@ class LayerSums:
         """These sums with one more layer's cost ``c`` added."""
         return LayerSums(self.time_s + c.time_s,
                          self.remat_time_s + (c.time_s + FORWARD_SHARE * c.compute_s),
+                         self.selective_time_s + (c.time_s + c.selective_recompute_s),
+                         self.selective_bytes + (c.boundary_bytes + c.matmul_output_bytes),
                          self.fixed_bytes + c.fixed_bytes,
                          self.activation_bytes + c.activation_bytes,
                          self.boundary_bytes + c.boundary_bytes,
@@ -95,7 +111,9 @@ def remat_candidates(sums: LayerSums, shape: tuple[int, ...], mode: str, *,
                      extra_time: float = 0.0, tail_time: float = 0.0, host_time: float = 0.0,
                      param_bytes: float = 0.0, split: int = 1) -> list[StageCandidate]:
     """The stage candidates of layers whose costs sum to ``sums`` on one logical mesh: as
-    they are (``mode`` "none" or "auto"), rematerialised ("layers" or "auto").
+    they are (``mode`` "none" or "auto"), selectively recomputed ("selective"; not "auto"
+    yet: it would change every searched plan, and the DP's candidates grow by half),
+    rematerialised ("layers" or "auto").
     ``extra_time`` is added per microbatch; ``tail_time``, ``host_time`` and ``param_bytes``
     are the stage's (see ``StageCandidate``); ``split``: the costs are those of the plans
     splitting every parameter at least that many ways (named so in the key)."""
@@ -103,13 +121,19 @@ def remat_candidates(sums: LayerSums, shape: tuple[int, ...], mode: str, *,
     candidate = partial(StageCandidate, fixed_memory=sums.fixed_bytes, logical_mesh_shape=shape,
                         tail_time=tail_time, host_time=host_time, param_bytes=param_bytes)
     found = []
-    if mode != RematMode.LAYERS:
+    if mode in (RematMode.NONE, RematMode.AUTO):
         found.append(candidate(
             time=sums.time_s + extra_time,
             activation_memory_per_microbatch=sums.activation_bytes,
             key=key,
         ))
-    if mode != RematMode.NONE:
+    if mode == RematMode.SELECTIVE:
+        found.append(candidate(
+            time=sums.selective_time_s + extra_time,
+            activation_memory_per_microbatch=sums.selective_bytes,
+            key=key + SELECTIVE_SUFFIX,
+        ))
+    if mode in (RematMode.LAYERS, RematMode.AUTO):
         found.append(candidate(
             time=sums.remat_time_s + extra_time,
             activation_memory_per_microbatch=sums.boundary_bytes,

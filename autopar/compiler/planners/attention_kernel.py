@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from autopar.cluster import ClusterSpec
+from autopar.compiler.cost.memory_model import estimate_memory
+from autopar.compiler.graph.attention import find_attention
 from autopar.compiler.intra_op.problem import InfeasibleMemoryError
 from autopar.compiler.intra_op.strategies.attention import (
     GATHER,
@@ -26,6 +28,8 @@ from autopar.method_options import RematMode
 from autopar.methods import ShardParallel
 from autopar.plan import Plan
 
+# a tensor split this many ways holds nothing: what the floor leaves out
+NEVER_HELD = 2**62
 # ``dispatch._plan_one_stage``: (traced, method, cluster, batch_argnums, observer, memo, beat)
 OneStage = Callable[..., Plan]
 
@@ -42,6 +46,10 @@ def plan_attention_kernel(step: StepProgram, cluster: ClusterSpec, plan_one_stag
     method = step.method
     if (not isinstance(method, ShardParallel) or method.remat != RematMode.AUTO
             or step.fn is None):
+        return None
+    budget = (short.budget if isinstance(short, InfeasibleMemoryError)
+              else method.memory_budget_bytes or cluster.device.memory_bytes)
+    if _kernel_cannot_fit(step, cluster, budget):
         return None
     traced = step.with_attention_kernel()
     if traced is None:
@@ -66,3 +74,19 @@ def plan_attention_kernel(step: StepProgram, cluster: ClusterSpec, plan_one_stag
         + (f"; context parallel (the sequence split over the mesh): {', '.join(context)}"
            if context else ""))
     return PlannedProgram(traced, plan)
+
+
+def _kernel_cannot_fit(step: StepProgram, cluster: ClusterSpec, budget: float) -> bool:
+    """Whether the step with every tensor split over all devices and every block of scores
+    left out (each tensor ending in an attention's [queries, keys], its gradients' too: what
+    the kernel never holds whole) is still over ``budget``: then no plan with the kernel fits
+    either, and the step is not traced again for it."""
+    graph = step.traced.graph
+    blocks = {(site.query_length, site.key_length) for site in find_attention(graph)}
+    if not blocks:
+        return True
+    n = max(1, cluster.num_devices)
+    shards = {t: NEVER_HELD if info.ndim >= 2 and info.shape[-2:] in blocks else n
+              for t, info in graph.tensors.items()}
+    floor = estimate_memory(graph, batch_argnums=step.batch_argnums, shards=shards)
+    return floor.total > budget

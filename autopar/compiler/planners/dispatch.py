@@ -192,11 +192,14 @@ def _plan_one_stage_with_remat(step: StepProgram, cluster: ClusterSpec,
     try:
         planned = _plan_recomputing(step, cluster, ilp_observer, budget, beat)
     except InfeasibleMemoryError as err:
-        kernel = plan_attention_kernel(step, cluster, _plan_one_stage, ilp_observer, beat, err)
+        # the kernel saves activations only: not tried where the state alone is over
+        kernel = None if _state_over_budget(step, cluster, err.budget) else \
+            plan_attention_kernel(step, cluster, _plan_one_stage, ilp_observer, beat, err)
         if kernel is None:
             raise
         return kernel
-    if _fits(planned.plan, step.method, cluster, budget):
+    if _fits(planned.plan, step.method, cluster, budget) or _beyond_recompute(
+            planned.plan, step.method, cluster, budget):
         return planned
     return plan_attention_kernel(step, cluster, _plan_one_stage, ilp_observer, beat,
                                  planned) or planned

@@ -23,7 +23,11 @@ from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.inter_op.forked import available_cores
 from autopar.compiler.inter_op.layer_costs import LayerCostCache
 from autopar.compiler.inter_op.piece_cost import PieceCost
-from autopar.compiler.inter_op.remat import is_remat_key, state_split_of_key
+from autopar.compiler.inter_op.remat import (
+    is_remat_key,
+    is_selective_key,
+    state_split_of_key,
+)
 from autopar.compiler.inter_op.stages import StagePartition, place_submeshes
 from autopar.compiler.intra_op.problem import IlpStatus
 from autopar.compiler.planners.pipeline_search import (
@@ -266,7 +270,9 @@ def _layout(method: PipeshardParallel, partition: StagePartition, positions: Seq
     owner, ranges = piece_owners(len(partition.stages), chunks, partition, positions)
     cuts = [positions[a - 1] for a, _ in ranges[1:]]
     remat = tuple(is_remat_key(st.candidate.key) for st in partition.stages)
+    selective = tuple(is_selective_key(st.candidate.key) for st in partition.stages)
     # a schedule by name here: "auto" was resolved by ``schedule_choice`` before planning
     layout = PipelineLayout(ScheduleName(method.schedule), chunks, tuple(positions),
-                            tuple(cuts), tuple(owner), remat, replicas)
+                            tuple(cuts), tuple(owner), remat, replicas,
+                            selective if any(selective) else ())
     return layout, ranges

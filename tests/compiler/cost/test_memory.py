@@ -239,29 +239,46 @@ def test_stages_the_fastest_layouts_overfill_split_their_parameters():
     assert_serial_numbers(step, model, 2)
 
 
-@pytest.mark.parametrize("name", ["gpt", "mlp"])
-def test_remat_layers_equals_serial_and_holds_less(name):
+def _stage_plan(model, state, batch, **options):
+    step = autopar.parallelize(model.train_step, cache=False,
+                               method=autopar.PipeshardParallel(**options))
+    return step.get_plan(state, batch)
+
+
+@pytest.mark.parametrize("name, mode", [("gpt", "layers"), ("mlp", "layers"),
+                                        ("gpt", "selective")])
+def test_recomputation_equals_serial_and_holds_less(name, mode):
+    """Recomputing whole layers, or all of each layer but its matmuls' outputs (selective):
+    the serial numbers, less memory than keeping everything and more time; selective
+    between the two."""
     model = get_model(name, "tiny", num_layers=2).with_value_and_grad(autopar.value_and_grad)
     options = dict(num_microbatches=4, stages="uniform", num_stages=2, layers=2)
-    plain = autopar.PipeshardParallel(**options)
-    remat = autopar.PipeshardParallel(**options, remat="layers")
-    step = autopar.parallelize(model.train_step, method=remat, cache=False)
+    step = autopar.parallelize(model.train_step, cache=False,
+                               method=autopar.PipeshardParallel(**options, remat=mode))
     state = assert_serial_numbers(step, model, 3)
     batch = model.make_batch(jax.random.key(0))
     with_remat = step.get_plan(state, batch)
-    without = autopar.parallelize(model.train_step, method=plain,
-                                  cache=False).get_plan(state, batch)
+    without = _stage_plan(model, state, batch, **options)
     assert with_remat.pipeline.remat_stages == (True, True)
+    assert with_remat.pipeline.selective_stages == ((True, True) if mode == "selective" else ())
     assert without.pipeline.remat_stages == (False, False)
     for a, b in zip(with_remat.stages, without.stages, strict=True):
         assert (a.memory_breakdown["activations_per_microbatch"]
                 < b.memory_breakdown["activations_per_microbatch"])
         assert a.est_time_s > b.est_time_s  # the recompute is paid for
+    if mode == "selective":
+        whole = _stage_plan(model, state, batch, **options, remat="layers")
+        for a, c in zip(with_remat.stages, whole.stages, strict=True):
+            assert (a.memory_breakdown["activations_per_microbatch"]
+                    > c.memory_breakdown["activations_per_microbatch"])
+            assert a.est_time_s < c.est_time_s
 
 
 def test_remat_option_is_checked():
-    with pytest.raises(autopar.InvalidOptionError, match="valid: none, layers, auto"):
+    with pytest.raises(autopar.InvalidOptionError, match="valid: none, layers, selective, auto"):
         autopar.PipeshardParallel(remat="sometimes")
+    with pytest.raises(autopar.InvalidOptionError, match="pipeline stages"):
+        autopar.ShardParallel(remat="selective")
 
 
 def test_prefer_reduce_scatter_shards_optimizer_state_and_equals_serial():

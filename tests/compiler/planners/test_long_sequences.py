@@ -7,6 +7,8 @@ described H100s: the full search plans it with context parallelism, within 80 GB
 
 from __future__ import annotations
 
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -32,8 +34,8 @@ def one_device_peak(model) -> int:
     return dispatch.plan(step, local_cluster(jax.devices()[:1])).plan.peak_memory_bytes
 
 
-@pytest.mark.parametrize("seq_len, fraction", [(2048, 12), (8192, 24)])
-def test_a_long_sequence_under_a_small_budget_runs_as_ring_attention(seq_len, fraction):
+def planned_within(seq_len: int, fraction: int):
+    """The model, its full search under ``1 / fraction`` of its one-device peak, the plan."""
     model = long_gpt(seq_len)
     budget = one_device_peak(model) / fraction
     step = autopar.parallelize(model.train_step, cache=False, method=autopar.AutoParallel(
@@ -42,6 +44,24 @@ def test_a_long_sequence_under_a_small_budget_runs_as_ring_attention(seq_len, fr
     plan = step.get_plan(state, batch)
     assert plan.attention_kernel and plan.peak_memory_bytes <= budget
     assert any("ring attention" in note for note in plan.notes), plan.notes
+    return model, step, state, batch, plan
+
+
+def test_at_8k_tokens_under_a_24th_of_the_peak_the_full_search_plans_ring_attention():
+    planned_within(8192, 24)
+
+
+# Run with the step at 8K tokens too where AUTOPAR_SLOW_TESTS is set (2026-11-29: it equalled
+# the serial step, no all-gather): its serial reference alone, the model's own attention over
+# 8,192 x 8,192 scores, takes most of 20-30 s of the suite's 8 minutes on 2 cores; the 2,048
+# case runs the same planner and kernel.
+SLOW = pytest.mark.skipif(not os.environ.get("AUTOPAR_SLOW_TESTS"),
+                          reason="the 8K step and its serial reference: AUTOPAR_SLOW_TESTS=1")
+
+
+@pytest.mark.parametrize("seq_len, fraction", [(2048, 12), pytest.param(8192, 24, marks=SLOW)])
+def test_a_long_sequence_under_a_small_budget_runs_as_ring_attention(seq_len, fraction):
+    model, step, state, batch, plan = planned_within(seq_len, fraction)
     new_state, loss = step(state, batch)
     want_state, want_loss = jax.jit(model.train_step)(state, batch)
     assert float(loss) == pytest.approx(float(want_loss), rel=1e-5)
