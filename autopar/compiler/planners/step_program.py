@@ -118,16 +118,12 @@ class StepProgram:
         once, on first use (``TraceMemo.remat``)."""
         memo = self.memo
         if memo.remat is None:
-            if not memo.may_trace or self.fn is None:
-                raise TraceNeeded("the rematerialised step is not traced here")
-            if memo.jaxpr is None:
-                memo.jaxpr = trace_jaxpr(self.fn, self.args)
+            fn, jaxpr = self._to_trace("the rematerialised step")
             try:
-                pp = build_pipeline_program(self.fn, self.args, self.batch_argnums, 1,
-                                            jaxpr=memo.jaxpr)
+                pp = build_pipeline_program(fn, self.args, self.batch_argnums, 1, jaxpr=jaxpr)
                 positions = remat_layer_positions(pp, build_graph(pp.forward))
-                memo.remat = (trace_step(self.fn, self.args, remat_positions=positions,
-                                         jaxpr=memo.jaxpr), tuple(positions))
+                memo.remat = (trace_step(fn, self.args, remat_positions=positions,
+                                         jaxpr=jaxpr), tuple(positions))
             except NoLossFunctionError as err:
                 memo.remat = err
         return memo.remat
@@ -137,14 +133,21 @@ class StepProgram:
         it has none the kernel can run, or no ``autopar.value_and_grad``): traced once."""
         memo = self.memo
         if memo.attention_kernel is None:
-            if not memo.may_trace or self.fn is None:
-                raise TraceNeeded("the step with its attention kernel is not traced here")
-            if memo.jaxpr is None:
-                memo.jaxpr = trace_jaxpr(self.fn, self.args)
-            memo.attention_kernel = trace_with_attention_kernel(
-                self.fn, self.args, jaxpr=memo.jaxpr) or False
+            fn, jaxpr = self._to_trace("the step with its attention kernel")
+            memo.attention_kernel = trace_with_attention_kernel(fn, self.args,
+                                                                jaxpr=jaxpr) or False
         found = memo.attention_kernel
         return found if isinstance(found, TracedStep) else None
+
+    def _to_trace(self, what: str) -> tuple[Callable, StepJaxpr]:
+        """The step and its jaxpr (traced once), for another form of it (``what``) to walk;
+        ``TraceNeeded`` where this process must not trace (a forked child) or has no step."""
+        memo = self.memo
+        if not memo.may_trace or self.fn is None:
+            raise TraceNeeded(f"{what} is not traced here")
+        if memo.jaxpr is None:
+            memo.jaxpr = trace_jaxpr(self.fn, self.args)
+        return self.fn, memo.jaxpr
 
     @property
     def programs(self) -> tuple[Any, ...]:
