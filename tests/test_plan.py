@@ -133,6 +133,10 @@ def test_the_fields_the_runtime_reads_are_typed_and_round_trip():
     assert again == plan
     assert again.method is MethodName.PIPESHARD and again.is_pipelined
     assert again.pipeline.stage_of_piece == (0, 1) and again.pipeline.remat_stages == (False, True)
+    blocks = dataclasses.replace(plan, pipeline=dataclasses.replace(
+        plan.pipeline, checkpoint_positions=(5, 10, 15, 20, 25, 30)))
+    assert Plan.from_json(blocks.to_json()).pipeline.checkpoint_positions == (5, 10, 15, 20, 25,
+                                                                              30)
     one = dataclasses.replace(make_plan(), remat_positions=(3, 7))
     assert Plan.from_json(one.to_json()).remat_positions == (3, 7)
     assert not one.is_pipelined
@@ -157,6 +161,10 @@ def test_the_fields_the_runtime_reads_are_typed_and_round_trip():
      "plan field pipeline.stage_of_piece gives stage 0 2 piece"),
     ("layout", lambda d: d["pipeline"].update(piece_positions=[25]),
      "plan field pipeline.piece_positions cuts at 25, which is not one of layer_positions"),
+    ("layout", lambda d: d["pipeline"].update(checkpoint_positions=[5, 10, 15, 30]),
+     "plan field pipeline.piece_positions cuts at 20, which is not one of checkpoint_positions"),
+    ("layout", lambda d: d["pipeline"].update(checkpoint_positions=[10, 5, 20]),
+     "plan field pipeline.checkpoint_positions [10, 5, 20] must be positive and increasing"),
     ("layout", lambda d: d["pipeline"].update(remat_stages=[True]),
      "plan field pipeline.remat_stages has 1 flag"),
     ("top", lambda d: d.update(method="tensor"), "plan field method is invalid"),

@@ -95,6 +95,10 @@ class PipelineLayout:
     ``remat_stages``: per stage, whether its layers run under ``jax.checkpoint``;
     ``selective_stages``: per stage (empty: none), whether that checkpoint keeps the layers'
     matmul outputs (selective recomputation: ``dots_with_no_batch_dims_saveable``).
+    ``checkpoint_positions``: where those stages' checkpoints begin, every layer cut and the
+    boundaries of the forward's repeated blocks inside the layers (a transformer's blocks, as
+    Megatron-LM checkpoints them), so that a backward rebuilds one block at a time; empty:
+    at ``layer_positions``.
     ``replicas``: data-parallel copies of the whole pipeline, each on its own group of hosts
     (the stages' devices are the first group's; the microbatches are shared out between the
     groups and each stage's gradients all-reduced between them). The runtime runs one (1).
@@ -108,6 +112,7 @@ class PipelineLayout:
     remat_stages: tuple[bool, ...]
     replicas: int = 1
     selective_stages: tuple[bool, ...] = ()
+    checkpoint_positions: tuple[int, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return dump_fields(self, LAYOUT_JSON)
@@ -145,7 +150,7 @@ class PipelineLayout:
             if owned != self.num_chunks:
                 raise PlanError(f"plan field {where}.stage_of_piece gives stage {s} {owned} "
                                 f"piece(s); every stage runs num_chunks={self.num_chunks}")
-        for name in ("layer_positions", "piece_positions"):
+        for name in ("layer_positions", "piece_positions", "checkpoint_positions"):
             cuts = getattr(self, name)
             if any(b <= a for a, b in zip(cuts, cuts[1:], strict=False)) or any(
                     c <= 0 for c in cuts):
@@ -155,6 +160,11 @@ class PipelineLayout:
         if stray:
             raise PlanError(f"plan field {where}.piece_positions cuts at {stray[0]}, which is "
                             "not one of layer_positions")
+        stray = sorted(set(self.piece_positions) - set(self.checkpoint_positions or
+                                                        self.piece_positions))
+        if stray:
+            raise PlanError(f"plan field {where}.piece_positions cuts at {stray[0]}, which is "
+                            "not one of checkpoint_positions")
         if not is_int(self.replicas) or self.replicas < 1:
             raise PlanError(f"plan field {where}.replicas={self.replicas!r} must be a positive "
                             "integer")
@@ -180,6 +190,7 @@ LAYOUT_JSON = (
     JsonField("remat_stages", _bools, listed),
     JsonField("replicas", _positive_int, default=1),
     JsonField("selective_stages", _bools, listed, default=()),
+    JsonField("checkpoint_positions", _ints, listed, default=()),
 )
 
 

@@ -110,7 +110,8 @@ class PipelineRunner(StagePlacement):
                                  layout.num_chunks)
         specs = [st.tensor_shardings for st in plan.stages]
         remat = list(layout.remat_stages)
-        layers = cut_pieces(pp.forward, list(layout.layer_positions)) if any(remat) else []
+        checkpoints = layout.checkpoint_positions or layout.layer_positions
+        layers = cut_pieces(pp.forward, list(checkpoints)) if any(remat) else []
         return cls(pp, pieces, owner, stages, segments, home, schedule, devices, specs,
                    remat_layers=layers, remat_stages=remat,
                    selective_stages=layout.selective_stages, fuse=fuse,

@@ -19,8 +19,10 @@ def compose_costs(pp: PipelineProgram, piece: Piece, units: Sequence[Piece],
     """One cost for ``piece`` from its ``units``' ``costs`` (``roles``: a piece's input and
     output roles): times and bytes added, plans merged (an inner boundary keeps its
     producer's layout: its consumer's is a resharding inside the layer), the worst ILP ending
-    kept; rematerialised, only the piece's own inputs are kept, split as its blocks split
-    their batch. ``specs=False``: times and bytes only (no specs, no collectives)."""
+    kept; ``boundary_bytes`` the piece's own inputs, split as its blocks split their batch;
+    recomputed, every block's inputs are kept (the runtime checkpoints each block) and the
+    largest block's activations rebuilt at once. ``specs=False``: times and bytes only (no
+    specs, no collectives)."""
     fwd = pp.forward
     inside = {v for i in piece.eqns for v in fwd.eqns[i].outputs} if specs else set()
 
@@ -57,4 +59,6 @@ def compose_costs(pp: PipelineProgram, piece: Piece, units: Sequence[Piece],
         update_launch_s=sum(c.update_launch_s for c in costs),
         matmul_output_bytes=sum(c.matmul_output_bytes for c in costs),
         selective_recompute_s=sum(c.selective_recompute_s for c in costs),
+        checkpoint_bytes=sum(c.checkpoint_bytes for c in costs),
+        recompute_bytes=max((c.recompute_bytes for c in costs), default=0.0),
     )

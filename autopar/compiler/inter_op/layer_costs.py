@@ -24,11 +24,11 @@ from autopar.compiler.inter_op.piece_cost import (
     optimizer_state_per_parameter,
     piece_signature,
     piece_train_graph,
-    selective_parts,
     solve_piece,
     solve_status,
     stopped_early,
 )
+from autopar.compiler.inter_op.recompute_parts import RecomputeParts, recompute_parts
 from autopar.compiler.inter_op.remat import LayerSums, state_split_levels
 from autopar.compiler.inter_op.seams import STAGE_GAP, price_seams, stitched_gap
 from autopar.compiler.inter_op.step_parts import StepWork, step_work
@@ -78,8 +78,8 @@ class LayerCostCache:
     signatures: dict[tuple[int, int], str] = field(default_factory=dict)
     # each piece's input and output roles, by its first and last equation
     roles: dict[tuple[int, int], PieceRoles] = field(default_factory=dict)
-    # per structure: what selective recomputation keeps and recomputes (``selective_parts``)
-    selective: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # per structure: what recomputation keeps and rebuilds (``recompute_parts``)
+    recompute: dict[str, RecomputeParts] = field(default_factory=dict)
     # bytes of optimizer state per byte of parameters, read off the step once
     state_per_parameter: float | None = None
     # each structure's train graph, traced once for all meshes, and the piece it was traced
@@ -198,7 +198,7 @@ class LayerCostCache:
         renamed like any cache hit), and the step's optimizer state and work, read once."""
         if signature not in self.graphs:
             self.graphs[signature] = (*piece_train_graph(pp, piece), piece)
-            self.selective[signature] = selective_parts(pp.forward, piece)
+            self.recompute[signature] = recompute_parts(pp, piece)
         if self.state_per_parameter is None:
             self.state_per_parameter = optimizer_state_per_parameter(pp)
         if self.work is None:
@@ -226,7 +226,7 @@ class LayerCostCache:
                 return replace(prior, derived=True)
         return solve_piece(pp, traced_from, graph, paths, mesh, options, built,
                             state_per_parameter, self.num_microbatches, split,
-                            selective=self.selective[signature])
+                            recompute=self.recompute[signature])
 
     def _record(self, key: tuple, cost: PieceCost) -> None:
         self.solved[key] = (cost, self.graphs[key[0]][2])

@@ -34,10 +34,10 @@ import numpy as np
 
 from autopar.compiler.cost.estimate import launch_time_s
 from autopar.compiler.cost.mesh import LogicalMesh
-from autopar.compiler.graph.op_costs import primitive_flops
 from autopar.compiler.graph.opgraph import OpGraph
 from autopar.compiler.graph.trace import build_graph
 from autopar.compiler.inter_op.piece_plan import forward_value_specs, piece_collectives
+from autopar.compiler.inter_op.recompute_parts import RecomputeParts, recompute_parts
 from autopar.compiler.inter_op.remat import FORWARD_SHARE
 from autopar.compiler.inter_op.step_parts import StepWork, amortise, gradient_nodes
 from autopar.compiler.intra_op.ilp import restrict, solve
@@ -102,6 +102,13 @@ class PieceCost:
     # microbatch (split like the batch), and the seconds per microbatch recomputing the rest
     matmul_output_bytes: float = 0.0
     selective_recompute_s: float = 0.0
+    # recomputed (``jax.checkpoint`` per block of the forward's repeated structure, as
+    # ``checkpoint_positions`` cuts): the checkpoints' inputs kept per microbatch (the piece's
+    # own inputs where it is one block; every block's where it is several), and the largest
+    # block's activations, which its backward rebuilds at once (per device, split like the
+    # batch)
+    checkpoint_bytes: float = 0.0
+    recompute_bytes: float = 0.0
     # of ``time_s`` and ``update_s``, the kernels' launches (the same under every plan)
     launch_s: float = 0.0
     update_launch_s: float = 0.0
@@ -240,10 +247,10 @@ def build_piece(graph: OpGraph, mesh: LogicalMesh, options: IntraOpOptions,
 def solve_piece(pp: PipelineProgram, piece: Piece, graph: OpGraph, paths: dict[str, int],
                 mesh: LogicalMesh, options: IntraOpOptions, built: BuiltPiece,
                  state_per_parameter: float, m: int, split: int = 1,
-                selective: tuple[float, float] | None = None) -> PieceCost:
+                recompute: RecomputeParts | None = None) -> PieceCost:
     """``split`` > 1: the fastest plan among those splitting every parameter at least that
-    many ways (``state_split_at_least``). ``selective``: the piece's ``selective_parts``,
-    where the caller has them."""
+    many ways (``state_split_at_least``). ``recompute``: the piece's ``recompute_parts``, where
+    the caller has them."""
     problem, parts, per_step = built.problem, built.parts, built.per_step
     solve_limited = partial(solve, solver=options.solver, time_limit_s=options.time_limit_s,
                             relative_gap=options.relative_gap)
@@ -278,7 +285,8 @@ def solve_piece(pp: PipelineProgram, piece: Piece, graph: OpGraph, paths: dict[s
     batch_split = max(
         [specs[v].num_shards(sizes) for v in (*roles.acts, *roles.micro) if v in specs] or [1]
     )
-    matmul_bytes, recomputed_share = selective or selective_parts(fwd, piece)
+    recompute = recompute or recompute_parts(pp, piece)
+    boundary = sum(nbytes(fwd.avals[v]) for v in (*roles.acts, *roles.micro)) / batch_split
     keep = 1.0 / max(m, 1)
     # the ILP prices feeding the piece's batch inputs (microbatch data, activations and
     # cotangents) to choose their splits; the stage search prices the transfers between
@@ -296,8 +304,9 @@ def solve_piece(pp: PipelineProgram, piece: Piece, graph: OpGraph, paths: dict[s
         # the parameters, their gradient accumulators and their optimizer state
         fixed_bytes=(2.0 + state_per_parameter) * param_bytes,
         activation_bytes=kept / batch_split,
-        boundary_bytes=sum(nbytes(fwd.avals[v]) for v in (*roles.acts, *roles.micro))
-        / batch_split,
+        boundary_bytes=boundary,
+        checkpoint_bytes=boundary,
+        recompute_bytes=kept / batch_split,
         input_specs=specs,
         ilp_status=solution.status,
         sync_s=sync,
@@ -311,34 +320,10 @@ def solve_piece(pp: PipelineProgram, piece: Piece, graph: OpGraph, paths: dict[s
         choices=tuple(int(c) for c in solution.choices),
         launch_s=launched,
         update_launch_s=update_launch,
-        matmul_output_bytes=matmul_bytes / batch_split,
+        matmul_output_bytes=recompute.matmul_output_bytes / batch_split,
         # the forward is a third of the compute (``remat.FORWARD_SHARE``)
-        selective_recompute_s=FORWARD_SHARE * max(compute, 0.0) * recomputed_share,
+        selective_recompute_s=FORWARD_SHARE * max(compute, 0.0) * recompute.recomputed_share,
     )
-
-
-def keeps_output(eqn: Any) -> bool:
-    """Whether selective recomputation keeps ``eqn``'s output: a matmul with no batch
-    dimensions (JAX's ``dots_with_no_batch_dims_saveable``), a layer's linear maps; the
-    attention core's batched matmuls and everything element-wise are recomputed."""
-    return eqn.name == "dot_general" and not any(eqn.params["dimension_numbers"][1])
-
-
-def selective_parts(fwd: Any, piece: Piece) -> tuple[float, float]:
-    """The bytes of ``piece``'s forward matmul outputs that selective recomputation keeps,
-    and the share of its forward's flops it recomputes (everything else)."""
-    kept = total = recomputed = 0.0
-    for i in piece.eqns:
-        eqn = fwd.eqns[i]
-        flops = primitive_flops(eqn.name, eqn.params,
-                                [tuple(fwd.avals[v].shape) for v in eqn.inputs],
-                                [tuple(fwd.avals[v].shape) for v in eqn.outputs])
-        total += flops
-        if keeps_output(eqn):
-            kept += sum(nbytes(fwd.avals[v]) for v in eqn.outputs)
-        else:
-            recomputed += flops
-    return kept, recomputed / total if total else 0.0
 
 
 def meets_state_split(built: BuiltPiece, batch_argnums: Sequence[int], cost: PieceCost,

@@ -1,14 +1,16 @@
-"""Rematerialisation in the stage search: a stage may keep only its layers' inputs for the
-backward and recompute the rest of each layer's forward there (``jax.checkpoint`` per layer in
-the runtime).
+"""Rematerialisation in the stage search: a stage may keep only its blocks' inputs for the
+backward and recompute the rest of each block's forward there (``jax.checkpoint`` per block of
+the forward's repeated structure in the runtime, ``PipelineLayout.checkpoint_positions``; per
+layer where it has none).
 
 A rematerialised candidate pays one more forward per microbatch (a third of a layer's
 forward-plus-backward compute, the usual 1:2 flop split) and holds, per in-flight microbatch,
-only the bytes of its layers' activation inputs instead of everything their forwards produce.
+only the bytes of its blocks' activation inputs instead of everything their forwards produce,
+and once the largest block's activations, which its backward rebuilds.
 A selectively recomputed one (``remat="selective"``: the checkpoint keeps the matmuls' outputs,
-``piece_cost.keeps_output``) holds those inputs and the layers' matmul outputs, and recomputes
+``recompute_parts.keeps_output``) holds those inputs and the layers' matmul outputs, and recomputes
 the rest: that share of the forward's flops (the attention core and the element-wise chains,
-a few percent of a large transformer layer's), ``piece_cost.selective_parts``.
+a few percent of a large transformer layer's), ``recompute_parts``.
 
 The same candidates come in memory-lean variants (``state_split_levels``): the layers' plans
 splitting every parameter at least k ways. Both are read off the layers' costs summed
@@ -71,7 +73,10 @@ class LayerSums:
     """What a stage's candidates read of its layers' costs (``PieceCost``), summed in layer
     order: ``time_s`` and ``remat_time_s`` per microbatch (the latter with the recomputed
     forward), the bytes kept, ``tail_s`` (the per-step gradient reduction and update), and
-    the parameters' bytes per device (``param_bytes``) and unsplit (``whole_param_bytes``)."""
+    the parameters' bytes per device (``param_bytes``) and unsplit (``whole_param_bytes``).
+    Recomputed, the stage keeps its checkpoints' inputs per microbatch
+    (``checkpoint_bytes``) and, during one block's backward, that block's activations rebuilt
+    (``recompute_bytes``: the largest block's, once)."""
 
     time_s: float = 0.0
     remat_time_s: float = 0.0
@@ -80,7 +85,8 @@ class LayerSums:
     selective_bytes: float = 0.0
     fixed_bytes: float = 0.0
     activation_bytes: float = 0.0
-    boundary_bytes: float = 0.0
+    checkpoint_bytes: float = 0.0
+    recompute_bytes: float = 0.0
     param_bytes: float = 0.0
     tail_s: float = 0.0
     whole_param_bytes: float = 0.0
@@ -90,10 +96,11 @@ class LayerSums:
         return LayerSums(self.time_s + c.time_s,
                          self.remat_time_s + (c.time_s + FORWARD_SHARE * c.compute_s),
                          self.selective_time_s + (c.time_s + c.selective_recompute_s),
-                         self.selective_bytes + (c.boundary_bytes + c.matmul_output_bytes),
+                         self.selective_bytes + (c.checkpoint_bytes + c.matmul_output_bytes),
                          self.fixed_bytes + c.fixed_bytes,
                          self.activation_bytes + c.activation_bytes,
-                         self.boundary_bytes + c.boundary_bytes,
+                         self.checkpoint_bytes + c.checkpoint_bytes,
+                         max(self.recompute_bytes, c.recompute_bytes),
                          self.param_bytes + c.param_bytes,
                          self.tail_s + (c.sync_s + c.update_s),
                          self.whole_param_bytes + c.whole_param_bytes)
@@ -127,16 +134,22 @@ def remat_candidates(sums: LayerSums, shape: tuple[int, ...], mode: str, *,
             activation_memory_per_microbatch=sums.activation_bytes,
             key=key,
         ))
+    # a recomputed block's backward holds its activations again, one block at a time: once
+    # per stage, whatever the microbatches in flight (the matmul outputs selective
+    # recomputation keeps are among them: counted twice there, a little over)
+    rebuilt = sums.fixed_bytes + sums.recompute_bytes
     if mode == RematMode.SELECTIVE:
         found.append(candidate(
             time=sums.selective_time_s + extra_time,
+            fixed_memory=rebuilt,
             activation_memory_per_microbatch=sums.selective_bytes,
             key=key + SELECTIVE_SUFFIX,
         ))
     if mode in (RematMode.LAYERS, RematMode.AUTO):
         found.append(candidate(
             time=sums.remat_time_s + extra_time,
-            activation_memory_per_microbatch=sums.boundary_bytes,
+            fixed_memory=rebuilt,
+            activation_memory_per_microbatch=sums.checkpoint_bytes,
             key=key + REMAT_SUFFIX,
         ))
     return found

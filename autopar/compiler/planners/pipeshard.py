@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 from autopar.cluster import ClusterSpec
 from autopar.compiler.cost.mesh import LogicalMesh
@@ -43,6 +44,7 @@ from autopar.compiler.planners.stage_costs import (
 )
 from autopar.ir.pieces import Piece
 from autopar.ir.pipeline_program import PipelineProgram
+from autopar.ir.repeats import RepeatGrid
 from autopar.ir.schedules import ScheduleName
 from autopar.methods import PipeshardParallel, StageMode
 from autopar.plan import (
@@ -84,6 +86,7 @@ def finish_pipeshard(search: PipeshardSearch, cluster_name: str | None = None) -
     dp_options = stage_dp_options(method, group, m)
     placed = place_submeshes(list(partition.submeshes), hosts, per_host)
     layout, piece_ranges = _layout(method, partition, positions, chunks, best.replicas)
+    layout = _with_checkpoints(layout, cache.grid, len(pp.forward.eqns))
     pieces = range_pieces(pp, positions, piece_ranges)
     versions = [dp_options.weight_versions(s, len(partition.stages))
                 for s in range(len(partition.stages))]
@@ -263,6 +266,18 @@ def _input_paths(pp: PipelineProgram, specs: dict) -> dict:
         if path is not None:
             found[path] = spec
     return found
+
+
+def _with_checkpoints(layout: PipelineLayout, grid: RepeatGrid | None,
+                      num_eqns: int) -> PipelineLayout:
+    """``layout`` with its recomputed stages checkpointed per repeated block: every layer cut
+    and the block boundaries inside the layers, the blocks the stage search costed each
+    layer by (``LayerCostCache.units``), so that the runtime keeps what the plan's memory
+    counts (each block's inputs, one block's activations rebuilt at a time)."""
+    if grid is None or not any(layout.remat_stages):
+        return layout
+    cuts = sorted(set(layout.layer_positions) | set(grid.cuts_within(0, num_eqns)))
+    return replace(layout, checkpoint_positions=tuple(c for c in cuts if c > 0))
 
 
 def _layout(method: PipeshardParallel, partition: StagePartition, positions: Sequence[int],
