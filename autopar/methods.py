@@ -162,8 +162,7 @@ class PipeshardParallel:
     the rest: the attention core and the element-wise chains, cheap to recompute and large
     to keep at long sequences; ``jax.checkpoint`` with the policy
     ``dots_with_no_batch_dims_saveable``) or ``"auto"`` (the stage search chooses per stage
-    between none and layers, paying the recompute only where memory is short; selective
-    recomputation is not among its choices yet).
+    between none, selective and layers, paying the recompute only where memory is short).
     ``replicas``: ``"auto"`` (on several hosts the search also tries the pipeline replicated
     data-parallel over equal groups of hosts; such a plan is planned for a described cluster,
     the runtime does not run it yet) or ``"none"`` (one pipeline over every device).
@@ -260,8 +259,8 @@ class AutoParallel:
     (see ``PipeshardParallel``). ``memory_budget_bytes``: per-device memory every plan must
     fit (default: the cluster's device memory). ``solver``, ``time_limit_s``: the ILPs'.
     ``remat``: ``"auto"`` (default: each candidate is rematerialised only where it would not
-    fit otherwise), ``"none"`` or ``"layers"``. ``replicas``: the pipelined candidates'
-    (see ``PipeshardParallel``).
+    fit otherwise; a pipeline's stages selectively or whole), ``"none"`` or ``"layers"``.
+    ``replicas``: the pipelined candidates' (see ``PipeshardParallel``).
     ``time_budget_s``: planning seconds the search may spend (None: no limit). The candidates
     are planned in order (the one-stage methods, then the pipelines); each ILP's limit is cut
     to what is left, and once the budget is spent the rest are skipped: the best plan found

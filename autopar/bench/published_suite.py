@@ -62,6 +62,7 @@ def _plan_row(run: PublishedRun, planned: PlannedRun) -> dict[str, Any]:
                     "logical_mesh": list(s.logical_mesh_shape)} for s in plan.stages],
         "schedule": None if plan.pipeline is None else str(plan.pipeline.schedule),
         "replicas": 1 if plan.pipeline is None else plan.pipeline.replicas,
+        "recompute": _recompute(plan),
         "stopped_ilps": stopped_ilps(plan),
         "planning_s": planned.seconds,
         "phases_s": {k: round(v, 3) for k, v in plan.planning.phases.items()},
@@ -104,6 +105,18 @@ def _f(x: float | None, digits: int = 1) -> str:
     return "—" if x is None else f"{x:.{digits}f}"
 
 
+def _recompute(plan: Plan) -> list[str]:
+    """Per stage, what its backward recomputes: "full" (every layer), "selective" (all but
+    the matmuls' outputs) or "none"; a one-stage plan's, "full" where its layers run under
+    ``jax.checkpoint``."""
+    layout = plan.pipeline
+    if layout is None:
+        return ["full" if plan.remat_positions else "none"] * len(plan.stages)
+    selective = layout.selective_stages or (False,) * len(layout.remat_stages)
+    return ["selective" if s else "full" if r else "none"
+            for r, s in zip(layout.remat_stages, selective, strict=True)]
+
+
 def _plan_text(p: dict[str, Any]) -> str:
     stages = p["stages"]
     meshes = sorted({"x".join(map(str, s["logical_mesh"])) for s in stages})
@@ -112,7 +125,12 @@ def _plan_text(p: dict[str, Any]) -> str:
         text += f" x {p['replicas']} replicas"
     if p["schedule"]:
         text += f", {p['schedule']}"
-    return text + f", m={p['num_microbatches']}"
+    text += f", m={p['num_microbatches']}"
+    kinds = p.get("recompute") or []
+    counts = [f"{kinds.count(k)} {k}" for k in ("full", "selective", "none") if k in kinds]
+    if counts and kinds != ["none"] * len(kinds):
+        text += f", recompute {' / '.join(counts)}"
+    return text
 
 
 def markdown(rows: Sequence[dict[str, Any]], info: dict[str, Any], command: str,
@@ -125,8 +143,12 @@ def markdown(rows: Sequence[dict[str, Any]], info: dict[str, Any], command: str,
         "*Pinned*: the published degrees, microbatches, schedule and full recomputation, "
         "planned by autopar (layouts inside each stage's data x tensor mesh are the ILP's). "
         "*Search*: `AutoParallel` with the same microbatch count, schedules compared. "
-        "TFLOPS per GPU on the source's own formula. *Stopped*: ILPs that ended on a time "
-        "limit (pinned / search). Planning seconds include the trace.", "",
+        "TFLOPS per GPU on the source's own formula (both sources count a recomputed forward: "
+        "a plan that recomputes less is credited with it all the same, so these are step "
+        "times set on one scale, not flops done). *Recompute*: stages that recompute every "
+        "layer (full), all but their matmuls' outputs (selective) or nothing. *Stopped*: "
+        "ILPs that ended on a time limit (pinned / search). Planning seconds include the "
+        "trace.", "",
         "*Unbounded*: the pinned configuration planned with memory unbounded (its estimate "
         "and memory), where autopar's memory model puts the fastest layouts over the device "
         "that the publication ran on.", "",

@@ -69,6 +69,10 @@ def test_a_run_is_planned_pinned_and_searched_into_a_row_a_page_and_a_plot(tmp_p
     pinned, searched = row["pinned"], row["full_search"]
     assert pinned["method"] == "pipeshard" and pinned["num_microbatches"] == 2
     assert [s["logical_mesh"] for s in pinned["stages"]] == [[2, 2], [2, 2]]
+    # pinned as Megatron ran: every stage recomputes every layer (the page says so)
+    assert pinned["recompute"] == ["full", "full"]
+    assert set(searched["recompute"]) <= {"full", "selective", "none"}
+    assert len(searched["recompute"]) == len(searched["stages"])
     assert searched["num_microbatches"] == 2 and searched["planning_s"] > 0
     assert pinned["stopped_ilps"] == 0 and searched["stopped_ilps"] == 0
     assert row["search_over_pinned"] == pytest.approx(
@@ -76,6 +80,7 @@ def test_a_run_is_planned_pinned_and_searched_into_a_row_a_page_and_a_plot(tmp_p
     assert row["pinned_over_published"] == pytest.approx(pinned["est_tflops_per_gpu"] / 100.0)
     page = (tmp_path / "bench-published.md").read_text()
     assert "small GPT @ 8 A100" in page and "Load average before" in page
+    assert "m=2, recompute 2 full |" in page
     assert (tmp_path / "bench-published.png").stat().st_size > 1000
     assert len(lines) == 1 and lines[0].startswith("[1/1] small GPT @ 8 A100: published 100.0")
 

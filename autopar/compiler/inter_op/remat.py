@@ -118,8 +118,7 @@ def remat_candidates(sums: LayerSums, shape: tuple[int, ...], mode: str, *,
                      extra_time: float = 0.0, tail_time: float = 0.0, host_time: float = 0.0,
                      param_bytes: float = 0.0, split: int = 1) -> list[StageCandidate]:
     """The stage candidates of layers whose costs sum to ``sums`` on one logical mesh: as
-    they are (``mode`` "none" or "auto"), selectively recomputed ("selective"; not "auto"
-    yet: it would change every searched plan, and the DP's candidates grow by half),
+    they are (``mode`` "none" or "auto"), selectively recomputed ("selective" or "auto"),
     rematerialised ("layers" or "auto").
     ``extra_time`` is added per microbatch; ``tail_time``, ``host_time`` and ``param_bytes``
     are the stage's (see ``StageCandidate``); ``split``: the costs are those of the plans
@@ -138,7 +137,7 @@ def remat_candidates(sums: LayerSums, shape: tuple[int, ...], mode: str, *,
     # per stage, whatever the microbatches in flight (the matmul outputs selective
     # recomputation keeps are among them: counted twice there, a little over)
     rebuilt = sums.fixed_bytes + sums.recompute_bytes
-    if mode == RematMode.SELECTIVE:
+    if mode in (RematMode.SELECTIVE, RematMode.AUTO):
         found.append(candidate(
             time=sums.selective_time_s + extra_time,
             fixed_memory=rebuilt,

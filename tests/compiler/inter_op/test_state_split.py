@@ -10,6 +10,8 @@ from autopar.compiler.graph.trace import build_graph
 from autopar.compiler.inter_op.layers import layer_positions
 from autopar.compiler.inter_op.remat import (
     LayerSums,
+    is_remat_key,
+    is_selective_key,
     remat_candidates,
     state_split_levels,
     state_split_of_key,
@@ -34,8 +36,10 @@ def test_the_levels_are_the_products_of_the_mesh_axes_least_first():
 def test_the_key_names_the_level_and_remat_stays_readable():
     costs = LayerSums(time_s=1.0, remat_time_s=1.5)
     keys = [c.key for c in remat_candidates(costs, (2, 4), "auto", split=4)]
-    assert keys == ["2x4+split4", "2x4+split4+remat"]
-    assert [state_split_of_key(k) for k in keys] == [4, 4]
+    assert keys == ["2x4+split4", "2x4+split4+selective", "2x4+split4+remat"]
+    assert [state_split_of_key(k) for k in keys] == [4, 4, 4]
+    assert [is_remat_key(k) for k in keys] == [False, True, True]
+    assert [is_selective_key(k) for k in keys] == [False, True, False]
     assert state_split_of_key("2x4") == 1 and state_split_of_key("2x4+remat") == 1
 
 
