@@ -42,6 +42,7 @@ from autopar.errors import (
     InvalidOptionError,
     NoLossFunctionError,
     PlanError,
+    format_bytes,
 )
 from autopar.ir.flatten import trace_jaxpr
 from autopar.ir.pipeline_program import build_pipeline_program
@@ -291,9 +292,14 @@ def _plan_rematerialised(step: StepProgram, cluster: ClusterSpec,
     if planned is not None and plan.peak_memory_bytes >= planned.plan.peak_memory_bytes:
         return planned.with_plan(planned.plan.noted(
             "remat='auto' tried the layers under jax.checkpoint: no memory saved"))
+    # what it saved and cost, against the fastest plan keeping every activation
+    saved = "" if planned is None else (
+        f": {format_bytes(plan.peak_memory_bytes)} per device against "
+        f"{format_bytes(planned.plan.peak_memory_bytes)} keeping every activation, est. step "
+        f"{plan.est_step_time_s:.4g} s against {planned.plan.est_step_time_s:.4g} s")
     plan = replace(plan, remat_positions=tuple(positions)).noted(
         f"rematerialised: the loss function's {len(positions) + 1} layers run under "
-        "jax.checkpoint (the backward recomputes them)")
+        f"jax.checkpoint (the backward recomputes them){saved}")
     return PlannedProgram(traced, plan)
 
 

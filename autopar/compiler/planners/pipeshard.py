@@ -36,6 +36,7 @@ from autopar.compiler.planners.pipeline_search import (
     piece_owners,
     search_pipeshard,
 )
+from autopar.compiler.planners.recompute_report import recompute_notes
 from autopar.compiler.planners.stage_costs import (
     range_pieces,
     stage_collectives,
@@ -113,7 +114,7 @@ def finish_pipeshard(search: PipeshardSearch, cluster_name: str | None = None) -
         "stage_plans_s": end - started,
         "total_s": search.layers_s + search.stage_costs_s + search.stage_dp_s + end - started,
     }
-    notes = _notes(search, stitched, len(pieces))
+    notes = _notes(search, stitched, len(pieces)) + recompute_notes(search, meshes, dp_options)
     return _plan(search, stages, layout, timings, notes, cluster_name)
 
 

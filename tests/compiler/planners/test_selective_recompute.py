@@ -47,6 +47,16 @@ def test_korthikantis_175b_row_selective_against_full_recomputation():
     assert all(s or not r for s, r in zip(chosen.selective_stages, chosen.remat_stages,
                                           strict=True)), chosen
     assert plans[RematMode.AUTO].plan.est_step_time_s <= selective.plan.est_step_time_s
+    # the plan says what each choice saved and cost
+    notes = plans[RematMode.AUTO].plan.notes
+    chose = [n for n in notes if n.startswith("recomputation (selective) on stage(s) 0-")]
+    assert len(chose) == 1 and "GiB less per device" in chose[0], notes
+    kept = [s for s, r in enumerate(chosen.remat_stages) if not r]
+    if kept:
+        assert any(n.startswith(f"stage(s) {kept[0]}") and "keep every activation" in n
+                   for n in notes), notes
+    assert any(n.startswith("recomputation (every layer) on stage(s) 0-7") and
+               "more time per microbatch" in n for n in plans[RematMode.LAYERS].plan.notes)
     # the residual stream ([1, 2048, 12288]) of a middle stage: split 8 ways over the tensor
     # axis (by the ILP's choice along the hidden dimension: the memory sequence parallelism
     # saves, with the layer norms' statistics reduced instead of the activations gathered)
