@@ -25,6 +25,7 @@ from autopar.compiler.graph.opgraph import OpGraph
 from autopar.compiler.inter_op.layer_cuts import flops_band, min_max_cut, min_sum_cut
 from autopar.errors import PlanError
 from autopar.ir.pipeline_program import PipelineProgram
+from autopar.ir.repeats import find_repeats
 from autopar.method_options import LayerMode
 
 DEFAULT_BALANCE_TOLERANCE = 0.25
@@ -260,4 +261,12 @@ def remat_layer_positions(pp: PipelineProgram, graph: OpGraph) -> list[int]:
     if pp.boundary_positions():
         return layer_positions(pp, graph, LayerMode.MARKED, num_devices=1)
     heavy = sum(1 for n in graph.nodes if n.flops > 0)
-    return layer_positions(pp, graph, max(1, min(DEFAULT_MAX_LAYERS, heavy)), num_devices=1)
+    positions = layer_positions(pp, graph, max(1, min(DEFAULT_MAX_LAYERS, heavy)),
+                                num_devices=1)
+    # checkpointed per repeated block (a transformer's), as pipeline stages are
+    # (``PipelineLayout.checkpoint_positions``): a layer of several blocks would rebuild
+    # them all at once in its backward
+    grid = None if pp.layer_scans else find_repeats(pp.forward, positions)
+    if grid is None:
+        return positions
+    return sorted(set(positions) | set(grid.cuts_within(0, len(pp.forward.eqns))))

@@ -257,3 +257,24 @@ def live_bytes_fast(graph, position):
         for t, producer in graph.producer.items()
         if order[producer] < position and any(order[c] >= position for c in graph.consumers[t])
     )
+
+
+def test_one_stage_recomputation_checkpoints_every_repeated_block():
+    """A one-stage plan's recomputed layers (``remat_layer_positions``) are at most
+    ``DEFAULT_MAX_LAYERS`` clustered layers, each of several transformer blocks at 24 blocks;
+    the checkpoints fall on every block boundary too, as pipeline stages' do, so that a
+    backward rebuilds one block at a time."""
+    import autopar
+    from autopar.compiler.graph.trace import build_graph
+    from autopar.compiler.inter_op.layers import DEFAULT_MAX_LAYERS, remat_layer_positions
+    from autopar.ir.pipeline_program import build_pipeline_program
+    from autopar.ir.repeats import find_repeats
+
+    model = get_model("gpt", "tiny", num_layers=24).with_value_and_grad(autopar.value_and_grad)
+    pp = build_pipeline_program(model.train_step, model.abstract_inputs(), (1,), 1)
+    positions = remat_layer_positions(pp, build_graph(pp.forward))
+    grid = find_repeats(pp.forward, positions)
+    assert grid is not None and grid.whole_blocks(len(pp.forward.eqns)) == 24
+    blocks = set(grid.cuts_within(0, len(pp.forward.eqns)))
+    assert blocks <= set(positions) and len(positions) > DEFAULT_MAX_LAYERS
+    assert positions == sorted(set(positions)) and positions[0] > 0
