@@ -24,6 +24,7 @@ from autopar.compiler.intra_op.strategies.attention import (
     sequence_splits,
 )
 from autopar.compiler.planners.step_program import IlpObserver, PlannedProgram, StepProgram
+from autopar.errors import format_bytes
 from autopar.method_options import RematMode
 from autopar.methods import ShardParallel
 from autopar.plan import Plan
@@ -68,11 +69,18 @@ def plan_attention_kernel(step: StepProgram, cluster: ClusterSpec, plan_one_stag
     if splits[GATHER]:
         context.append(f"{splits[GATHER]} with the queries split and the keys and values "
                        "gathered")
+    # what it saved: against the least any plan of the step's own equations needs (the
+    # error's figure) or the least-memory such plan found (over the budget)
+    least = (short.min_peak_bytes if isinstance(short, InfeasibleMemoryError)
+             else short.plan.peak_memory_bytes if isinstance(short, PlannedProgram) else None)
+    saved = "" if least is None else (
+        f"; {format_bytes(plan.peak_memory_bytes)} per device, where the step's own "
+        f"equations need at least {format_bytes(least)}")
     plan = replace(plan, attention_kernel=True).noted(
         f"attention as one kernel: {len(attention_nodes(traced.graph))} attention(s) keep "
         "O(sequence) for the backward, not their probabilities"
         + (f"; context parallel (the sequence split over the mesh): {', '.join(context)}"
-           if context else ""))
+           if context else "") + saved)
     return PlannedProgram(traced, plan)
 
 

@@ -8,6 +8,7 @@ described H100s: the full search plans it with context parallelism, within 80 GB
 from __future__ import annotations
 
 import os
+import re
 
 import jax
 import numpy as np
@@ -16,11 +17,18 @@ import pytest
 import autopar
 from autopar.cluster import load_cluster
 from autopar.compiler.planners import dispatch
+from autopar.errors import format_bytes
 from autopar.models import get_model
 from autopar.runtime.local_cluster import local_cluster
 
 # the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
 pytestmark = pytest.mark.e2e
+
+
+def parse_bytes(text: str) -> float:
+    """``format_bytes``'s text back to bytes (to its two decimals)."""
+    value, unit = text.split()
+    return float(value) * 2 ** (10 * ["B", "KiB", "MiB", "GiB", "TiB"].index(unit))
 
 
 def long_gpt(seq_len: int):
@@ -44,6 +52,9 @@ def planned_within(seq_len: int, fraction: int):
     plan = step.get_plan(state, batch)
     assert plan.attention_kernel and plan.peak_memory_bytes <= budget
     assert any("ring attention" in note for note in plan.notes), plan.notes
+    (note,) = [n for n in plan.notes if n.startswith("attention as one kernel")]
+    least = re.search(r"need at least (\d+\.\d+ \w+)$", note).group(1)
+    assert parse_bytes(least) > budget, note  # no plan of the step's own equations fits
     return model, step, state, batch, plan
 
 
@@ -90,3 +101,8 @@ def test_llama3_8b_at_128k_tokens_on_64_h100s_plans_with_context_parallelism():
     assert plan.attention_kernel and plan.peak_memory_bytes <= cluster.device.memory_bytes
     (note,) = [n for n in plan.notes if n.startswith("attention as one kernel")]
     assert "32 attention(s)" in note and "context parallel" in note, note
+    # what the kernel saved: the step's own equations need more than the device holds
+    mine, least = re.search(r"; (\d+\.\d+ \w+) per device, where the step's own equations "
+                            r"need at least (\d+\.\d+ \w+)$", note).groups()
+    assert mine == format_bytes(plan.peak_memory_bytes)
+    assert parse_bytes(least) > cluster.device.memory_bytes, note
