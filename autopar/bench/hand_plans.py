@@ -12,6 +12,12 @@ by rules on the leaf's pytree path and shape, so one plan applies to every model
                    row-parallel ones (split on their input features); the batch replicated.
 ``data-megatron``  2-D meshes: the batch split over the first mesh axis, Megatron over the
                    last.
+``megatron-sp``    Megatron's sequence parallelism (Korthikanti et al. 2022): ``megatron`` with
+                   every batch leaf split on its sequence dimension (the second) over the same
+                   devices, so the layer norms and element-wise ops outside the tensor-parallel
+                   matmuls run on a slice of the sequence; transformer blocks only.
+``data-megatron-sp``  2-D meshes: ``data-megatron`` with the batch's sequence split over the
+                   last axis too.
 ``zero2``          ``data`` with the optimizer state (Adam's moments) sharded over every
                    device (Rajbhandari et al. 2020).
 ``zero3``          ``zero2`` with the parameters sharded too.
@@ -46,8 +52,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
+from autopar.bench.step_leaves import Leaf, graph_leaves, tree_leaves
 from autopar.compiler.planners.zero import state_shard_spec
 from autopar.plan import MethodName, ShardingSpec
 
@@ -74,21 +80,6 @@ _EXPERT_LEAF = re.compile(r"/moe/(wi|wo)$")
 _PARAMS = "/params/"
 
 Role = tuple[str, str]  # ("column" | "row", "kernel" | "bias")
-
-
-@dataclass(frozen=True)
-class Leaf:
-    """One input leaf of a train step: its path (``state/params/w``), shape, and whether it is
-    a batch leaf (fed anew each step) rather than state."""
-
-    path: str
-    shape: tuple[int, ...]
-    is_batch: bool = False
-    itemsize: int = 4  # bytes per element
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
 
 
 Axes = Mapping[str, int]  # mesh axis name -> size, in mesh order
@@ -267,6 +258,28 @@ def _data_megatron(leaves: Sequence[Leaf], axes: Axes) -> dict[str, ShardingSpec
     return specs
 
 
+def _sequence_parallel(rule: SpecRule) -> SpecRule:
+    """``rule`` (a Megatron plan) with every batch leaf's sequence dimension (its second) split
+    over the tensor axis (the last active one), minor to the batch's split; None where the
+    model has no transformer block or no batch leaf with a sequence the axis divides."""
+
+    def rule_sp(leaves: Sequence[Leaf], axes: Axes) -> dict[str, ShardingSpec] | None:
+        specs = rule(leaves, axes)
+        if specs is None or not any(_BLOCK_LEAF.search(x.path) for x in leaves):
+            return None
+        tensor = _active(axes)[-1]
+        split = False
+        for leaf in leaves:
+            if leaf.is_batch and leaf.ndim >= 2 and leaf.shape[1] % axes[tensor] == 0:
+                dims = list(specs[leaf.path].dims)
+                dims[1] = (*dims[1], tensor)
+                specs[leaf.path] = ShardingSpec(tuple(dims))
+                split = True
+        return specs if split else None
+
+    return rule_sp
+
+
 def _data(leaves: Sequence[Leaf], axes: Axes) -> dict[str, ShardingSpec] | None:
     active = _active(axes)
     specs = {
@@ -344,6 +357,10 @@ HAND_PLANS: tuple[HandPlan, ...] = (
              _megatron),
     HandPlan("data-megatron", "batch over the first mesh axis, Megatron over the last",
              _data_megatron),
+    HandPlan("megatron-sp", "Megatron over every device, the batch's sequence split over them "
+             "(sequence parallelism)", _sequence_parallel(_megatron)),
+    HandPlan("data-megatron-sp", "batch over the first mesh axis, Megatron and the sequence "
+             "over the last", _sequence_parallel(_data_megatron)),
     HandPlan(MethodName.ZERO2, "data parallel, optimizer state sharded over every device",
              _zero(2)),
     HandPlan(MethodName.ZERO3, "data parallel, optimizer state and parameters sharded", _zero(3)),
@@ -359,28 +376,3 @@ def hand_plan(name: str) -> HandPlan:
         if plan.name == name:
             return plan
     raise KeyError(f"unknown hand plan {name!r}; valid: {', '.join(p.name for p in HAND_PLANS)}")
-
-
-# -- leaves of a step ------------------------------------------------------------------------
-
-
-def graph_leaves(graph: Any, batch_argnums: Sequence[int] = (1,)) -> list[Leaf]:
-    """The input leaves of a traced step's graph (``TracedStep.graph``)."""
-    return [Leaf(io.path, tuple(graph.tensors[io.tensor].shape), io.arg_index in batch_argnums,
-                 graph.tensors[io.tensor].itemsize)
-            for io in graph.inputs]
-
-
-def tree_leaves(args: Sequence[Any], names: Sequence[str] = ("state", "batch"),
-                batch_argnums: Sequence[int] = (1,)) -> list[Leaf]:
-    """The leaves of a step's arguments, with the paths the tracer gives them."""
-    import jax
-
-    from autopar.ir.flatten import leaf_path
-
-    found = []
-    for i, (name, arg) in enumerate(zip(names, args, strict=True)):
-        for keypath, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
-            found.append(Leaf(leaf_path(name, keypath), tuple(leaf.shape), i in batch_argnums,
-                              jax.numpy.dtype(leaf.dtype).itemsize))
-    return found

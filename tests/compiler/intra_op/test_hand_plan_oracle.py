@@ -136,6 +136,10 @@ EXPERT_PLANS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "zoo-moe": (("experts",), ("experts",)),
     "zoo-wresnet": (("conv-data-head-tensor",), ("conv-data-head-tensor",)),
 }
+# Megatron's sequence-parallel plans (the batch's sequence split over the tensor axis too),
+# beside Megatron's, on one mesh each of the two transformers: each costs another XLA compile
+# and two pinned ILPs, and the 2-D and 1-D forms are each checked once (suite time, issue 34)
+SEQUENCE_PARALLEL = {("zoo-gpt", (1, 4)): "megatron-sp", ("bert", (2, 4)): "data-megatron-sp"}
 # the cases that also compare the free plan's numbers with the serial step's
 NUMERICS = {("deep-mlp", (1, 4)), ("wide-batch-mlp", (2, 2)), ("moe-layer", (1, 4)),
             ("tied-embedding", (2, 2))}
@@ -147,7 +151,9 @@ NUMERICS = {("deep-mlp", (1, 4)), ("wide-batch-mlp", (2, 2)), ("moe-layer", (1, 
 # suite-time decision, issue 34).
 SKIPPED = {(2, 2): frozenset({"zoo-wresnet", "zoo-moe"}), (1, 4): frozenset({"zoo-wresnet"})}
 CASES = [
-    OracleCase(model, mesh, EXPERT_PLANS[model][0 if mesh[0] == 1 else 1],
+    OracleCase(model, mesh, EXPERT_PLANS[model][0 if mesh[0] == 1 else 1]
+               + ((SEQUENCE_PARALLEL[model, mesh],) if (model, mesh) in SEQUENCE_PARALLEL
+                  else ()),
                numerics=(model, mesh) in NUMERICS)
     for model in MODELS for mesh in MESHES if model not in SKIPPED.get(mesh, ())
 ]
@@ -325,3 +331,57 @@ def test_hand_plans_apply_only_where_an_expert_would_use_them():
     assert convs["state/params/head/kernel"] == P(None, ("x",))
     assert convs["state/params/stem/conv"] == P(None, None, None, None)
     assert convs["batch/images"] == P(("x",), None, None, None)
+
+
+def test_sequence_parallel_plans_split_the_batch_sequence_over_the_tensor_axis():
+    leaves = zoo_leaves("gpt")
+    one_d = hand_plan("megatron-sp").specs(leaves, {"x": 1, "y": 4})
+    assert one_d["batch/tokens"] == P(None, ("y",))
+    assert one_d["state/params/blocks/1/attn/q/kernel"] == P(None, ("y",))
+    two_d = hand_plan("data-megatron-sp").specs(leaves, {"x": 2, "y": 4})
+    assert two_d["batch/tokens"] == P(("x",), ("y",))
+    assert two_d["state/params/blocks/1/mlp/fc_out/kernel"] == P(("y",), None)
+    # a dense chain has no transformer block: no sequence to split
+    assert hand_plan("megatron-sp").specs(zoo_leaves("mlp"), {"x": 4}) is None
+
+
+def test_megatron_kernels_on_one_sequence_run_as_sequence_parallelism():
+    """Megatron's sequence parallelism (Korthikanti et al. 2022) out of the ILP's own
+    strategies. With the GPT's kernels pinned to Megatron's layout on 1x4 and a batch of one
+    sequence (nothing to split but the sequence), at the A100's rates without per-message
+    latency: the residual stream and its layer norms run on a quarter of the sequence each, the
+    row-parallel matmuls' partial sums are reduce-scattered onto the sequence where Megatron
+    without it all-reduces them, and the column-parallel matmuls' inputs are all-gathered along
+    it. No rule names the pattern: a dot's summed split may be reduce-scattered onto any output
+    dimension, and resharding to the next matmul's whole input is an all-gather. XLA's program
+    gathers the stream along the sequence, and the step equals the serial one."""
+    seq, hidden, layers = 64, 64, 2
+    model = get_model("gpt", "tiny", batch_size=1, seq_len=seq, hidden_size=hidden,
+                      num_layers=layers)
+    state, batch = model.init_state(jax.random.key(0)), model.make_batch(jax.random.key(1))
+    traced = trace_step(model.train_step, (state, batch))
+    leaves = graph_leaves(traced.graph)
+    mesh = LogicalMesh.from_cluster(oracle_cluster("balanced", 4), (1, 4))
+    axes = dict(zip(mesh.axis_names, (1, 4), strict=True))
+    tensor = mesh.axis_names[1]
+    pins = {path: spec for path, spec in hand_plan("megatron").specs(leaves, axes).items()
+            if path.startswith("state/")}
+    plan = plan_pinned(traced, mesh, pins, cluster_name="oracle-balanced", devices_per_host=4,
+                       time_limit_s=SOLVE_LIMIT_S)
+    assert plan.solver["proven_optimal"], plan.solver["status"]
+    stage = plan.stages[0]
+    stream = [tid for tid, spec in stage.tensor_shardings.items()
+              if tuple(traced.graph.tensors[tid].shape) == (1, seq, hidden)
+              and spec.dims == ((), (tensor,), ())]
+    assert len(stream) >= 2 * layers, stage.tensor_shardings  # the norms' inputs at least
+    kinds = {c.kind.value for c in stage.collectives}
+    assert {"reduce-scatter", "all-gather"} <= kinds, kinds
+
+    flat = jax.tree_util.tree_leaves((state, batch))
+    program, summary = compiled_summary(traced, plan, flat, jax.devices()[:4])
+    gathered = [c for c in summary.collectives if c.kind == "all-gather"
+                and any(tuple(dims) == (1, seq, hidden) for _, dims in c.result_shapes)]
+    assert len(gathered) >= layers, summary.by_kind()
+    want = jax.tree_util.tree_leaves(jax.jit(model.train_step)(state, batch))
+    for got, ref in zip(program(flat), want, strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=2e-5)
