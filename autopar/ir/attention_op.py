@@ -38,10 +38,18 @@ MASKED = -1e30
 
 @dataclass(frozen=True)
 class Ring:
-    """The mesh axis a sequence is split over, and its size, inside a ``shard_map`` body."""
+    """The mesh axis a sequence is split over, and its size, inside a ``shard_map`` body.
+
+    ``zigzag``: the sequence is cut into ``2 size`` chunks and the device at ring position
+    ``i`` holds chunks ``i`` and ``2 size - 1 - i`` (the first and second halves of its rows),
+    rather than the ``i``-th contiguous slice. Under a causal mask every block after a
+    device's own is then half visible (its keys' first half to all its queries, or all its
+    keys to its queries' second half) and half masked, on every device alike: the kernel
+    computes only the visible half."""
 
     axis: str
     size: int
+    zigzag: bool = False
 
 
 def _rotate(x: Any, ring: Ring) -> Any:
@@ -50,16 +58,114 @@ def _rotate(x: Any, ring: Ring) -> Any:
     return jax.lax.ppermute(x, ring.axis, [(i, (i + 1) % n) for i in range(n)])
 
 
-def _block_scores(q: jax.Array, k: jax.Array, src: Any, me: Any, causal: bool,
+def zigzag_applies(causal: bool, ring_size: int, local_rows: int) -> bool:
+    """Whether a ring of ``ring_size`` runs zig-zag (``Ring.zigzag``; placed so by
+    ``runtime.ring_attention``) with ``local_rows`` sequence positions on each device: causal,
+    and two chunks to each device."""
+    return causal and ring_size > 1 and local_rows % 2 == 0
+
+
+def zigzag_share(ring_size: int) -> float:
+    """The share of a full ring's score blocks a zig-zag causal ring computes: each device's
+    own block, and half of each of the ``ring_size - 1`` others."""
+    return (ring_size + 1) / (2 * ring_size)
+
+
+def _positions(rows: int, at: Any, ring: Ring | None) -> jax.Array:
+    """The global positions of the ``rows`` local rows a device at ring position ``at`` holds
+    (contiguous, or zig-zag: ``Ring.zigzag``)."""
+    local = jnp.arange(rows)
+    if ring is None or not ring.zigzag:
+        return at * rows + local
+    half = rows // 2
+    chunk = jnp.where(local < half, at, 2 * ring.size - 1 - at)
+    return chunk * half + local % half
+
+
+def _block_scores(q: jax.Array, k: jax.Array, q_pos: Any, k_pos: Any, causal: bool,
                   scale: float) -> jax.Array:
     """One block's scores ``[*batch, q, k]`` in float32, masked where a key comes after its
-    query (``src``: the ring position the key block started at; ``me``: this device's)."""
+    query (``q_pos``, ``k_pos``: their global positions; None: nothing is masked)."""
     s = jnp.einsum("...qd,...kd->...qk", q, k, preferred_element_type=jnp.float32) * scale
-    if not causal:
+    if not causal or q_pos is None:
         return s
-    q_pos = me * q.shape[-2] + jnp.arange(q.shape[-2])[:, None]
-    k_pos = src * k.shape[-2] + jnp.arange(k.shape[-2])[None, :]
-    return jnp.where(k_pos <= q_pos, s, MASKED)
+    return jnp.where(k_pos[None, :] <= q_pos[:, None], s, MASKED)
+
+
+def _fold(state: tuple, s: jax.Array, v: jax.Array) -> tuple:
+    """The online softmax: a block of scores ``s`` and its values folded into ``(row_max,
+    row_sum, out)``."""
+    row_max, row_sum, out = state
+    new_max = jnp.maximum(row_max, s.max(axis=-1))
+    p = jnp.exp(s - new_max[..., None])
+    rescale = jnp.exp(row_max - new_max)
+    row_sum = row_sum * rescale + p.sum(axis=-1)
+    out = out * rescale[..., None] + jnp.einsum("...qk,...kd->...qd", p, v.astype(jnp.float32))
+    return new_max, row_sum, out
+
+
+def _halves(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+    axis %= x.ndim
+    half = x.shape[axis] // 2
+    return (jax.lax.slice_in_dim(x, 0, half, axis=axis),
+            jax.lax.slice_in_dim(x, half, x.shape[axis], axis=axis))
+
+
+def _zigzag_fold(state: tuple, q: jax.Array, k: jax.Array, v: jax.Array, earlier: Any,
+                 scale: float) -> tuple:
+    """A zig-zag block after the device's own (``Ring.zigzag``): where the keys came from an
+    earlier ring position (``earlier``), their first half is visible to every query and their
+    second half to none; else every key is visible to the queries' second half and none to
+    the first. Only the visible half is computed, with no mask."""
+
+    def keys_first_half(state: tuple) -> tuple:
+        return _fold(state, _block_scores(q, _halves(k, -2)[0], None, None, False, scale),
+                     _halves(v, -2)[0])
+
+    def queries_second_half(state: tuple) -> tuple:
+        (m1, m2), (s1, s2), (o1, o2) = (_halves(x, a) for x, a in zip(state, (-1, -1, -2),
+                                                                        strict=True))
+        m2, s2, o2 = _fold((m2, s2, o2), _block_scores(_halves(q, -2)[1], k, None, None,
+                                                        False, scale), v)
+        return (jnp.concatenate([m1, m2], -1), jnp.concatenate([s1, s2], -1),
+                jnp.concatenate([o1, o2], -2))
+
+    return jax.lax.cond(earlier, keys_first_half, queries_second_half, state)
+
+
+def _block_grads(q: jax.Array, k: jax.Array, v: jax.Array, d_out: jax.Array, lse: jax.Array,
+                 delta: jax.Array, q_pos: Any, k_pos: Any, causal: bool,
+                 scale: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One block's shares of dq, dk and dv (float32), its probabilities recomputed from
+    ``lse``; ``d_out`` in float32, ``delta`` each query row's ``sum(d_out * out)``."""
+    p = jnp.exp(_block_scores(q, k, q_pos, k_pos, causal, scale) - lse[..., None])
+    dv = jnp.einsum("...qk,...qd->...kd", p, d_out)
+    dp = jnp.einsum("...qd,...kd->...qk", d_out, v.astype(jnp.float32))
+    ds = p * (dp - delta[..., None]) * scale
+    dq = jnp.einsum("...qk,...kd->...qd", ds, k.astype(jnp.float32))
+    dk = jnp.einsum("...qk,...qd->...kd", ds, q.astype(jnp.float32))
+    return dq, dk, dv
+
+
+def _zigzag_grads(q: jax.Array, k: jax.Array, v: jax.Array, d_out: jax.Array,
+                  lse: jax.Array, delta: jax.Array, earlier: Any,
+                  scale: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``_block_grads`` of a zig-zag block after the device's own, its visible half only
+    (``_zigzag_fold``), as shares of the whole dq, dk and dv."""
+
+    def keys_first_half() -> tuple:
+        dq, dk, dv = _block_grads(q, _halves(k, -2)[0], _halves(v, -2)[0], d_out, lse, delta,
+                                  None, None, False, scale)
+        return (dq, jnp.concatenate([dk, jnp.zeros_like(dk)], -2),
+                jnp.concatenate([dv, jnp.zeros_like(dv)], -2))
+
+    def queries_second_half() -> tuple:
+        dq, dk, dv = _block_grads(_halves(q, -2)[1], k, v, _halves(d_out, -2)[1],
+                                  _halves(lse, -1)[1], _halves(delta, -1)[1], None, None,
+                                  False, scale)
+        return jnp.concatenate([jnp.zeros_like(dq), dq], -2), dk, dv
+
+    return jax.lax.cond(earlier, keys_first_half, queries_second_half)
 
 
 def _ring_steps(ring: Ring | None) -> tuple[Any, int]:
@@ -72,20 +178,20 @@ def attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
     """``softmax(q k^T * scale [causal mask]) v`` and each query row's log-sum-exp; on a
     ``ring``, this device's queries against every device's keys and values."""
     me, n = _ring_steps(ring)
-    row_max = jnp.full(q.shape[:-1], MASKED, jnp.float32)
-    row_sum = jnp.zeros(q.shape[:-1], jnp.float32)
-    out = jnp.zeros((*q.shape[:-1], v.shape[-1]), jnp.float32)
+    zigzag = causal and ring is not None and ring.zigzag
+    q_pos = _positions(q.shape[-2], me, ring)
+    state = (jnp.full(q.shape[:-1], MASKED, jnp.float32), jnp.zeros(q.shape[:-1], jnp.float32),
+             jnp.zeros((*q.shape[:-1], v.shape[-1]), jnp.float32))
     for step in range(n):
-        s = _block_scores(q, k, (me - step) % n, me, causal, scale)
-        new_max = jnp.maximum(row_max, s.max(axis=-1))
-        p = jnp.exp(s - new_max[..., None])
-        rescale = jnp.exp(row_max - new_max)
-        row_sum = row_sum * rescale + p.sum(axis=-1)
-        out = out * rescale[..., None] + jnp.einsum("...qk,...kd->...qd", p,
-                                                    v.astype(jnp.float32))
-        row_max = new_max
+        src = (me - step) % n
+        if zigzag and step > 0:
+            state = _zigzag_fold(state, q, k, v, src < me, scale)
+        else:
+            k_pos = _positions(k.shape[-2], src, ring)
+            state = _fold(state, _block_scores(q, k, q_pos, k_pos, causal, scale), v)
         if ring is not None and step < n - 1:
             k, v = _rotate((k, v), ring)
+    row_max, row_sum, out = state
     return (out / row_sum[..., None]).astype(q.dtype), row_max + jnp.log(row_sum)
 
 
@@ -96,23 +202,27 @@ def attention_backward(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array,
     ``ring`` the key and value gradients travel with their blocks and are home after ``n``
     steps."""
     me, n = _ring_steps(ring)
-    d_out32, q32 = d_out.astype(jnp.float32), q.astype(jnp.float32)
+    zigzag = causal and ring is not None and ring.zigzag
+    d_out32 = d_out.astype(jnp.float32)
     # D_i = sum_d dO_id O_id: the softmax's backward needs it per query row
     delta = jnp.einsum("...qd,...qd->...q", d_out32, out.astype(jnp.float32))
-    dq = jnp.zeros(q.shape, jnp.float32)
-    dk = jnp.zeros(k.shape, jnp.float32)
-    dv = jnp.zeros(v.shape, jnp.float32)
+    q_pos = _positions(q.shape[-2], me, ring)
+    grads = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
+             jnp.zeros(v.shape, jnp.float32))
     for step in range(n):
-        p = jnp.exp(_block_scores(q, k, (me - step) % n, me, causal, scale) - lse[..., None])
-        dv = dv + jnp.einsum("...qk,...qd->...kd", p, d_out32)
-        dp = jnp.einsum("...qd,...kd->...qk", d_out32, v.astype(jnp.float32))
-        ds = p * (dp - delta[..., None]) * scale
-        dq = dq + jnp.einsum("...qk,...kd->...qd", ds, k.astype(jnp.float32))
-        dk = dk + jnp.einsum("...qk,...qd->...kd", ds, q32)
+        src = (me - step) % n
+        if zigzag and step > 0:
+            shares = _zigzag_grads(q, k, v, d_out32, lse, delta, src < me, scale)
+        else:
+            shares = _block_grads(q, k, v, d_out32, lse, delta, q_pos,
+                                  _positions(k.shape[-2], src, ring), causal, scale)
+        dq, dk, dv = (g + x for g, x in zip(grads, shares, strict=True))
         if ring is not None:
             dk, dv = _rotate((dk, dv), ring)
             if step < n - 1:
                 k, v = _rotate((k, v), ring)
+        grads = (dq, dk, dv)
+    dq, dk, dv = grads
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 

@@ -17,14 +17,22 @@ maps it over a mesh. Layout here: ``[batch, sequence, heads, head_dim]``, the se
 over ``axis`` in order (device ``i`` of the axis holds positions ``i S/n .. (i+1) S/n - 1``);
 every other mesh axis holds copies. Causal masking is by global position; a device's own block
 comes first, so every query row has met an unmasked key before any fully masked block is folded
-in. The kernel computes every block, masked or not: the ring's work is even, and about half of
-a causal ring's blocks are wasted (skipping the fully masked ones would leave the first device
-idle most of the time, unless the sequence were placed zig-zag: not done).
+in.
+
+A causal ring runs zig-zag where each device's slice has an even length: its slice's halves
+are exchanged so that the device at ring position ``i`` holds chunks ``i`` and ``2n - 1 - i``
+of the ``2n`` the sequence is cut into (two collective-permutes per tensor, into the kernel and
+back out of it), and every block after a device's own is then half visible and half masked on
+every device alike: the kernel computes the visible half only (``ir.attention_op.Ring``), so a
+causal ring does about ``(n + 1) / 2n`` of the work of a full one, evenly. Contiguous slices
+would leave the first device's later blocks all masked and the last's all visible: skipping
+the masked ones there would leave the ring waiting on its last device.
 """
 
 from __future__ import annotations
 
-from functools import partial
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import jax
@@ -32,7 +40,12 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from autopar.errors import InvalidOptionError, MeshError
-from autopar.ir.attention_op import Ring, attention_backward, attention_forward
+from autopar.ir.attention_op import (
+    Ring,
+    attention_backward,
+    attention_forward,
+    zigzag_applies,
+)
 
 
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, mesh: Mesh, axis: str, *,
@@ -78,8 +91,8 @@ def ring_forward(mesh: Mesh, dims: tuple[Any, ...], ring: Ring, causal: bool,
     ``PartitionSpec(*dims)`` (the sequence, next to last, split over ``ring.axis``; leading
     dimensions as they come), lse as the same less its last dimension."""
     spec, lse_spec = PartitionSpec(*dims), PartitionSpec(*dims[:-1])
-    return jax.shard_map(partial(attention_forward, causal=causal, scale=scale, ring=ring),
-                         mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec, lse_spec),
+    body = _ring_body(attention_forward, ring, causal, scale, (-2, -2, -2), (-2, -1))
+    return jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec, lse_spec),
                          check_vma=False)
 
 
@@ -88,6 +101,69 @@ def ring_backward(mesh: Mesh, dims: tuple[Any, ...], ring: Ring, causal: bool,
     """``(q, k, v, out, lse, d_out) -> (dq, dk, dv)`` over ``mesh``, laid out as in
     ``ring_forward``."""
     spec, lse_spec = PartitionSpec(*dims), PartitionSpec(*dims[:-1])
-    return jax.shard_map(partial(attention_backward, causal=causal, scale=scale, ring=ring),
-                         mesh=mesh, in_specs=(spec,) * 4 + (lse_spec, spec),
+    body = _ring_body(attention_backward, ring, causal, scale, (-2, -2, -2, -2, -1, -2),
+                      (-2, -2, -2))
+    return jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 4 + (lse_spec, spec),
                          out_specs=(spec,) * 3, check_vma=False)
+
+
+def _ring_body(kernel: Callable[..., Any], ring: Ring, causal: bool, scale: float,
+               in_axes: Sequence[int], out_axes: Sequence[int]) -> Callable[..., Any]:
+    """``kernel`` on one device's slices, zig-zag where it applies: the operands' sequence
+    dimensions (``in_axes``) exchanged into zig-zag order first, the results'
+    (``out_axes``) back after."""
+
+    def body(*args: jax.Array) -> Any:
+        rows = args[0].shape[-2]
+        if not zigzag_applies(causal, ring.size, rows) or args[1].shape[-2] != rows:
+            return kernel(*args, causal=causal, scale=scale, ring=ring)
+        zigzag = replace(ring, zigzag=True)
+        moved = [_to_zigzag(x, ring, a) for x, a in zip(args, in_axes, strict=True)]
+        outs = kernel(*moved, causal=causal, scale=scale, ring=zigzag)
+        return tuple(_from_zigzag(x, ring, a) for x, a in zip(outs, out_axes, strict=True))
+
+    return body
+
+
+def _zigzag_owner(chunk: int, n: int) -> int:
+    """The ring position holding ``chunk`` (of ``2n``) in zig-zag order."""
+    return chunk if chunk < n else 2 * n - 1 - chunk
+
+
+def _halves(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+    half = x.shape[axis] // 2
+    axis %= x.ndim
+    return (jax.lax.slice_in_dim(x, 0, half, axis=axis),
+            jax.lax.slice_in_dim(x, half, x.shape[axis], axis=axis))
+
+
+def _to_zigzag(x: jax.Array, ring: Ring, axis: int) -> jax.Array:
+    """Contiguous slices (position ``i`` holds chunks ``2i``, ``2i + 1``) to zig-zag ones
+    (chunks ``i``, ``2n - 1 - i``): every even chunk goes to its owner by one
+    collective-permute, every odd one by another; an even position's first chunk is the even
+    one that arrives, an odd position's the odd one."""
+    n = ring.size
+    first, second = _halves(x, axis)
+    evens = jax.lax.ppermute(first, ring.axis, [(i, _zigzag_owner(2 * i, n)) for i in range(n)])
+    odds = jax.lax.ppermute(second, ring.axis,
+                            [(i, _zigzag_owner(2 * i + 1, n)) for i in range(n)])
+    even = jax.lax.axis_index(ring.axis) % 2 == 0
+    return jnp.concatenate([jnp.where(even, evens, odds), jnp.where(even, odds, evens)],
+                           axis % x.ndim)
+
+
+def _from_zigzag(x: jax.Array, ring: Ring, axis: int) -> jax.Array:
+    """``_to_zigzag`` undone: each position's even chunk back to its contiguous owner as its
+    first half, its odd chunk as its second."""
+    n = ring.size
+    low, high = _halves(x, axis)
+    even = jax.lax.axis_index(ring.axis) % 2 == 0
+    evens, odds = jnp.where(even, low, high), jnp.where(even, high, low)
+
+    def even_chunk(i: int) -> int:
+        return i if i % 2 == 0 else 2 * n - 1 - i
+
+    first = jax.lax.ppermute(evens, ring.axis, [(i, even_chunk(i) // 2) for i in range(n)])
+    second = jax.lax.ppermute(odds, ring.axis,
+                              [(i, (2 * n - 1 - even_chunk(i)) // 2) for i in range(n)])
+    return jnp.concatenate([first, second], axis % x.ndim)

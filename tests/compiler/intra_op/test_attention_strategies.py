@@ -2,7 +2,8 @@
 the leading axes split freely; the sequence split over one mesh axis with the keys whole
 (their gradients then all-reduced) or as ring attention, whose collective-permutes are one
 per step (n - 1 forward, 2n - 1 backward) and count on the step only beyond the compute they
-run beside."""
+run beside. The GPT is causal: its ring runs zig-zag, computing ``(n + 1) / 2n`` of the
+blocks, after one exchange of its operands' halves and before one of its results'."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.attention_forms import trace_with_attention_kernel
 from autopar.compiler.intra_op.strategies import StrategyContext, strategies_for
 from autopar.compiler.intra_op.strategies.attention import GATHER, RING
+from autopar.ir.attention_op import zigzag_share
 from autopar.models import get_model
 from autopar.plan import CollectiveKind
 
@@ -49,18 +51,25 @@ def test_ring_and_gathered_keys_on_each_axis(primitive, sends):
         # queries, keys and values split alike along the sequence
         assert ring.input_specs[0].dims[-2] == ring.input_specs[2].dims[-2] == (axis,)
         permutes = [c for c in ring.collectives if c.kind == CollectiveKind.COLLECTIVE_PERMUTE]
-        assert sum(c.count for c in permutes) == (n - 1 if sends == 1 else 2 * n - 1)
-        total = sum(c.time_s for c in permutes)
-        assert ring.communication_time_s == pytest.approx(max(0.0, total - ring.compute_time_s))
+        assert len(permutes) == len(ring.collectives) == sends + 2
+        *steps, into, out_of = permutes
+        assert sum(c.count for c in steps) == (n - 1 if sends == 1 else 2 * n - 1)
+        # the zig-zag exchanges, of every operand's slice and every result's, are exposed
+        assert into.count == out_of.count == 1 and into.nbytes > 0 and out_of.nbytes > 0
+        total = sum(c.time_s for c in steps)
+        assert ring.communication_time_s == pytest.approx(
+            into.time_s + out_of.time_s + max(0.0, total - ring.compute_time_s))
         gather = next(s for name, s in by_name.items() if name.endswith(GATHER)
                       and s.input_specs[0].dims[-2] == (axis,) and not any(
                           s.input_specs[0].dims[:-2]))
         assert gather.input_specs[1].dims[-2] == ()  # the keys arrive whole
         reduces = [c.kind for c in gather.collectives]
         assert reduces == ([CollectiveKind.ALL_REDUCE] if sends == 2 else [])
-        # either way the work divides over the axis
+        # either way the work divides over the axis; the causal ring skips its masked halves
         whole = next(s for s in found if not any(d for spec in s.input_specs for d in spec.dims))
-        assert ring.compute_time_s == pytest.approx(whole.compute_time_s / n, rel=0.05)
+        assert gather.compute_time_s == pytest.approx(whole.compute_time_s / n, rel=0.05)
+        assert ring.compute_time_s == pytest.approx(
+            whole.compute_time_s / n * zigzag_share(n), rel=0.05)
 
 
 def test_the_batch_and_heads_split_without_communication():

@@ -16,8 +16,12 @@ out ``[*lead, sequence, features]`` (``lse`` without the features).
   the compute is on the step's critical path (the whole of them is listed as the strategy's
   collectives, for reports).
 
-The kernel computes every block of scores, masked or not, so the work divides evenly over
-the devices either way (``graph.op_costs.attention_flops``).
+The kernel computes every block of scores on one device, masked or not
+(``graph.op_costs.attention_flops``). A causal ring whose slices have an even length runs
+zig-zag (``runtime.ring_attention``): each device computes its own block and half of each
+other one (``ir.attention_op.zigzag_share`` of the flops, evenly), after its operands' halves
+are exchanged into zig-zag order and before its results' are exchanged back, two
+collective-permutes of half a slice per tensor, on the critical path.
 """
 
 from __future__ import annotations
@@ -29,7 +33,12 @@ from autopar.compiler.graph.opgraph import OpGraph, OpNode
 from autopar.compiler.intra_op.strategies.base import Strategy, StrategyContext, specs_on_mesh
 from autopar.compiler.intra_op.strategies.compute_common import finalize
 from autopar.compiler.intra_op.strategies.data_common import spec_axes, spec_name
-from autopar.ir.attention_op import BACKWARD_NAME, FORWARD_NAME
+from autopar.ir.attention_op import (
+    BACKWARD_NAME,
+    FORWARD_NAME,
+    zigzag_applies,
+    zigzag_share,
+)
 from autopar.plan import CollectiveEstimate, CollectiveKind, ShardingSpec, StagePlan
 
 GATHER = "gather"
@@ -68,6 +77,14 @@ def _ring_sends(ctx: StrategyContext, sequence: tuple[str, ...], lead: ShardingS
     return replace(one, count=steps, time_s=steps * one.time_s)
 
 
+def _outputs_sent(ctx: StrategyContext, sequence: tuple[str, ...],
+                  lead: ShardingSpec) -> CollectiveEstimate:
+    """One device's slices of every output, sent once (by two collective-permutes of half a
+    slice each: priced as one of the whole)."""
+    block = sum(_per_device(ctx, t.nbytes, lead) for t in ctx.outputs) / ctx.axes_size(sequence)
+    return ctx.collective(CollectiveKind.COLLECTIVE_PERMUTE, block, sequence)
+
+
 def _per_device(ctx: StrategyContext, nbytes: float, lead: ShardingSpec) -> float:
     return nbytes / lead.num_shards({a: ctx.axis_size(a) for a in ctx.axis_names})
 
@@ -78,17 +95,25 @@ def _strategy(ctx: StrategyContext, lead: ShardingSpec, mode: str, sequence: tup
     kv_seq = sequence if mode == RING else ()
     q_spec, kv_spec = _spec(lead, q_seq, ()), _spec(lead, kv_seq, ())
     lse_spec = _spec(lead, q_seq)
-    compute = ctx.compute_time(ctx.node.flops, (*spec_axes(lead), *sequence))
+    flops = ctx.node.flops
     collectives: list[CollectiveEstimate] = []
-    exposed = 0.0
+    relayout: list[CollectiveEstimate] = []
     if mode == RING:
         n = ctx.axis_size(sequence[0])
+        if zigzag_applies(bool(ctx.node.params.get("causal")), n, ctx.inputs[0].shape[-2] // n):
+            flops *= zigzag_share(n)
+            # every operand's halves into zig-zag order, every result's back: one slice each
+            relayout = [_ring_sends(ctx, sequence, lead, range(len(ctx.inputs)), 1),
+                        _outputs_sent(ctx, sequence, lead)]
+    compute = ctx.compute_time(flops, (*spec_axes(lead), *sequence))
+    exposed = sum(c.time_s for c in relayout)
+    if mode == RING:
         # forward: k and v go round (n - 1 steps); backward: k, v (n - 1) and dk, dv (n)
         sends = [_ring_sends(ctx, sequence, lead, (1, 2), n - 1)]
         if backward:
             sends.append(_ring_sends(ctx, sequence, lead, (1, 2), n))
-        collectives += sends
-        exposed = max(0.0, sum(c.time_s for c in sends) - compute)
+        collectives += sends + relayout
+        exposed += max(0.0, sum(c.time_s for c in sends) - compute)
     elif mode == GATHER and backward:
         # each device's dk, dv are its queries' share: summed over the axis
         nbytes = sum(_per_device(ctx, ctx.outputs[t].nbytes, lead) for t in (1, 2))
