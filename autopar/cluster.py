@@ -85,7 +85,9 @@ class DeviceSpec:
     multiplication reaches where that is far above what ``peak_flops`` and the cluster's
     efficiency give other ops (a CPU's vectorised GEMM on every core of its host), and
     ``gemm_threading_s`` what spreading one GEMM over those cores costs: a GEMM is priced at
-    the faster of that and the general rate (``cost.gemm.described_gemm_time_s``).
+    the faster of that and the general rate (``cost.gemm.described_gemm_time_s``);
+    ``host_link_bytes_per_s`` its link to its host's memory per direction (PCIe: 0, not
+    described, offers no optimizer state off the device, ``cost.host_state``).
     """
 
     name: str
@@ -96,6 +98,7 @@ class DeviceSpec:
     kernel_launch_s: float = 0.0
     gemm_flops: Mapping[str, float] = dataclass_field(default_factory=dict)
     gemm_threading_s: float = 0.0
+    host_link_bytes_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         if _FALLBACK_DTYPE not in self.peak_flops:
@@ -110,7 +113,7 @@ class DeviceSpec:
         return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory_bytes,
                      self.memory_bandwidth_bytes_per_s, self.multiprocessors,
                      self.kernel_launch_s, tuple(sorted(self.gemm_flops.items())),
-                     self.gemm_threading_s))
+                     self.gemm_threading_s, self.host_link_bytes_per_s))
 
     def flops_for(self, dtype: Any) -> float:
         """Peak flop/s for ``dtype`` (a name or a numpy/JAX dtype); float32 if it is unknown."""
@@ -135,6 +138,8 @@ class DeviceSpec:
         if self.gemm_flops:
             out["gemm_flops"] = dict(self.gemm_flops)
             out["gemm_threading_s"] = self.gemm_threading_s
+        if self.host_link_bytes_per_s:
+            out["host_link_bytes_per_s"] = self.host_link_bytes_per_s
         return out
 
     @classmethod
@@ -161,9 +166,12 @@ class DeviceSpec:
         gemm_flops = {str(k): _number(v, f"{where}gemm_flops.{k}") for k, v in gemm.items()}
         threading = _number(data.get("gemm_threading_s", 0.0), f"{where}gemm_threading_s",
                             positive=False)
+        host_link = _number(data.get("host_link_bytes_per_s", 0.0),
+                            f"{where}host_link_bytes_per_s", positive=False)
         return cls(name=name, peak_flops=peak, memory_bytes=memory,
                    memory_bandwidth_bytes_per_s=bandwidth, multiprocessors=multiprocessors,
-                   kernel_launch_s=launch, gemm_flops=gemm_flops, gemm_threading_s=threading)
+                   kernel_launch_s=launch, gemm_flops=gemm_flops, gemm_threading_s=threading,
+                   host_link_bytes_per_s=host_link)
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,11 @@ class ShardParallel:
     ``pinned_inputs``: (leaf path, spec on the logical mesh) pairs, e.g.
     ``(("state/params/w", ShardingSpec(((), ("y",)))),)``: those inputs keep that layout and
     the ILP chooses the rest (the full search pins the inputs committed to your own mesh so).
+    ``offload_optimizer_state``: keep the optimizer state (the state the loss does not read,
+    as Adam's moments) in host memory between steps, brought to the device for the update
+    and sent back after it, over the device's host link (ZeRO-Offload's memory saving; the
+    update stays on the device). The full search (``remat="auto"``) takes it where nothing
+    else fits and the cluster describes the host link.
     """
 
     mesh_shape: tuple[int, ...] | None = None
@@ -81,6 +86,7 @@ class ShardParallel:
     prefer_reduce_scatter: bool = False
     remat: str = RematMode.NONE
     pinned_inputs: tuple[tuple[str, ShardingSpec], ...] = ()
+    offload_optimizer_state: bool = False
 
     name = MethodName.SHARD
 

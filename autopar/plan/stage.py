@@ -42,6 +42,9 @@ class StagePlan:
     est_communication_time_s: float = 0.0
     peak_memory_bytes: int = 0
     memory_breakdown: dict[str, int] = field(default_factory=dict)
+    # leaves kept in host memory between steps (the optimizer state, ``cost.host_state``):
+    # input paths and the output paths carrying their new values
+    host_paths: tuple[str, ...] = ()
 
     @property
     def axis_sizes(self) -> dict[str, int]:
@@ -127,4 +130,5 @@ STAGE_JSON = (
     JsonField("est_communication_time_s", float),
     JsonField("peak_memory_bytes", int),
     JsonField("memory_breakdown", lambda v: {k: int(x) for k, x in v.items()}, dict),
+    JsonField("host_paths", tuple, listed, ()),
 )

@@ -22,6 +22,9 @@ from autopar.plan import Plan, ShardingSpec, StagePlan
 from autopar.runtime.distributed import global_devices, put
 from autopar.runtime.ring_attention import ring_backward, ring_forward
 
+# the memory space of the leaves a plan keeps off the device between steps
+HOST_MEMORY = "pinned_host"
+
 
 def partition_spec(spec: ShardingSpec) -> PartitionSpec:
     """A plan spec as a ``jax.sharding.PartitionSpec``."""
@@ -63,12 +66,21 @@ class ShardedProgram:
         self.program = program
         self.plan = plan
         self.mesh = stage_mesh(stage, devices)
+        # the leaves the plan keeps in host memory between steps (its optimizer state): they
+        # arrive and leave in pinned host memory and move to the device inside the step
+        hosted = set(stage.host_paths)
         self.in_shardings = tuple(
-            self._named(stage.input_shardings, path) for path in program.in_paths
+            self._named(stage.input_shardings, path, path in hosted)
+            for path in program.in_paths
         )
         self.out_shardings = tuple(
-            self._named(stage.output_shardings, path) for path in program.out_paths
+            self._named(stage.output_shardings, path, path in hosted)
+            for path in program.out_paths
         )
+        self._arriving = {i: self._named(stage.input_shardings, path)
+                          for i, path in enumerate(program.in_paths) if path in hosted}
+        self._leaving = {i: self.out_shardings[i]
+                         for i, path in enumerate(program.out_paths) if path in hosted}
         self._constraints = {
             vid: NamedSharding(self.mesh, partition_spec(spec))
             for vid, spec in stage.tensor_shardings.items()
@@ -85,11 +97,13 @@ class ShardedProgram:
         )
         self._compiled: Any = None
 
-    def _named(self, specs: dict[str, ShardingSpec], path: str) -> NamedSharding:
+    def _named(self, specs: dict[str, ShardingSpec], path: str,
+               on_host: bool = False) -> NamedSharding:
         spec = specs.get(path)
         if spec is None:
             raise PlanError(f"the plan has no sharding for '{path}'; it was made for another step")
-        return NamedSharding(self.mesh, partition_spec(spec))
+        named = NamedSharding(self.mesh, partition_spec(spec))
+        return named.with_memory_kind(HOST_MEMORY) if on_host else named
 
     def _constrain(self, vid: int, value: Any) -> Any:
         sharding = self._constraints.get(vid)
@@ -100,14 +114,16 @@ class ShardedProgram:
         return value if sharding is None else jax.lax.with_sharding_constraint(value, sharding)
 
     def _run(self, *flat_args: Any) -> tuple[Any, ...]:
-        return tuple(
-            self.program.evaluate(
-                flat_args,
-                on_value=self._constrain if self._constraints else None,
-                on_operand=self._constrain_operand if self._operand_constraints else None,
-                bind=self._bind if self._rings else None,
-            )
+        args = [jax.device_put(a, self._arriving[i]) if i in self._arriving else a
+                for i, a in enumerate(flat_args)]
+        results = self.program.evaluate(
+            args,
+            on_value=self._constrain if self._constraints else None,
+            on_operand=self._constrain_operand if self._operand_constraints else None,
+            bind=self._bind if self._rings else None,
         )
+        return tuple(jax.device_put(r, self._leaving[i]) if i in self._leaving else r
+                     for i, r in enumerate(results))
 
     def _bind(self, eqn: FlatEqn, operands: Sequence[Any]) -> Sequence[Any]:
         ring = self._rings.get(eqn.index)

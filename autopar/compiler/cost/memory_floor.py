@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 from autopar.compiler.cost.memory_model import (
     MemoryEstimate,
@@ -19,37 +19,40 @@ from autopar.compiler.cost.memory_model import (
 from autopar.compiler.graph.opgraph import OpGraph
 
 
-def memory_floor(graph: OpGraph, *, batch_argnums: Iterable[int],
-                 num_devices: int) -> MemoryEstimate:
+def memory_floor(graph: OpGraph, *, batch_argnums: Iterable[int], num_devices: int,
+                 host: Collection[int] = frozenset()) -> MemoryEstimate:
     """The memory of ``graph`` with every tensor split ``num_devices`` ways: no plan on that
     many devices holds less of any tensor, so (up to the memory-greedy order, which the
     shares set) none peaks below this. What a planner checks before building an ILP that
-    cannot fit; the plan's own figure is ``estimate_memory`` of its layouts."""
+    cannot fit; the plan's own figure is ``estimate_memory`` of its layouts. ``host``: the
+    tensors kept in host memory between steps (``estimate_memory``)."""
     shards = dict.fromkeys(graph.tensors, max(1, int(num_devices)))
-    return estimate_memory(graph, batch_argnums=batch_argnums, shards=shards)
+    return estimate_memory(graph, batch_argnums=batch_argnums, shards=shards, host=host)
 
 
 def mesh_memory_floor(graph: OpGraph, *, batch_argnums: Iterable[int],
                       mesh_shape: Sequence[int],
-                      everywhere: MemoryEstimate | None = None) -> MemoryEstimate:
+                      everywhere: MemoryEstimate | None = None,
+                      host: Collection[int] = frozenset()) -> MemoryEstimate:
     """A floor on a mesh of ``mesh_shape``, at or above ``memory_floor`` on as many devices
     (``everywhere``, computed if not given): what every plan holds besides activations as far
     as the mesh splits it (``held_floor``: on a 315 x 8 mesh a dimension of 20,480 takes the
     8-way axis only), and the activations of every tensor split over all the devices."""
     if everywhere is None:
         everywhere = memory_floor(graph, batch_argnums=batch_argnums,
-                                  num_devices=math.prod(mesh_shape))
-    held = held_floor(graph, batch_argnums=batch_argnums, mesh_shape=mesh_shape)
+                                  num_devices=math.prod(mesh_shape), host=host)
+    held = held_floor(graph, batch_argnums=batch_argnums, mesh_shape=mesh_shape, host=host)
     return dataclasses.replace(held, activations=everywhere.activations)
 
 
 def held_floor(graph: OpGraph, *, batch_argnums: Iterable[int],
-               mesh_shape: Sequence[int]) -> MemoryEstimate:
+               mesh_shape: Sequence[int], host: Collection[int] = frozenset()) -> MemoryEstimate:
     """What every plan on a mesh of ``mesh_shape`` holds besides activations, at least: the
     step's inputs (state and batch) and its updated state, each split as far as a layout on
     that mesh can split it (``most_shards``); ``activations`` 0. A sum over the inputs and
     outputs, without ``memory_floor``'s walk of the program: added to an all-device floor's
-    activations it is a floor on the mesh at a fraction of the cost."""
+    activations it is a floor on the mesh at a fraction of the cost. ``host``: tensors kept
+    in host memory between steps, left out (they are among the activations)."""
     batch_args = set(batch_argnums)
 
     def share(t: int) -> int:
@@ -57,9 +60,9 @@ def held_floor(graph: OpGraph, *, batch_argnums: Iterable[int],
         return info.nbytes // most_shards(tuple(info.shape), mesh_shape)
 
     params = parameter_inputs(graph, batch_args)
-    inputs = {io.tensor for io in graph.inputs}
+    inputs = {io.tensor for io in graph.inputs} - set(host)
     batch = {io.tensor for io in graph.inputs if io.arg_index in batch_args}
-    fresh_outputs = {io.tensor for io in graph.outputs} - inputs
+    fresh_outputs = {io.tensor for io in graph.outputs} - inputs - set(host)
     return MemoryEstimate(
         parameters=sum(share(t) for t in params),
         optimizer_state=sum(share(t) for t in inputs - batch - params),

@@ -114,11 +114,15 @@ def estimate_memory(
     shards: Mapping[int, int] | None = None,
     resharded: Mapping[int, float] | None = None,
     donated_state: bool = False,
+    host: Collection[int] = frozenset(),
 ) -> MemoryEstimate:
     """Per-device memory of ``graph`` when tensor ``t`` is split ``shards[t]`` ways (default:
     whole). ``resharded[n]``: bytes of operand copies node ``n`` reads in another layout than
     their producer's (XLA writes the resharded copy, alive while ``n`` runs).
-    ``donated_state``: the state's outputs reuse its input buffers."""
+    ``donated_state``: the state's outputs reuse its input buffers. ``host``: inputs and
+    outputs kept in host memory between steps (``cost.host_state``): on the device an input
+    lives from its first reader to its last and an output from its writing to its transfer,
+    as temporaries (under ``activations``)."""
     shards = dict(shards or {})
     batch_args = set(batch_argnums)
 
@@ -126,17 +130,20 @@ def estimate_memory(
         return graph.tensors[t].nbytes // max(1, shards.get(t, 1))
 
     params = parameter_inputs(graph, batch_args)
+    hosted = frozenset(host)
     inputs = {io.tensor for io in graph.inputs}
     batch = {io.tensor for io in graph.inputs if io.arg_index in batch_args}
-    state = inputs - batch
+    state = inputs - batch - hosted
     # an output that is an input passed through needs no buffer of its own
-    fresh_outputs = {io.tensor for io in graph.outputs} - inputs
+    fresh_outputs = {io.tensor for io in graph.outputs} - inputs - hosted
     temporaries = materialized_temporaries(graph, shards) - fresh_outputs - inputs
+    temporaries |= hosted
     # XLA gives the outputs buffers of their own (lent to temporaries until they are written:
     # not when they are the donated inputs' buffers) and the other temporaries an arena
     updated = 0 if donated_state else sum(share(t) for t in fresh_outputs)
     lenders = set() if donated_state else fresh_outputs
-    peak = updated + _peak_live(graph, temporaries, share, resharded or {}, lenders)
+    peak = updated + _peak_live(graph, temporaries, share, resharded or {}, lenders,
+                                hosted & inputs, hosted - inputs)
     return MemoryEstimate(
         parameters=sum(share(t) for t in params),
         optimizer_state=sum(share(t) for t in state - params),
@@ -247,17 +254,29 @@ def _peak_live(
     share,
     transient: Mapping[int, float],
     lenders: Collection[int] = frozenset(),
+    arriving: Collection[int] = frozenset(),
+    leaving: Collection[int] = frozenset(),
 ) -> int:
     """Peak bytes of ``counted`` tensors alive at once in the memory-greedy order, with each
     node's ``transient`` bytes alive while it runs, less the temporaries that borrow the
-    buffer of a ``lenders`` tensor (an output, alive from its writing to the step's end)."""
+    buffer of a ``lenders`` tensor (an output, alive from its writing to the step's end).
+    ``arriving``: inputs brought to the device when first read, ``leaving``: outputs sent
+    away when written (both among ``counted``)."""
     order = memory_greedy_order(graph, counted, share)
     last_use = last_reads(graph, order, counted)
     born: dict[int, int] = {}
     for i, n in enumerate(order):
+        for t in graph.nodes[n].inputs:
+            if t in arriving and t not in born:
+                born[t] = i
         for t in graph.nodes[n].outputs:
             born[t] = i
-    spans = {t: (born[t], last_use[t]) for t in counted if t in last_use and t in born}
+    spans = {t: (born[t], last_use.get(t, born[t])) for t in counted if t in born
+             and (t in last_use or t in leaving)}
+    arrivals: dict[int, list[int]] = {}
+    for t in arriving:
+        if t in spans:
+            arrivals.setdefault(spans[t][0], []).append(t)
     borrowed = _borrowers(spans, {t: born[t] for t in lenders if t in born}, share)
     frees: dict[int, list[int]] = {}
     for t, (_, end) in spans.items():
@@ -267,6 +286,7 @@ def _peak_live(
     for i, n in enumerate(order):
         dying = frees.pop(i, [])
         in_place = graph.nodes[n].primitive in FUSED_OPS
+        live += sum(share(t) for t in arrivals.get(i, ()))
         for t in graph.nodes[n].outputs:
             if t not in spans or t in borrowed:
                 continue

@@ -34,26 +34,37 @@ def memory_vectors(table: DecisionVariables) -> list[list[float]]:
     return vectors
 
 
-def live_sets(table: DecisionVariables, max_live_sets: int) -> list[list[int]]:
+def live_sets(table: DecisionVariables, max_live_sets: int,
+              host: frozenset[int] = frozenset()) -> list[list[int]]:
     """Variables whose tensors are alive at about ``max_live_sets`` evenly spaced program
-    points (graph inputs are alive at all of them)."""
+    points (graph inputs are alive at all of them). ``host``: inputs and outputs kept in host
+    memory between steps (``cost.host_state``): an input is alive from its first reader to
+    its last, an output where it is written."""
     graph = table.graph
     outputs = {io.tensor for io in graph.outputs}
-    counted = materialized_temporaries(graph) - outputs
+    counted = materialized_temporaries(graph) - outputs | (outputs & host)
     order = memory_greedy_order(graph, counted)
     last_use = last_reads(graph, order, counted)
-    always = {table.var_of[input_key(p)] for p in range(len(graph.inputs))}
-    always |= {table.var_of[table.tensor_home[t][0]] for t in outputs if t in table.tensor_home}
+    inputs = {io.tensor: table.var_of[input_key(p)] for p, io in enumerate(graph.inputs)}
+    always = {var for t, var in inputs.items() if t not in host}
+    always |= {table.var_of[table.tensor_home[t][0]] for t in outputs - host
+               if t in table.tensor_home}
+    arriving = {t: var for t, var in inputs.items() if t in host}
     step = max(1, len(order) // max_live_sets)
     live: dict[int, int] = {}  # tensor -> position of its last reader
     sets: list[list[int]] = []
     for i, n in enumerate(order):
-        for t in graph.nodes[n].outputs:
-            if t in counted and t in last_use:
+        for t in graph.nodes[n].inputs:
+            if t in arriving and t not in live and t in last_use:
                 live[t] = last_use[t]
+        for t in graph.nodes[n].outputs:
+            if t in counted and (t in last_use or t in host):
+                live[t] = last_use.get(t, i)
         if i % step == 0:
-            current = {table.var_of[table.tensor_home[t][0]] for t in live}
+            current = {arriving[t] if t in arriving else table.var_of[table.tensor_home[t][0]]
+                       for t in live}
             sets.append(sorted(current | always))
         for t in [t for t, end in live.items() if end <= i]:
             del live[t]
+            arriving.pop(t, None)
     return sets

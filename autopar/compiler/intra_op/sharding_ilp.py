@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from autopar.compiler.cost.host_state import host_tensors
 from autopar.compiler.cost.memory_model import (
     MemoryEstimate,
     estimate_memory,
@@ -92,6 +93,14 @@ class IntraOpOptions:
     # and the even layers decide apart, so consecutive identical layers may alternate, as
     # Megatron's column- and row-parallel kernels do in a deep MLP); 1: all occurrences tie
     tie_period: int = 2
+    # the optimizer state kept in host memory between steps (``cost.host_state``): its memory
+    # counted only around the update
+    offload_optimizer_state: bool = False
+
+    def host_tensors(self, graph: OpGraph) -> frozenset[int]:
+        """The tensors of ``graph`` kept in host memory between steps (none unless
+        ``offload_optimizer_state``)."""
+        return host_tensors(graph, self.batch_argnums, self.offload_optimizer_state)
 
 
 @dataclass
@@ -170,7 +179,8 @@ def build_problem(
         nodes=nodes,
         edges=edges,
         memory_budget=budget,
-        live_sets=live_sets(table, options.max_live_sets) if budget is not None else [],
+        live_sets=live_sets(table, options.max_live_sets, options.host_tensors(graph))
+        if budget is not None else [],
     )
     return problem, parts
 
@@ -272,7 +282,8 @@ def choices_memory(parts: ProblemParts, choices: Sequence[int], options: IntraOp
         parts.table.graph, {use: spec.num_shards(sizes) for use, spec in operand_specs.items()},
         shards) if copies else {}
     return estimate_memory(parts.table.graph, batch_argnums=options.batch_argnums,
-                           shards=shards, resharded=resharded)
+                           shards=shards, resharded=resharded,
+                           host=options.host_tensors(parts.table.graph))
 
 
 def with_memory_budget(problem: IntraOpProblem, parts: ProblemParts,
@@ -285,7 +296,8 @@ def with_memory_budget(problem: IntraOpProblem, parts: ProblemParts,
     nodes = [dataclasses.replace(node, memory=memory)
              for node, memory in zip(problem.nodes, memory_vectors(parts.table), strict=True)]
     return IntraOpProblem(nodes=nodes, edges=problem.edges, memory_budget=budget,
-                          live_sets=live_sets(parts.table, options.max_live_sets))
+                          live_sets=live_sets(parts.table, options.max_live_sets,
+                                              options.host_tensors(parts.table.graph)))
 
 
 def _check_least_memory(parts: ProblemParts, problem: IntraOpProblem, budget: float,

@@ -18,6 +18,7 @@ from typing import Any
 
 from autopar.cluster import ClusterSpec
 from autopar.compiler.cost.estimate import one_call_time_s
+from autopar.compiler.cost.host_state import host_tensors
 from autopar.compiler.cost.mesh import logical_mesh_for
 from autopar.compiler.graph.attention_forms import trace_with_attention_kernel
 from autopar.compiler.graph.trace import TracedStep, build_graph, trace_step
@@ -29,6 +30,7 @@ from autopar.compiler.planners.common import (
     fewer_full_collections,
 )
 from autopar.compiler.planners.data import plan_data_parallel
+from autopar.compiler.planners.host_offload import plan_offloaded
 from autopar.compiler.planners.shard_budget import check_can_win, plan_within_budget
 from autopar.compiler.planners.step_program import (
     IlpObserver,
@@ -186,8 +188,32 @@ def _plan_one_stage_with_remat(step: StepProgram, cluster: ClusterSpec,
     (the full search's): where the fastest plan does not fit and is estimated no faster,
     ``CannotWinError`` rather than the memory-constrained solve or the recomputation.
     With ``remat="auto"``, where neither the plain step nor its recomputed layers fit, the
-    step with its attentions run by autopar's kernel is planned too (``attention_kernel``).
+    step with its attentions run by autopar's kernel is planned too (``attention_kernel``),
+    and where none of that fits, a ShardParallel plan keeping the optimizer state in host
+    memory between steps (``host_offload``).
     """
+    from autopar.compiler.intra_op.problem import InfeasibleMemoryError
+
+    def on_device(step: StepProgram) -> PlannedProgram:
+        return _plan_on_device(step, cluster, ilp_observer, budget, beat)
+
+    def fits(plan: Plan) -> bool:
+        return _fits(plan, step.method, cluster, budget)
+
+    try:
+        planned = on_device(step)
+    except InfeasibleMemoryError as err:
+        offloaded = plan_offloaded(step, cluster, on_device, fits, err.min_peak_bytes)
+        if offloaded is None:
+            raise
+        return offloaded
+    return planned if fits(planned.plan) else (plan_offloaded(
+        step, cluster, on_device, fits, planned.plan.peak_memory_bytes) or planned)
+
+
+def _plan_on_device(step: StepProgram, cluster: ClusterSpec, ilp_observer: IlpObserver | None,
+                    budget: float | None, beat: float | None) -> PlannedProgram:
+    """``_plan_one_stage_with_remat`` without the optimizer state off the devices."""
     from autopar.compiler.intra_op.problem import InfeasibleMemoryError
 
     try:
@@ -248,11 +274,14 @@ def _state_over_budget(step: StepProgram, cluster: ClusterSpec, budget: float) -
     """Whether the step's state, inputs and updated state alone, split as far as the method's
     mesh splits them, exceed ``budget``: recomputing layers saves activations only, so it
     cannot fit either (and is not traced)."""
-    floor = step.memo.memory_floor(step.traced, step.batch_argnums, cluster.num_devices)
+    host = host_tensors(step.traced.graph, step.batch_argnums,
+                        getattr(step.method, "offload_optimizer_state", False))
+    floor = step.memo.memory_floor(step.traced, step.batch_argnums, cluster.num_devices, host)
     if floor.total - floor.activations > budget:
         return True
     mesh = logical_mesh_for(cluster, getattr(step.method, "mesh_shape", None))
-    floor = step.memo.mesh_memory_floor(step.traced, step.batch_argnums, tuple(mesh.shape))
+    floor = step.memo.mesh_memory_floor(step.traced, step.batch_argnums, tuple(mesh.shape),
+                                        host)
     return floor.total - floor.activations > budget
 
 

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from autopar.compiler.cost.estimate import launch_time_s, summarize_collectives
+from autopar.compiler.cost.host_state import HostState, host_state, host_transfer_s
 from autopar.compiler.cost.memory_model import estimate_memory, resharded_operand_bytes
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.opgraph import OpGraph
@@ -71,14 +72,12 @@ def plan_shard_parallel(
         graph, {use: spec.num_shards(sizes) for use, spec in result.operand_specs.items()},
         shard_count)
     memory = estimate_memory(graph, batch_argnums=batch_argnums, shards=shard_count,
-                             resharded=resharded).breakdown()
-    solution = result.solution
-    solver_stats = solution.to_dict() | {
-        "build_time_s": result.build_time_s + solution.build_time_s,
-        "variables_before_merging": graph.num_nodes + len(graph.inputs),
-        "decision_variables": len(result.variables),
-    }
+                             resharded=resharded,
+                             host=options.host_tensors(graph)).breakdown()
     notes = _notes(result, mesh)
+    hosted = host_state(graph, batch_argnums) if options.offload_optimizer_state else None
+    if hosted:
+        comm_s += _host_note(graph, hosted, shard_count, mesh, notes)
     return whole_mesh_plan(
         MethodName.SHARD,
         mesh,
@@ -89,14 +88,36 @@ def plan_shard_parallel(
         compute_s=compute_s,
         comm_s=comm_s,
         memory=memory,
-        solver=solver_stats,
+        solver=_solver_stats(result, graph),
         notes=notes,
         input_shardings=input_specs,
         output_shardings=output_specs,
         tensor_shardings=tensor_specs,
         operand_shardings=dict(result.operand_specs),
         collectives=collectives,
+        host_paths=(hosted.input_paths + hosted.output_paths) if hosted else (),
     )
+
+
+def _solver_stats(result: IntraOpResult, graph: OpGraph) -> dict[str, Any]:
+    """How the ILP was built and solved, for the plan's record."""
+    solution = result.solution
+    return solution.to_dict() | {
+        "build_time_s": result.build_time_s + solution.build_time_s,
+        "variables_before_merging": graph.num_nodes + len(graph.inputs),
+        "decision_variables": len(result.variables),
+    }
+
+
+def _host_note(graph: OpGraph, hosted: HostState, shards: dict[int, int], mesh: LogicalMesh,
+               notes: list[str]) -> float:
+    """Seconds a step moving the optimizer state kept in host memory over the host link
+    (``cost.host_state``), and a note saying so."""
+    moved = host_transfer_s(graph, hosted, shards, mesh.device.host_link_bytes_per_s)
+    notes.append(f"optimizer state kept in host memory between steps: {len(hosted.inputs)} "
+                 f"leaves, {moved:.4g} s a step over the host link (in for the update, out "
+                 "after it)")
+    return moved
 
 
 def _layouts(graph: OpGraph, result: IntraOpResult

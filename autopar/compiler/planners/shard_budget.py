@@ -14,6 +14,7 @@ from typing import Any
 
 from autopar.cluster import ClusterSpec
 from autopar.compiler.cost.estimate import one_call_time_s
+from autopar.compiler.cost.host_state import host_tensors
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.trace import TracedStep
 from autopar.compiler.planners.common import PlanPlace
@@ -56,19 +57,31 @@ def _checked_pins(pinned: Sequence[tuple[str, Any]], traced: TracedStep,
     return dict(pinned)
 
 
+def _pins(traced: TracedStep, method: ShardParallel, mesh: LogicalMesh,
+          batch_argnums: tuple[int, ...]) -> dict[str, Any]:
+    """The inputs whose layouts the ILP takes as given: the optimizer state sharded where
+    the method prefers reduce-scatters, and the user's pinned inputs."""
+    pins = (optimizer_state_pins(traced.graph, mesh, batch_argnums)
+            if method.prefer_reduce_scatter else {})
+    pins.update(_checked_pins(method.pinned_inputs, traced, mesh))
+    return pins
+
+
 def _check_floors(traced: TracedStep, batch_argnums: tuple[int, ...], mesh: LogicalMesh,
-                  memo: TraceMemo, limit: float) -> None:
+                  memo: TraceMemo, limit: float, offload: bool = False) -> None:
     """No plan holds less of a tensor than the most its shape can be split on the mesh: a
     step whose floor is over ``limit`` is answered (``InfeasibleMemoryError``) before its ILP
     is built (at published sizes the build, and the memory-constrained solve after it, take
     minutes; GPT 529.6B on a 315 x 8 mesh splits its parameters 8 ways at most)."""
     from autopar.compiler.intra_op.problem import InfeasibleMemoryError
 
+    # with the optimizer state in host memory (``offload``), it is not on the devices
+    host = host_tensors(traced.graph, batch_argnums, offload)
     devices = len(mesh.device_ids)
-    floor = memo.memory_floor(traced, batch_argnums, devices)
+    floor = memo.memory_floor(traced, batch_argnums, devices, host)
     if floor.total > limit:
         raise InfeasibleMemoryError(limit, floor.total, floor.dominant(), split_over=devices)
-    floor = memo.mesh_memory_floor(traced, batch_argnums, tuple(mesh.shape))
+    floor = memo.mesh_memory_floor(traced, batch_argnums, tuple(mesh.shape), host)
     if floor.total > limit:
         raise InfeasibleMemoryError(limit, floor.total, floor.dominant(), split_over=devices,
                                     mesh_shape=tuple(mesh.shape))
@@ -87,15 +100,12 @@ def plan_within_budget(traced: TracedStep, method: ShardParallel, cluster: Clust
 
     budget = method.memory_budget_bytes
     limit = float(budget if budget is not None else cluster.device.memory_bytes)
-    _check_floors(traced, batch_argnums, mesh, memo, limit)
-    pins = (optimizer_state_pins(traced.graph, mesh, batch_argnums)
-            if method.prefer_reduce_scatter else {})
-    pins.update(_checked_pins(method.pinned_inputs, traced, mesh))
-
+    _check_floors(traced, batch_argnums, mesh, memo, limit, method.offload_optimizer_state)
+    pins = _pins(traced, method, mesh, batch_argnums)
     # what the fastest plan and its problem depend on (not the budget, nor the time limit
     # the full search cuts as its time budget runs out)
     key = (id(traced.graph), cluster, tuple(mesh.shape), method.solver,
-           method.prefer_reduce_scatter, method.pinned_inputs)
+           method.prefer_reduce_scatter, method.pinned_inputs, method.offload_optimizer_state)
     # the problem built for the fastest plan is solved again under the budget, not built
     # again (at GPT-3 175B on 1,024 devices a build is about 10 s), also when the full
     # search comes back to it (``beat``)
@@ -106,7 +116,8 @@ def plan_within_budget(traced: TracedStep, method: ShardParallel, cluster: Clust
     def solve_within(budget: float | None) -> Plan:
         options = IntraOpOptions(memory_budget_bytes=budget, solver=method.solver,
                                  time_limit_s=method.time_limit_s,
-                                 batch_argnums=batch_argnums, pinned_inputs=pins)
+                                 batch_argnums=batch_argnums, pinned_inputs=pins,
+                                 offload_optimizer_state=method.offload_optimizer_state)
         return plan_shard_parallel(traced, mesh, options, ilp_observer=ilp_observer,
                                    built=built, caches=caches, **common)
 

@@ -62,25 +62,27 @@ class TraceMemo:
     may_trace: bool = True
 
     def memory_floor(self, traced: TracedStep, batch_argnums: tuple[int, ...],
-                     num_devices: int) -> MemoryEstimate:
+                     num_devices: int, host: frozenset[int] = frozenset()) -> MemoryEstimate:
         """``memory_floor`` of ``traced``'s graph with every tensor split over
-        ``num_devices`` devices, computed once (the meshes of as many devices share it)."""
-        key = (id(traced.graph), "devices", (num_devices,))
+        ``num_devices`` devices (``host``: tensors kept in host memory between steps),
+        computed once (the meshes of as many devices share it)."""
+        key = (id(traced.graph), "devices", (num_devices,), host)
         if key not in self.memory_floors:
             self.memory_floors[key] = memory_floor(traced.graph, batch_argnums=batch_argnums,
-                                                   num_devices=num_devices)
+                                                   num_devices=num_devices, host=host)
         return self.memory_floors[key]
 
     def mesh_memory_floor(self, traced: TracedStep, batch_argnums: tuple[int, ...],
-                          mesh_shape: tuple[int, ...]) -> MemoryEstimate:
+                          mesh_shape: tuple[int, ...],
+                          host: frozenset[int] = frozenset()) -> MemoryEstimate:
         """``mesh_memory_floor`` of ``traced``'s graph on a mesh of ``mesh_shape`` (at or
         above ``memory_floor``'s on as many devices, which it reads), computed once."""
-        key = (id(traced.graph), "mesh", tuple(mesh_shape))
+        key = (id(traced.graph), "mesh", tuple(mesh_shape), host)
         if key not in self.memory_floors:
-            everywhere = self.memory_floor(traced, batch_argnums, math.prod(mesh_shape))
+            everywhere = self.memory_floor(traced, batch_argnums, math.prod(mesh_shape), host)
             self.memory_floors[key] = mesh_memory_floor(
                 traced.graph, batch_argnums=batch_argnums, mesh_shape=mesh_shape,
-                everywhere=everywhere)
+                everywhere=everywhere, host=host)
         return self.memory_floors[key]
 
 

@@ -136,10 +136,11 @@ EXPERT_PLANS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "zoo-moe": (("experts",), ("experts",)),
     "zoo-wresnet": (("conv-data-head-tensor",), ("conv-data-head-tensor",)),
 }
-# Megatron's sequence-parallel plans (the batch's sequence split over the tensor axis too),
-# beside Megatron's, on one mesh each of the two transformers: each costs another XLA compile
-# and two pinned ILPs, and the 2-D and 1-D forms are each checked once (suite time, issue 34)
-SEQUENCE_PARALLEL = {("zoo-gpt", (1, 4)): "megatron-sp", ("bert", (2, 4)): "data-megatron-sp"}
+# Megatron's sequence-parallel plan (the batch's sequence split over the tensor axis too),
+# beside Megatron's, on the zoo GPT at 1x4: each such plan costs another XLA compile and two
+# pinned ILPs (the 2-D form, measured on BERT at 2x4 in docs/long-sequences.md, about 6 s
+# more: left out for the suite's time, issue 34; its rules are tested below)
+SEQUENCE_PARALLEL = {("zoo-gpt", (1, 4)): "megatron-sp"}
 # the cases that also compare the free plan's numbers with the serial step's
 NUMERICS = {("deep-mlp", (1, 4)), ("wide-batch-mlp", (2, 2)), ("moe-layer", (1, 4)),
             ("tied-embedding", (2, 2))}

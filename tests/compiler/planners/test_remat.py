@@ -184,10 +184,15 @@ def test_auto_remat_is_not_tried_where_the_mesh_cannot_split_the_state(monkeypat
     monkeypatch.setattr(dispatch, "_plan_rematerialised",
                         lambda *a, **k: tried.append(a) or traced_again(*a, **k))
     divide = r"split over all 8 devices as far as its dimensions divide \(mesh 8\), the"
+    # no host link described: the optimizer state cannot leave the devices either (with it
+    # in host memory, what stays might fit, and recomputation would rightly be tried)
+    cpu = load_cluster("cpu-sim")
+    cluster = dataclasses.replace(cpu, device=dataclasses.replace(cpu.device,
+                                                                  host_link_bytes_per_s=0.0))
     with pytest.raises(InfeasibleMemoryError, match=divide) as refused:
         plan_train_step(model.train_step, (state, batch),
                         autopar.ShardParallel(remat="auto", memory_budget_bytes=budget),
-                        load_cluster("cpu-sim"), batch_argnums=(1,))
+                        cluster, batch_argnums=(1,))
     assert refused.value.split_over == 8 and refused.value.mesh_shape == (8,)
     assert refused.value.min_peak_bytes >= state_on_mesh > budget
     assert not tried
