@@ -19,11 +19,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from autopar.compiler.cost.attention_blocks import transient_bytes
 from autopar.compiler.cost.host_state import host_tensors
 from autopar.compiler.cost.memory_model import (
     MemoryEstimate,
     estimate_memory,
-    resharded_operand_bytes,
 )
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.opgraph import OpGraph
@@ -274,15 +274,14 @@ def choices_memory(parts: ProblemParts, choices: Sequence[int], options: IntraOp
     its tensors' shards, and the operand copies it reshards (left out with ``copies=False``:
     what holds the least-memory plan's memory, whose layouts disagree from op to op as an
     artefact of picking each op's least memory on its own)."""
-    _, _, operand_specs, tensor_spec, _ = read_solution(parts, choices)
+    node_strategy, _, operand_specs, tensor_spec, _ = read_solution(parts, choices)
     mesh = parts.table.mesh
     sizes = {a: mesh.axis_size(a) for a in mesh.axis_names}
     shards = {t: spec.num_shards(sizes) for t, spec in tensor_spec.items()}
-    resharded = resharded_operand_bytes(
-        parts.table.graph, {use: spec.num_shards(sizes) for use, spec in operand_specs.items()},
-        shards) if copies else {}
+    transient = transient_bytes(parts.table.graph, node_strategy, operand_specs, shards, sizes,
+                                copies=copies)
     return estimate_memory(parts.table.graph, batch_argnums=options.batch_argnums,
-                           shards=shards, resharded=resharded,
+                           shards=shards, resharded=transient,
                            host=options.host_tensors(parts.table.graph))
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from autopar.compiler.cost.attention_blocks import transient_bytes
 from autopar.compiler.cost.estimate import launch_time_s, summarize_collectives
 from autopar.compiler.cost.host_state import HostState, host_state, host_transfer_s
-from autopar.compiler.cost.memory_model import estimate_memory, resharded_operand_bytes
+from autopar.compiler.cost.memory_model import estimate_memory
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.opgraph import OpGraph
 from autopar.compiler.graph.trace import TracedStep
@@ -68,11 +69,10 @@ def plan_shard_parallel(
         launch_time_s(graph, mesh)
     comm_s = sum(c.time_s for c in collectives)
     shard_count = {t: spec.num_shards(sizes) for t, spec in result.tensor_spec.items()}
-    resharded = resharded_operand_bytes(
-        graph, {use: spec.num_shards(sizes) for use, spec in result.operand_specs.items()},
-        shard_count)
+    transient = transient_bytes(graph, result.node_strategy, result.operand_specs,
+                                shard_count, sizes)
     memory = estimate_memory(graph, batch_argnums=batch_argnums, shards=shard_count,
-                             resharded=resharded,
+                             resharded=transient,
                              host=options.host_tensors(graph)).breakdown()
     notes = _notes(result, mesh)
     hosted = host_state(graph, batch_argnums) if options.offload_optimizer_state else None

@@ -77,3 +77,30 @@ def test_the_batch_and_heads_split_without_communication():
     lead = [s for s in found if not s.name.endswith((RING, GATHER))
             and any(s.input_specs[0].dims[:-2])]
     assert lead and all(not s.collectives and s.communication_time_s == 0 for s in lead)
+
+
+def test_the_kernels_score_blocks_are_counted_while_it_runs():
+    """``cost.attention_blocks``: per attention node, the float32 score blocks one device
+    holds while it runs (two forward, three backward): the local heads by the local queries
+    by the keys met at once, whole, gathered or one ring slice."""
+    from autopar.compiler.cost.attention_blocks import attention_block_bytes
+
+    graph = traced().graph
+    mesh, found = strategies("autopar_attention", (2, 4))
+    sizes = dict(zip(mesh.axis_names, mesh.shape, strict=True))
+    node = next(n for n in graph.nodes if n.primitive == "autopar_attention")
+    q = graph.tensors[node.inputs[0]]
+    lead = 1
+    for d in q.shape[:-2]:
+        lead *= d
+    whole = attention_block_bytes(graph, {}, sizes)[node.id]
+    assert whole == 2 * lead * SEQ * SEQ * 4
+    x = mesh.axis_names[1]
+    for s in found:
+        if s.input_specs[0].dims[-2] != (x,) or any(s.input_specs[0].dims[:-2]):
+            continue
+        got = attention_block_bytes(graph, {node.id: s.input_specs}, sizes)[node.id]
+        cols = SEQ // 4 if s.name.endswith(RING) else SEQ
+        assert got == 2 * lead * (SEQ // 4) * cols * 4, s.name
+    backward = next(n for n in graph.nodes if n.primitive == "autopar_attention_bwd")
+    assert attention_block_bytes(graph, {}, sizes)[backward.id] == 3 * lead * SEQ * SEQ * 4
