@@ -33,8 +33,9 @@ class RematMode(StrEnum):
     """``remat=``: keep every activation (``NONE``), recompute each layer's forward in the
     backward (``LAYERS``), recompute each layer but its matmuls' outputs (``SELECTIVE``:
     the attention core and the element-wise chains, Korthikanti et al.'s selective
-    recomputation; pipeline stages only), or let the planner choose per candidate
-    (``AUTO``)."""
+    recomputation), or let the planner choose per candidate (``AUTO``: for one-stage
+    plans none, then whole layers where that does not fit; pipeline stages choose among all
+    three)."""
 
     NONE = "none"
     LAYERS = "layers"
@@ -84,13 +85,9 @@ def check_replicas(value: str) -> None:
 
 
 def check_remat(value: str, *, pipelined: bool = False) -> None:
-    """Raise ``InvalidOptionError`` unless ``value`` is a remat mode the method takes
-    (``SELECTIVE``: a ``pipelined`` one's only)."""
-    valid = [m.value for m in RematMode if pipelined or m != RematMode.SELECTIVE]
-    if value == RematMode.SELECTIVE and not pipelined:
-        raise InvalidOptionError(
-            f"remat={value!r} is planned for pipeline stages (PipeshardParallel); this "
-            f"method takes {', '.join(valid)}")
+    """Raise ``InvalidOptionError`` unless ``value`` is a remat mode (every method takes
+    every mode; ``pipelined`` is kept for callers that name their kind)."""
+    valid = [m.value for m in RematMode]
     if not (isinstance(value, str) and value in valid):
         raise InvalidOptionError(f"unknown remat option {value!r}; valid: {', '.join(valid)}")
 

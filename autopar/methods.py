@@ -67,8 +67,9 @@ class ShardParallel:
     reduce-scattered rather than all-reduced.
     ``remat``: rematerialisation of the loss function's layers (it needs the step's gradient
     from ``autopar.value_and_grad``): ``"none"``, ``"layers"`` (each layer under
-    ``jax.checkpoint``: the backward keeps only layer inputs and recomputes the rest) or
-    ``"auto"`` (only when the plan without it does not fit the memory budget).
+    ``jax.checkpoint``: the backward keeps only layer inputs and recomputes the rest),
+    ``"selective"`` (the same, keeping each layer's matmul outputs too) or ``"auto"`` (whole
+    layers, only when the plan without recomputation does not fit the memory budget).
     ``pinned_inputs``: (leaf path, spec on the logical mesh) pairs, e.g.
     ``(("state/params/w", ShardingSpec(((), ("y",)))),)``: those inputs keep that layout and
     the ILP chooses the rest (the full search pins the inputs committed to your own mesh so).
@@ -265,7 +266,8 @@ class AutoParallel:
     (see ``PipeshardParallel``). ``memory_budget_bytes``: per-device memory every plan must
     fit (default: the cluster's device memory). ``solver``, ``time_limit_s``: the ILPs'.
     ``remat``: ``"auto"`` (default: each candidate is rematerialised only where it would not
-    fit otherwise; a pipeline's stages selectively or whole), ``"none"`` or ``"layers"``.
+    fit otherwise; a pipeline's stages selectively or whole), ``"none"``, ``"layers"`` or
+    ``"selective"``.
     ``replicas``: the pipelined candidates' (see ``PipeshardParallel``).
     ``time_budget_s``: planning seconds the search may spend (None: no limit). The candidates
     are planned in order (the one-stage methods, then the pipelines); each ILP's limit is cut

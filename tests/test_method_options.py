@@ -32,9 +32,7 @@ def test_no_memory_budget_is_allowed(method):
 
 @pytest.mark.parametrize("method", ALL_METHODS)
 def test_an_unknown_remat_names_every_mode(method):
-    # selective recomputation is planned for pipeline stages only
-    modes = ("none, layers, selective, auto" if method is autopar.PipeshardParallel
-             else "none, layers, auto")
+    modes = "none, layers, selective, auto"
     with pytest.raises(InvalidOptionError, match=f"unknown remat option 'some'; valid: {modes}$"):
         method(remat="some")
 

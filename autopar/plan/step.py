@@ -214,6 +214,9 @@ class Plan:
     num_microbatches: int = 1
     pipeline: PipelineLayout | None = None
     remat_positions: tuple[int, ...] | None = None
+    # the rematerialised layers keep their matmuls' outputs (selective recomputation,
+    # ``ir.remat_loss.SELECTIVE_POLICY``)
+    remat_selective: bool = False
     # the step's attentions run by autopar's kernel (``ir.attention_rewrite``): its tensor ids
     # are that trace's
     attention_kernel: bool = False
@@ -369,6 +372,7 @@ PLAN_JSON = (
     JsonField("num_microbatches", int),
     JsonField("pipeline", optional(PipelineLayout.from_dict), optional(PipelineLayout.to_dict)),
     JsonField("remat_positions", optional(_ints), optional(listed)),
+    JsonField("remat_selective", boolean, default=False),
     JsonField("attention_kernel", boolean, default=False),
     JsonField("planning", PlanningRecord.from_dict, PlanningRecord.to_dict),
     JsonField("solver", optional(lambda v: dict(object_of(v, "solver")))),

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import jax
@@ -26,6 +25,7 @@ from autopar.ir.layered_grad import piece_function
 from autopar.ir.pieces import Piece
 from autopar.ir.pipeline_pieces import piece_roles
 from autopar.ir.pipeline_program import PipelineProgram
+from autopar.ir.remat_loss import layer_checkpoint
 from autopar.ir.scan_units import run_forward_eqns
 from autopar.runtime.param_copies import ParamCopies, plan_param_copies
 from autopar.runtime.shard import partition_spec
@@ -100,8 +100,7 @@ def piece_tasks(pp: PipelineProgram, piece: Piece, stage: int, mesh: Mesh,
         return [hold(v, g) if v in copies.params else g
                 for v, g in zip(params, grads[:n_params], strict=True)]
 
-    checkpoint = partial(jax.checkpoint, policy=(
-        jax.checkpoint_policies.dots_with_no_batch_dims_saveable if selective else None))
+    checkpoint = layer_checkpoint(selective)
     run = _forward_run(pp, piece, layers, t, hold if held or copies.copies else None,
                        checkpoint)
     _jit_tasks(t, run, param_grads, mesh, specs)

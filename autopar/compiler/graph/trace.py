@@ -88,15 +88,16 @@ def build_graph(program: FlatProgram) -> OpGraph:
 
 def trace_step(fn: Callable, args: Sequence[Any],
                remat_positions: Sequence[int] | None = None,
-               jaxpr: StepJaxpr | None = None) -> TracedStep:
+               jaxpr: StepJaxpr | None = None, remat_selective: bool = False) -> TracedStep:
     """Trace ``fn(*args)`` into a flat program and its OpGraph (raises ``TraceError``).
     ``remat_positions``: inline ``autopar.value_and_grad`` with the loss forward's layers (cut
-    before these equations) under ``jax.checkpoint`` (``remat_loss.flatten_step_rematerialised``).
-    ``jaxpr``: the step already traced at these shapes (``flatten.trace_jaxpr``): walked, not
-    traced again.
+    before these equations) under ``jax.checkpoint`` (``remat_loss.flatten_step_rematerialised``;
+    ``remat_selective``: keeping their matmuls' outputs). ``jaxpr``: the step already traced
+    at these shapes (``flatten.trace_jaxpr``): walked, not traced again.
     """
     if remat_positions is None:
         program = flatten_step(fn, tuple(args), expand_scans=True, jaxpr=jaxpr)
     else:
-        program = flatten_step_rematerialised(fn, tuple(args), remat_positions, jaxpr=jaxpr)
+        program = flatten_step_rematerialised(fn, tuple(args), remat_positions, jaxpr=jaxpr,
+                                              selective=remat_selective)
     return TracedStep(program=program, graph=build_graph(program))

@@ -121,7 +121,8 @@ def trace_for_plan(fn: Callable, args: Sequence[Any], plan: Plan,
         if traced is None:
             raise PlanError("the plan runs the step's attentions as autopar's kernel, but this "
                             "step has none it can run: it was made for another step")
-    traced = traced or trace_step(fn, args, remat_positions=plan.remat_positions)
+    traced = traced or trace_step(fn, args, remat_positions=plan.remat_positions,
+                                  remat_selective=plan.remat_selective)
     return StepProgram(traced, ShardParallel(), batch_argnums, fn=fn, args=tuple(args))
 
 
@@ -242,7 +243,7 @@ def _plan_recomputing(step: StepProgram, cluster: ClusterSpec,
     method = step.method
     remat = getattr(method, "remat", RematMode.NONE)
     planned = None
-    if remat != RematMode.LAYERS:
+    if remat not in (RematMode.LAYERS, RematMode.SELECTIVE):
         try:
             planned = PlannedProgram(step.traced, _plan_one_stage(
                 step.traced, method, cluster, step.batch_argnums, ilp_observer, step.memo,
@@ -307,10 +308,12 @@ def _plan_rematerialised(step: StepProgram, cluster: ClusterSpec,
     if step.fn is None:
         raise InvalidOptionError("remat needs the step itself to trace it again; this step "
                                  "was given as a traced program only")
-    remat = step.rematerialised()
+    selective = getattr(step.method, "remat", None) == RematMode.SELECTIVE
+    remat = step.rematerialised(selective)
     if isinstance(remat, Exception):
         if planned is None:
-            raise InvalidOptionError(f"remat='layers' needs the step's gradient from "
+            mode = "selective" if selective else "layers"
+            raise InvalidOptionError(f"remat='{mode}' needs the step's gradient from "
                                      f"autopar.value_and_grad or autopar.grad: "
                                      f"{remat}") from None
         return planned.with_plan(planned.plan.noted(
@@ -326,9 +329,10 @@ def _plan_rematerialised(step: StepProgram, cluster: ClusterSpec,
         f": {format_bytes(plan.peak_memory_bytes)} per device against "
         f"{format_bytes(planned.plan.peak_memory_bytes)} keeping every activation, est. step "
         f"{plan.est_step_time_s:.4g} s against {planned.plan.est_step_time_s:.4g} s")
-    plan = replace(plan, remat_positions=tuple(positions)).noted(
+    kept = "their matmuls' outputs kept, the rest" if selective else "the backward"
+    plan = replace(plan, remat_positions=tuple(positions), remat_selective=selective).noted(
         f"rematerialised: the loss function's {len(positions) + 1} layers run under "
-        f"jax.checkpoint (the backward recomputes them){saved}")
+        f"jax.checkpoint ({kept} recomputes them){saved}")
     return PlannedProgram(traced, plan)
 
 

@@ -45,6 +45,8 @@ class TraceMemo:
 
     jaxpr: StepJaxpr | None = None
     remat: tuple[TracedStep, tuple[int, ...]] | Exception | None = None
+    # the same with the layers' matmul outputs kept (``remat="selective"``)
+    remat_selective: tuple[TracedStep, tuple[int, ...]] | Exception | None = None
     # the step with its attentions run by the kernel (``attention_forms``); False: it has none
     attention_kernel: TracedStep | bool | None = None
     memory_floors: dict[tuple, MemoryEstimate] = field(default_factory=dict)
@@ -114,21 +116,33 @@ class StepProgram:
     # what the planner is doing, for a progress display (written, never read, by planners)
     status: PlanningStatus = field(default_factory=PlanningStatus)
 
-    def rematerialised(self) -> tuple[TracedStep, tuple[int, ...]] | Exception:
-        """The step traced again with its loss function's layers under ``jax.checkpoint``,
-        and their positions (or the error that says it has no layers to recompute): traced
-        once, on first use (``TraceMemo.remat``)."""
+    def rematerialised(self, selective: bool = False
+                       ) -> tuple[TracedStep, tuple[int, ...]] | Exception:
+        """The step traced again with its loss function's layers under ``jax.checkpoint``
+        (``selective``: keeping their matmuls' outputs), and their positions (or the error
+        that says it has no layers to recompute): traced once, on first use
+        (``TraceMemo.remat``, ``remat_selective``)."""
         memo = self.memo
-        if memo.remat is None:
+        found = memo.remat_selective if selective else memo.remat
+        if found is None:
             fn, jaxpr = self._to_trace("the rematerialised step")
             try:
-                pp = build_pipeline_program(fn, self.args, self.batch_argnums, 1, jaxpr=jaxpr)
-                positions = remat_layer_positions(pp, build_graph(pp.forward))
-                memo.remat = (trace_step(fn, self.args, remat_positions=positions,
-                                         jaxpr=jaxpr), tuple(positions))
+                other = memo.remat if selective else memo.remat_selective
+                if isinstance(other, tuple):
+                    positions = other[1]
+                else:
+                    pp = build_pipeline_program(fn, self.args, self.batch_argnums, 1,
+                                                jaxpr=jaxpr)
+                    positions = tuple(remat_layer_positions(pp, build_graph(pp.forward)))
+                found = (trace_step(fn, self.args, remat_positions=positions, jaxpr=jaxpr,
+                                    remat_selective=selective), tuple(positions))
             except NoLossFunctionError as err:
-                memo.remat = err
-        return memo.remat
+                found = err
+            if selective:
+                memo.remat_selective = found
+            else:
+                memo.remat = found
+        return found
 
     def with_attention_kernel(self) -> TracedStep | None:
         """The step traced again with its loss function's attentions run by the kernel (None:
