@@ -104,7 +104,8 @@ def _fold(state: tuple, s: jax.Array, v: jax.Array) -> tuple:
     return new_max, row_sum, out
 
 
-def _halves(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+def halves(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+    """``x``'s first and second halves along ``axis`` (negative: from the end)."""
     axis %= x.ndim
     half = x.shape[axis] // 2
     return (jax.lax.slice_in_dim(x, 0, half, axis=axis),
@@ -119,13 +120,13 @@ def _zigzag_fold(state: tuple, q: jax.Array, k: jax.Array, v: jax.Array, earlier
     the first. Only the visible half is computed, with no mask."""
 
     def keys_first_half(state: tuple) -> tuple:
-        return _fold(state, _block_scores(q, _halves(k, -2)[0], None, None, False, scale),
-                     _halves(v, -2)[0])
+        return _fold(state, _block_scores(q, halves(k, -2)[0], None, None, False, scale),
+                     halves(v, -2)[0])
 
     def queries_second_half(state: tuple) -> tuple:
-        (m1, m2), (s1, s2), (o1, o2) = (_halves(x, a) for x, a in zip(state, (-1, -1, -2),
+        (m1, m2), (s1, s2), (o1, o2) = (halves(x, a) for x, a in zip(state, (-1, -1, -2),
                                                                         strict=True))
-        m2, s2, o2 = _fold((m2, s2, o2), _block_scores(_halves(q, -2)[1], k, None, None,
+        m2, s2, o2 = _fold((m2, s2, o2), _block_scores(halves(q, -2)[1], k, None, None,
                                                         False, scale), v)
         return (jnp.concatenate([m1, m2], -1), jnp.concatenate([s1, s2], -1),
                 jnp.concatenate([o1, o2], -2))
@@ -154,14 +155,14 @@ def _zigzag_grads(q: jax.Array, k: jax.Array, v: jax.Array, d_out: jax.Array,
     (``_zigzag_fold``), as shares of the whole dq, dk and dv."""
 
     def keys_first_half() -> tuple:
-        dq, dk, dv = _block_grads(q, _halves(k, -2)[0], _halves(v, -2)[0], d_out, lse, delta,
+        dq, dk, dv = _block_grads(q, halves(k, -2)[0], halves(v, -2)[0], d_out, lse, delta,
                                   None, None, False, scale)
         return (dq, jnp.concatenate([dk, jnp.zeros_like(dk)], -2),
                 jnp.concatenate([dv, jnp.zeros_like(dv)], -2))
 
     def queries_second_half() -> tuple:
-        dq, dk, dv = _block_grads(_halves(q, -2)[1], k, v, _halves(d_out, -2)[1],
-                                  _halves(lse, -1)[1], _halves(delta, -1)[1], None, None,
+        dq, dk, dv = _block_grads(halves(q, -2)[1], k, v, halves(d_out, -2)[1],
+                                  halves(lse, -1)[1], halves(delta, -1)[1], None, None,
                                   False, scale)
         return jnp.concatenate([jnp.zeros_like(dq), dq], -2), dk, dv
 

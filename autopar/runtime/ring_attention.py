@@ -44,6 +44,7 @@ from autopar.ir.attention_op import (
     Ring,
     attention_backward,
     attention_forward,
+    halves,
     zigzag_applies,
 )
 
@@ -130,20 +131,13 @@ def _zigzag_owner(chunk: int, n: int) -> int:
     return chunk if chunk < n else 2 * n - 1 - chunk
 
 
-def _halves(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
-    half = x.shape[axis] // 2
-    axis %= x.ndim
-    return (jax.lax.slice_in_dim(x, 0, half, axis=axis),
-            jax.lax.slice_in_dim(x, half, x.shape[axis], axis=axis))
-
-
 def _to_zigzag(x: jax.Array, ring: Ring, axis: int) -> jax.Array:
     """Contiguous slices (position ``i`` holds chunks ``2i``, ``2i + 1``) to zig-zag ones
     (chunks ``i``, ``2n - 1 - i``): every even chunk goes to its owner by one
     collective-permute, every odd one by another; an even position's first chunk is the even
     one that arrives, an odd position's the odd one."""
     n = ring.size
-    first, second = _halves(x, axis)
+    first, second = halves(x, axis)
     evens = jax.lax.ppermute(first, ring.axis, [(i, _zigzag_owner(2 * i, n)) for i in range(n)])
     odds = jax.lax.ppermute(second, ring.axis,
                             [(i, _zigzag_owner(2 * i + 1, n)) for i in range(n)])
@@ -156,7 +150,7 @@ def _from_zigzag(x: jax.Array, ring: Ring, axis: int) -> jax.Array:
     """``_to_zigzag`` undone: each position's even chunk back to its contiguous owner as its
     first half, its odd chunk as its second."""
     n = ring.size
-    low, high = _halves(x, axis)
+    low, high = halves(x, axis)
     even = jax.lax.axis_index(ring.axis) % 2 == 0
     evens, odds = jnp.where(even, low, high), jnp.where(even, high, low)
 

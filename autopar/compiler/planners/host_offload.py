@@ -36,7 +36,7 @@ def plan_offloaded(step: StepProgram, cluster: ClusterSpec,
     # must at least cover what the least on-device plan is over by (at GPT-39B on 64 V100s
     # they are 5 GiB of a 29 GiB excess, and trying took 5 s of ILPs for nothing)
     moved = sum(graph.tensors[t].nbytes for t in state.inputs | state.outputs)
-    budget = getattr(method, "memory_budget_bytes", None) or cluster.device.memory_bytes
+    budget = method.memory_budget_bytes or cluster.device.memory_bytes
     if not state or least_on_device - moved / cluster.num_devices > budget:
         return None
     offloaded = replace(step, method=replace(method, offload_optimizer_state=True))
