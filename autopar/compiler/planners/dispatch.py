@@ -31,6 +31,10 @@ from autopar.compiler.planners.common import (
 )
 from autopar.compiler.planners.data import plan_data_parallel
 from autopar.compiler.planners.host_offload import plan_offloaded
+from autopar.compiler.planners.recompute_choice import (
+    plan_recomputed_auto,
+    plan_rematerialised,
+)
 from autopar.compiler.planners.shard_budget import check_can_win, plan_within_budget
 from autopar.compiler.planners.step_program import (
     IlpObserver,
@@ -44,7 +48,6 @@ from autopar.errors import (
     InvalidOptionError,
     NoLossFunctionError,
     PlanError,
-    format_bytes,
 )
 from autopar.ir.flatten import trace_jaxpr
 from autopar.ir.pipeline_program import build_pipeline_program
@@ -243,6 +246,10 @@ def _plan_recomputing(step: StepProgram, cluster: ClusterSpec,
     method = step.method
     remat = getattr(method, "remat", RematMode.NONE)
     planned = None
+
+    def fits(plan: Plan) -> bool:
+        return _fits(plan, method, cluster, budget)
+
     if remat not in (RematMode.LAYERS, RematMode.SELECTIVE):
         try:
             planned = PlannedProgram(step.traced, _plan_one_stage(
@@ -254,7 +261,8 @@ def _plan_recomputing(step: StepProgram, cluster: ClusterSpec,
                 raise
             # "auto": no plan without recomputation fits, which is what it is for
             try:
-                return _plan_rematerialised(step, cluster, None, ilp_observer, beat)
+                return plan_recomputed_auto(step, cluster, None, ilp_observer,
+                                            _plan_one_stage, fits, beat)
             except InvalidOptionError:  # no layers to recompute: the memory is the answer
                 pass
             raise
@@ -266,7 +274,9 @@ def _plan_recomputing(step: StepProgram, cluster: ClusterSpec,
                 "saves activations only"))
         if planned is not None:
             check_can_win(planned.plan, beat)
-        planned = _plan_rematerialised(step, cluster, planned, ilp_observer, beat)
+        planned = plan_rematerialised(step, cluster, planned, ilp_observer, _plan_one_stage,
+                                      beat) if planned is None else plan_recomputed_auto(
+            step, cluster, planned, ilp_observer, _plan_one_stage, fits, beat)
     assert planned is not None, "planned above unless remat='layers', which plans just above"
     return planned
 
@@ -297,43 +307,6 @@ def _beyond_recompute(plan: Plan, method: Method, cluster: ClusterSpec,
 def _fits(plan: Plan, method: Method, cluster: ClusterSpec, budget: float | None = None) -> bool:
     budget = budget or getattr(method, "memory_budget_bytes", None) or cluster.device.memory_bytes
     return plan.peak_memory_bytes <= budget
-
-
-def _plan_rematerialised(step: StepProgram, cluster: ClusterSpec,
-                         planned: PlannedProgram | None,
-                         ilp_observer: IlpObserver | None,
-                         beat: float | None = None) -> PlannedProgram:
-    """Trace again with the loss function's layers under ``jax.checkpoint`` and plan that;
-    for ``remat="auto"`` keep it only if it needs less memory than ``planned``."""
-    if step.fn is None:
-        raise InvalidOptionError("remat needs the step itself to trace it again; this step "
-                                 "was given as a traced program only")
-    selective = getattr(step.method, "remat", None) == RematMode.SELECTIVE
-    remat = step.rematerialised(selective)
-    if isinstance(remat, Exception):
-        if planned is None:
-            mode = "selective" if selective else "layers"
-            raise InvalidOptionError(f"remat='{mode}' needs the step's gradient from "
-                                     f"autopar.value_and_grad or autopar.grad: "
-                                     f"{remat}") from None
-        return planned.with_plan(planned.plan.noted(
-            "remat='auto' left off: the step has no autopar.value_and_grad"))
-    traced, positions = remat
-    plan = _plan_one_stage(traced, step.method, cluster, step.batch_argnums, ilp_observer,
-                           step.memo, beat)
-    if planned is not None and plan.peak_memory_bytes >= planned.plan.peak_memory_bytes:
-        return planned.with_plan(planned.plan.noted(
-            "remat='auto' tried the layers under jax.checkpoint: no memory saved"))
-    # what it saved and cost, against the fastest plan keeping every activation
-    saved = "" if planned is None else (
-        f": {format_bytes(plan.peak_memory_bytes)} per device against "
-        f"{format_bytes(planned.plan.peak_memory_bytes)} keeping every activation, est. step "
-        f"{plan.est_step_time_s:.4g} s against {planned.plan.est_step_time_s:.4g} s")
-    kept = "their matmuls' outputs kept, the rest" if selective else "the backward"
-    plan = replace(plan, remat_positions=tuple(positions), remat_selective=selective).noted(
-        f"rematerialised: the loss function's {len(positions) + 1} layers run under "
-        f"jax.checkpoint ({kept} recomputes them){saved}")
-    return PlannedProgram(traced, plan)
 
 
 def _plan_one_stage(

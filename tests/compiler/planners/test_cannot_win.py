@@ -8,6 +8,7 @@ import pytest
 import autopar
 from autopar.cluster import load_cluster
 from autopar.compiler.planners import dispatch, shard
+from autopar.compiler.planners.step_program import StepProgram
 from autopar.errors import CannotWinError
 from autopar.models import get_model
 
@@ -26,10 +27,10 @@ def test_a_candidate_that_cannot_beat_a_fitting_plan_is_not_solved_under_the_bud
     step = dispatch.trace(model.train_step, args, method, (1,))
 
     budgets, rematerialised = [], []
-    solve, remat = shard.plan_shard_parallel, dispatch._plan_rematerialised
+    solve, remat = shard.plan_shard_parallel, StepProgram.rematerialised
     monkeypatch.setattr(shard, "plan_shard_parallel", lambda traced, mesh, options, **kw: (
         budgets.append(options.memory_budget_bytes) or solve(traced, mesh, options, **kw)))
-    monkeypatch.setattr(dispatch, "_plan_rematerialised", lambda *a, **kw: (
+    monkeypatch.setattr(StepProgram, "rematerialised", lambda *a, **kw: (
         rematerialised.append(a) or remat(*a, **kw)))
 
     # a plan that fits is estimated at the fastest plan's time: nothing left can beat it

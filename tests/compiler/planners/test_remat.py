@@ -130,22 +130,39 @@ def test_auto_remat_only_when_memory_is_short():
                             batch_argnums=(1,)).plan
     forced = plan_train_step(*args, autopar.DataParallel(remat="layers"), base,
                              batch_argnums=(1,)).plan
+    selective = plan_train_step(*args, autopar.DataParallel(remat="selective"), base,
+                                batch_argnums=(1,)).plan
     assert roomy.remat_positions is None
-    assert forced.peak_memory_bytes < roomy.peak_memory_bytes
-    # a device between the two: only the rematerialised plan fits
-    device = dataclasses.replace(
-        base.device, memory_bytes=(forced.peak_memory_bytes + roomy.peak_memory_bytes) // 2)
-    tight = ClusterSpec.from_dict(base.to_dict() | {"device": device.to_dict()})
-    chosen = plan_train_step(*args, autopar.DataParallel(remat="auto"), tight,
+    assert forced.peak_memory_bytes < selective.peak_memory_bytes < roomy.peak_memory_bytes
+    assert forced.est_step_time_s > selective.est_step_time_s
+
+    def device_of(memory: float) -> ClusterSpec:
+        device = dataclasses.replace(base.device, memory_bytes=int(memory))
+        return ClusterSpec.from_dict(base.to_dict() | {"device": device.to_dict()})
+
+    # a device between recomputing whole layers and keeping everything: only recomputation
+    # fits, and the selective kind, which fits too, is the faster
+    between = (selective.peak_memory_bytes + roomy.peak_memory_bytes) / 2
+    chosen = plan_train_step(*args, autopar.DataParallel(remat="auto"), device_of(between),
                              batch_argnums=(1,)).plan
-    assert chosen.remat_positions == forced.remat_positions
-    assert chosen.peak_memory_bytes == forced.peak_memory_bytes
-    # the plan says what recomputing saved and cost, against the fastest plan without it
+    assert chosen.remat_positions == forced.remat_positions and chosen.remat_selective
+    assert chosen.peak_memory_bytes == selective.peak_memory_bytes
+    # the plan says what recomputing saved and cost, against the fastest plan without it,
+    # and what recomputing selectively did against recomputing whole layers
     said = [n for n in chosen.notes if n.startswith("rematerialised: ")]
     assert len(said) == 1, chosen.notes
-    assert (f"{format_bytes(forced.peak_memory_bytes)} per device against "
+    assert (f"{format_bytes(selective.peak_memory_bytes)} per device against "
             f"{format_bytes(roomy.peak_memory_bytes)} keeping every activation, est. step "
             f"{chosen.est_step_time_s:.4g} s against {roomy.est_step_time_s:.4g} s") in said[0]
+    assert any(n.startswith("remat='auto' recomputes selectively: ")
+               and f"against {format_bytes(forced.peak_memory_bytes)} recomputing whole" in n
+               for n in chosen.notes), chosen.notes
+    # between the two recomputations only whole layers fit
+    tighter = (forced.peak_memory_bytes + selective.peak_memory_bytes) / 2
+    chosen = plan_train_step(*args, autopar.DataParallel(remat="auto"), device_of(tighter),
+                             batch_argnums=(1,)).plan
+    assert chosen.remat_positions == forced.remat_positions and not chosen.remat_selective
+    assert chosen.peak_memory_bytes == forced.peak_memory_bytes
 
 
 def test_remat_needs_autopar_value_and_grad():
@@ -210,7 +227,7 @@ def test_auto_remat_is_not_tried_where_the_mesh_cannot_split_the_state(monkeypat
     every device, the state would fit the budget; on the mesh it cannot, so the step is not
     traced again with recomputation."""
     from autopar.compiler.cost.memory_floor import held_floor, memory_floor
-    from autopar.compiler.planners import dispatch
+    from autopar.compiler.planners.step_program import StepProgram
 
     model = marked_zoo("mlp", input_dim=12, hidden_size=12, output_dim=12)
     state, batch = model.init_state(jax.random.key(0)), model.make_batch(jax.random.key(1))
@@ -221,8 +238,8 @@ def test_auto_remat_is_not_tried_where_the_mesh_cannot_split_the_state(monkeypat
     assert state_on_mesh > 2 * state_every  # 12 x 12 weights: no dimension divides by 8
     budget = (state_every + state_on_mesh) / 2
     tried = []
-    traced_again = dispatch._plan_rematerialised
-    monkeypatch.setattr(dispatch, "_plan_rematerialised",
+    traced_again = StepProgram.rematerialised
+    monkeypatch.setattr(StepProgram, "rematerialised",
                         lambda *a, **k: tried.append(a) or traced_again(*a, **k))
     divide = r"split over all 8 devices as far as its dimensions divide \(mesh 8\), the"
     # no host link described: the optimizer state cannot leave the devices either (with it
