@@ -107,11 +107,12 @@ def _f(x: float | None, digits: int = 1) -> str:
 
 def _recompute(plan: Plan) -> list[str]:
     """Per stage, what its backward recomputes: "full" (every layer), "selective" (all but
-    the matmuls' outputs) or "none"; a one-stage plan's, "full" where its layers run under
-    ``jax.checkpoint``."""
+    the matmuls' outputs) or "none"; a one-stage plan's, "full" or "selective" where its
+    layers run under ``jax.checkpoint``."""
     layout = plan.pipeline
     if layout is None:
-        return ["full" if plan.remat_positions else "none"] * len(plan.stages)
+        kind = "selective" if plan.remat_selective else "full"
+        return [kind if plan.remat_positions else "none"] * len(plan.stages)
     selective = layout.selective_stages or (False,) * len(layout.remat_stages)
     return ["selective" if s else "full" if r else "none"
             for r, s in zip(layout.remat_stages, selective, strict=True)]
