@@ -13,6 +13,7 @@ lowering, differentiation and batching rules), nothing of JAX or Flax is patched
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -113,6 +114,40 @@ mlir.register_lowering(
 )
 
 
+class LossCaptured(Exception):  # noqa: N818 - a signal, not an error
+    """What ``traced_loss`` stops a step's trace with: its loss function as
+    ``autopar.value_and_grad`` traced it, and its closed-over values (each concrete where it
+    was, None where it was a traced value of the step)."""
+
+    def __init__(self, loss: LossFunction, consts: Sequence[Any]):
+        super().__init__("the loss function was traced")
+        self.loss = loss
+        self.consts = tuple(consts)
+
+
+# set while ``traced_loss`` traces a step: the first autopar.value_and_grad raises
+# ``LossCaptured`` instead of binding (a context variable, so threads and nested traces keep
+# their own)
+_CAPTURING: ContextVar[bool] = ContextVar("autopar_capturing_loss", default=False)
+
+
+def traced_loss(fn: Callable, args: Sequence[Any]) -> LossCaptured | None:
+    """``fn(*args)``'s loss function (``LossCaptured``), the step traced only as far as its
+    first ``autopar.value_and_grad`` call: what follows it (the optimizer's update, a third
+    of a large step's trace) is not traced. None when the trace ends or fails before: the
+    caller traces the whole step, which reports what went wrong."""
+    token = _CAPTURING.set(True)
+    try:
+        jax.make_jaxpr(fn)(*args)
+    except LossCaptured as found:
+        return found
+    except Exception:  # noqa: BLE001 - the whole step's trace reports it
+        return None
+    finally:
+        _CAPTURING.reset(token)
+    return None
+
+
 def _normalise_argnums(argnums: int | Sequence[int], nargs: int) -> tuple[int, ...]:
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     if not nums or any(not isinstance(i, int) or not -nargs <= i < nargs for i in nums):
@@ -151,7 +186,12 @@ def value_and_grad(
             out_tree_box.append(aux_tree)
             return [value, *aux_leaves]
 
-        closed = jax.make_jaxpr(flat_fun)(*leaves)
+        capturing = _CAPTURING.get()
+        token = _CAPTURING.set(False)  # a loss function inside it is part of it
+        try:
+            closed = jax.make_jaxpr(flat_fun)(*leaves)
+        finally:
+            _CAPTURING.reset(token)
         value_aval = closed.out_avals[0]
         if value_aval.shape != () or not jnp.issubdtype(value_aval.dtype, jnp.floating):
             raise InvalidOptionError(
@@ -165,6 +205,9 @@ def value_and_grad(
             diff_leaves=diff,
             num_aux=len(closed.out_avals) - 1,
         )
+        if capturing:
+            raise LossCaptured(loss, [None if isinstance(c, jax.core.Tracer) else c
+                                      for c in closed.consts])
         outs = value_and_grad_p.bind(*closed.consts, *leaves, loss=loss)
         value = outs[0]
         aux = jax.tree_util.tree_unflatten(out_tree_box[-1], outs[1 : 1 + loss.num_aux])

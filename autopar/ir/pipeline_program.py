@@ -28,7 +28,12 @@ import numpy as np
 
 from autopar.errors import BatchSizeError, NoLossFunctionError, PlanError
 from autopar.ir.flatten import StepJaxpr, flatten_step, trace_jaxpr
-from autopar.ir.loss_markers import PIPELINE_BOUNDARY, VALUE_AND_GRAD, LossFunction
+from autopar.ir.loss_markers import (
+    PIPELINE_BOUNDARY,
+    VALUE_AND_GRAD,
+    LossFunction,
+    traced_loss,
+)
 from autopar.ir.program import FlatProgram, TensorKind, run_eqns
 from autopar.ir.random_draws import RandomDraw, rewrite_draws
 from autopar.ir.scan_split import split_forward, split_step
@@ -131,7 +136,8 @@ def build_pipeline_program(
     """Trace ``fn(*args)`` and find its loss function (raises PlanError when it has none).
 
     The step is traced twice: with the whole batch (the equations around the loss) and with one
-    microbatch (the loss forward the pipeline runs): shapes, and constants such as a mean's
+    microbatch (the loss forward the pipeline runs, traced only as far as the loss function
+    where that is enough: ``_microbatch_loss``): shapes, and constants such as a mean's
     divisor, are baked into a trace, so the forward must be traced at the size it runs at.
     ``jaxpr``: the step already traced with the whole batch (``flatten.trace_jaxpr``); with
     one microbatch that trace is the microbatch's too."""
@@ -157,12 +163,8 @@ def build_pipeline_program(
         jax.tree_util.tree_map(lambda x: _with_first_dim(x, micro), a) if i in batch_argnums else a
         for i, a in enumerate(args)
     ]
-    # one microbatch is the whole batch: the outer trace already holds its loss function
-    micro_program = outer if micro == batch_size else flatten_step(fn, micro_args,
-                                                                    keep_markers=True)
-    micro_vg = _loss_eqn(micro_program)
-    loss: LossFunction = micro_vg.params["loss"]
     full: LossFunction = vg.params["loss"]
+    loss, small_constant = _microbatch_loss(fn, micro_args, outer, vg, micro < batch_size)
     if (loss.num_consts, loss.num_args, loss.diff_leaves) != (
         full.num_consts, full.num_args, full.diff_leaves
     ):
@@ -170,8 +172,8 @@ def build_pipeline_program(
             "the loss function's inputs change with the batch size; PipeshardParallel needs the "
             "same closed-over values and arguments for the whole batch and for one microbatch"
         )
-    if micro_program is not outer:
-        vg = _take_microbatch_constants(outer, vg, micro_program, micro_vg)
+    if small_constant is not None:
+        vg = _take_microbatch_constants(outer, vg, loss, small_constant)
     paths = [f"loss/const{i}" for i in range(loss.num_consts)] + [
         f"loss/arg{i}" for i in range(loss.num_args)
     ]
@@ -222,10 +224,35 @@ def build_pipeline_program(
     )
 
 
-def _take_microbatch_constants(outer: FlatProgram, vg: Any, micro: FlatProgram,
-                               micro_vg: Any) -> Any:
-    """Give the loss function the closed-over constants of its microbatch trace; returns the
-    loss equation, with fresh constant operands where they differ. A constant built from a
+def _microbatch_loss(fn: Callable, micro_args: Sequence[Any], outer: FlatProgram, vg: Any,
+                     smaller: bool) -> tuple[LossFunction, Callable[[int], Any] | None]:
+    """The loss function traced at one microbatch (``smaller``: the microbatch is less than
+    the batch; else the outer trace's own), and the value of its ``k``-th closed-over
+    operand at that size where it is a constant (None: the outer trace's constants stand).
+
+    The step is traced only as far as its loss function (``loss_markers.traced_loss``) when
+    every closed-over value the outer trace folds to a constant was concrete there too (the
+    zoo's models close over none); else, or where that stops short, the whole step is traced
+    at the microbatch's size and its constants folded."""
+    if not smaller:
+        return vg.params["loss"], None
+    full: LossFunction = vg.params["loss"]
+    captured = traced_loss(fn, micro_args)
+    if captured is not None and len(captured.consts) == full.num_consts and all(
+            captured.consts[k] is not None or _folded(outer, vg.inputs[k]) is None
+            for k in range(full.num_consts)):
+        return captured.loss, captured.consts.__getitem__
+    micro_program = flatten_step(fn, micro_args, keep_markers=True)
+    micro_vg = _loss_eqn(micro_program)
+    return micro_vg.params["loss"], lambda k: _folded(micro_program, micro_vg.inputs[k])
+
+
+def _take_microbatch_constants(outer: FlatProgram, vg: Any, micro_loss: LossFunction,
+                               small_constant: Callable[[int], Any]) -> Any:
+    """Give the loss function the closed-over constants of its microbatch trace
+    (``micro_loss``; ``small_constant(k)``: the ``k``-th, None where it is not a constant),
+    typed as that trace's; returns the loss
+    equation, with fresh constant operands where they differ. A constant built from a
     shape (a mean's divisor, ``jnp.prod(jnp.asarray(v.shape))``, or ``jnp.full`` of the batch
     size outside the loss) is baked into each trace, and the forward runs at the microbatch's
     size: the whole batch's value would scale its result silently. The rest of the step keeps
@@ -233,11 +260,11 @@ def _take_microbatch_constants(outer: FlatProgram, vg: Any, micro: FlatProgram,
     operands = list(vg.inputs)
     for k in range(vg.params["loss"].num_consts):
         whole = _folded(outer, vg.inputs[k])
-        small = _folded(micro, micro_vg.inputs[k])
+        small = None if whole is None else small_constant(k)
         if whole is None or small is None or _same_value(whole, small):
             continue
         fresh = max(outer.avals) + 1
-        outer.avals[fresh] = micro.avals[micro_vg.inputs[k]]
+        outer.avals[fresh] = micro_loss.jaxpr.constvars[k].aval
         outer.kinds[fresh], outer.values[fresh] = TensorKind.CONST, small
         operands[k] = fresh
     if operands == list(vg.inputs):
