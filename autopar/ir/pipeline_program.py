@@ -251,8 +251,8 @@ def _take_microbatch_constants(outer: FlatProgram, vg: Any, micro_loss: LossFunc
                                small_constant: Callable[[int], Any]) -> Any:
     """Give the loss function the closed-over constants of its microbatch trace
     (``micro_loss``; ``small_constant(k)``: the ``k``-th, None where it is not a constant),
-    typed as that trace's; returns the loss
-    equation, with fresh constant operands where they differ. A constant built from a
+    typed as that trace's; returns the loss equation, with fresh constant operands where
+    they differ. A constant built from a
     shape (a mean's divisor, ``jnp.prod(jnp.asarray(v.shape))``, or ``jnp.full`` of the batch
     size outside the loss) is baked into each trace, and the forward runs at the microbatch's
     size: the whole batch's value would scale its result silently. The rest of the step keeps

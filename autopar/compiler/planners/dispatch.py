@@ -274,9 +274,12 @@ def _plan_recomputing(step: StepProgram, cluster: ClusterSpec,
                 "saves activations only"))
         if planned is not None:
             check_can_win(planned.plan, beat)
-        planned = plan_rematerialised(step, cluster, planned, ilp_observer, _plan_one_stage,
-                                      beat) if planned is None else plan_recomputed_auto(
-            step, cluster, planned, ilp_observer, _plan_one_stage, fits, beat)
+        if planned is None:  # remat="layers" or "selective": the user's choice
+            planned = plan_rematerialised(step, cluster, None, ilp_observer, _plan_one_stage,
+                                          beat)
+        else:
+            planned = plan_recomputed_auto(step, cluster, planned, ilp_observer,
+                                           _plan_one_stage, fits, beat)
     assert planned is not None, "planned above unless remat='layers', which plans just above"
     return planned
 
