@@ -168,15 +168,19 @@ class _Reparametrisation:
     def node_costs(self, u: int) -> np.ndarray:
         return self.belief[self.first[u]:self.first[u] + self.size[u]]
 
+    def _flat_edges(self) -> np.ndarray:
+        """Every edge's costs now, raveled one after another (as ``edge_costs``)."""
+        return self.edge_costs - self.msg[self.edge_rows] - self.msg[self.edge_cols]
+
     def edges(self) -> list[np.ndarray]:
         """Every edge's costs now (rows: the lower-numbered end's strategies)."""
-        flat = self.edge_costs - self.msg[self.edge_rows] - self.msg[self.edge_cols]
+        flat = self._flat_edges()
         return [flat[a:b].reshape(self.size[u], self.size[w])
                 for (u, w), a, b in zip(self.ends, self.edge_at[:-1], self.edge_at[1:],
                                         strict=True)]
 
     def lower_bound(self) -> float:
-        flat = self.edge_costs - self.msg[self.edge_rows] - self.msg[self.edge_cols]
+        flat = self._flat_edges()
         node_least = np.minimum.reduceat(self.belief, [self.first[u] for u in self.nodes]) \
             if self.nodes else np.zeros(0)
         edge_least = np.minimum.reduceat(flat, self.edge_at[:-1]) if self.ends else np.zeros(0)

@@ -54,10 +54,8 @@ def plan_rematerialised(step: StepProgram, cluster: ClusterSpec,
         return planned.with_plan(planned.plan.noted(
             "remat='auto' tried the layers under jax.checkpoint: no memory saved"))
     # what it saved and cost, against the fastest plan keeping every activation
-    saved = "" if planned is None else (
-        f": {format_bytes(plan.peak_memory_bytes)} per device against "
-        f"{format_bytes(planned.plan.peak_memory_bytes)} keeping every activation, est. step "
-        f"{plan.est_step_time_s:.4g} s against {planned.plan.est_step_time_s:.4g} s")
+    saved = "" if planned is None else \
+        f": {_against(plan, planned.plan, 'keeping every activation')}"
     kept = "their matmuls' outputs kept, the rest" if selective else "the backward"
     plan = replace(plan, remat_positions=tuple(positions), remat_selective=selective).noted(
         f"rematerialised: the loss function's {len(positions) + 1} layers run under "
@@ -89,7 +87,12 @@ def plan_recomputed_auto(step: StepProgram, cluster: ClusterSpec,
             plan.est_step_time_s >= whole.plan.est_step_time_s:
         return whole
     return chosen.with_plan(plan.noted(
-        f"remat='auto' recomputes selectively: {format_bytes(plan.peak_memory_bytes)} per "
-        f"device against {format_bytes(whole.plan.peak_memory_bytes)} recomputing whole "
-        f"layers, est. step {plan.est_step_time_s:.4g} s against "
-        f"{whole.plan.est_step_time_s:.4g} s"))
+        "remat='auto' recomputes selectively: "
+        + _against(plan, whole.plan, "recomputing whole layers")))
+
+
+def _against(plan: Plan, other: Plan, what: str) -> str:
+    """``plan``'s memory and estimate beside ``other``'s (the plan that does ``what``)."""
+    return (f"{format_bytes(plan.peak_memory_bytes)} per device against "
+            f"{format_bytes(other.peak_memory_bytes)} {what}, est. step "
+            f"{plan.est_step_time_s:.4g} s against {other.est_step_time_s:.4g} s")
