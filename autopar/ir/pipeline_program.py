@@ -19,6 +19,7 @@ Cutting the forward into pieces, and what each piece's inputs and outputs are to
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -105,6 +106,19 @@ class PipelineProgram:
             for v in e.inputs:
                 readers.setdefault(v, []).append(e.index)
         return {v: tuple(r) for v, r in readers.items()}
+
+    @functools.cached_property
+    def outer_value_bytes(self) -> dict[int, float]:
+        """Each value of the step's bytes."""
+        return {v: float(math.prod(getattr(a, "shape", ()))) * getattr(
+                    getattr(a, "dtype", None), "itemsize", 0)
+                for v, a in self.outer.avals.items()}
+
+    @functools.cached_property
+    def outer_constants(self) -> frozenset[int]:
+        """The step's constant and literal values."""
+        return frozenset(v for v, kind in self.outer.kinds.items()
+                         if kind in (TensorKind.CONST, TensorKind.LITERAL))
 
     @functools.cached_property
     def outer_producers(self) -> dict[int, int]:

@@ -6,15 +6,12 @@ runs the same grouping, made here.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from autopar.ir.pieces import Piece
 from autopar.ir.pipeline_pieces import input_consumers
 from autopar.ir.pipeline_program import PipelineProgram
-from autopar.ir.program import TensorKind
 
 
 @dataclass(frozen=True)
@@ -57,17 +54,20 @@ def plan_segments(
     after = pp.after_gradients
     eqn_home: dict[int, int] = {}
     skipped = {pp.vg_index, *pp.input_splits}  # run by the driver itself
-    for e in outer.eqns:  # after the gradients: follow the operand bytes
-        if e.index in skipped or e.index not in after:
-            continue
+    value_bytes = pp.outer_value_bytes
+    for i in sorted(after - skipped):  # after the gradients: follow the operand bytes
+        e = outer.eqns[i]
         weight: dict[int, float] = {}
         for v in e.inputs:
             if v in home:
-                weight[home[v]] = weight.get(home[v], 0.0) + _nbytes(outer.avals[v]) + 1.0
+                weight[home[v]] = weight.get(home[v], 0.0) + value_bytes[v] + 1.0
         if weight:
-            eqn_home[e.index] = max(sorted(weight), key=lambda s: weight[s])
+            # the most bytes; of equal weights, the first stage
+            stage = next(iter(weight)) if len(weight) == 1 else \
+                max(sorted(weight), key=weight.__getitem__)
+            eqn_home[i] = stage
             for v in e.outputs:
-                home[v] = eqn_home[e.index]
+                home[v] = stage
     readers = pp.outer_readers
     out_ids = set(outer.out_ids)
     for e in reversed(outer.eqns):  # the rest: where their first consumer is
@@ -90,46 +90,39 @@ def _group(pp: PipelineProgram, eqn_home: dict[int, int], after: frozenset[int]
            ) -> list[Segment]:
     outer = pp.outer
     made_by = pp.outer_producers
+    eqns = outer.eqns
     level: dict[int, int] = {}
     skipped = {pp.vg_index, *pp.input_splits}  # the driver runs them: their results are given
-    for e in outer.eqns:
-        if e.index in skipped:
+    groups: dict[tuple[str, int, int], list[int]] = {}
+    for e in eqns:  # in program order: every producer's level is known before its readers'
+        i = e.index
+        if i in skipped:
             continue
+        late, home = i in after, eqn_home[i]
         lv = 0
         for v in e.inputs:
             src = made_by.get(v)
-            if src is None or src in skipped or (src in after) != (e.index in after):
+            if src is None or src in skipped or (src in after) != late:
                 continue
-            lv = max(lv, level[src] + (eqn_home[src] != eqn_home[e.index]))
-        level[e.index] = lv
-    groups: dict[tuple[str, int, int], list[int]] = {}
-    for e in outer.eqns:
-        if e.index in skipped:
-            continue
-        phase = "after" if e.index in after else "before"
-        groups.setdefault((phase, level[e.index], eqn_home[e.index]), []).append(e.index)
-    constant = {v for v, kind in outer.kinds.items()
-                if kind in (TensorKind.CONST, TensorKind.LITERAL)}
-    used_elsewhere: dict[int, set[tuple]] = {}
-    for key, eqns in groups.items():
-        for i in eqns:
-            for v in outer.eqns[i].inputs:
-                used_elsewhere.setdefault(v, set()).add(key)
+            lv = max(lv, level[src] + (eqn_home[src] != home))
+        level[i] = lv
+        groups.setdefault(("after" if late else "before", lv, home), []).append(i)
+    constant = pp.outer_constants
+    group_of = {i: key for key, members in groups.items() for i in members}
+    readers = pp.outer_readers
     needed_outside = set(outer.out_ids) | set(pp.vg.inputs)
     segments = []
     for key in sorted(groups, key=lambda k: (k[0] != "before", k[1], k[2])):
-        eqns = groups[key]
-        defined = {v for i in eqns for v in outer.eqns[i].outputs}
-        inputs = sorted({v for i in eqns for v in outer.eqns[i].inputs} - defined - constant)
+        members = groups[key]
+        defined = {v for i in members for v in eqns[i].outputs}
+        inputs = sorted({v for i in members for v in eqns[i].inputs} - defined - constant)
+        # a value leaves its segment when the step returns it or another segment reads it
         outputs = sorted(
             v for v in defined
-            if v in needed_outside or used_elsewhere.get(v, set()) - {key}
+            if v in needed_outside or any(
+                r not in skipped and group_of[r] != key for r in readers.get(v, ()))
         )
         segments.append(
-            Segment(key[0], key[1], key[2], tuple(eqns), tuple(inputs), tuple(outputs))
+            Segment(key[0], key[1], key[2], tuple(members), tuple(inputs), tuple(outputs))
         )
     return segments
-
-
-def _nbytes(aval: Any) -> float:
-    return float(math.prod(aval.shape)) * aval.dtype.itemsize

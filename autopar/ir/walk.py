@@ -5,6 +5,7 @@ which calls are inlined). ``flatten`` traces the user's step and walks it with t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -208,9 +209,17 @@ class Numberer:
             if self.kinds[vid] == TensorKind.LITERAL:
                 out.append(vid)
                 continue
-            closed = jax.make_jaxpr(jax.lax.optimization_barrier)(self.avals[vid])
+            closed = _barrier_jaxpr(self.avals[vid])
             out.extend(self.walk(closed.jaxpr, closed.consts, [vid]))
         return out
+
+
+@functools.lru_cache(maxsize=256)
+def _barrier_jaxpr(aval: Any) -> Any:
+    """``optimization_barrier`` of one value of ``aval``, traced once per aval (a
+    rematerialised GPT-3 175B passes 1,400 operands through barriers, all of a few avals;
+    tracing each was a second of its trace)."""
+    return jax.make_jaxpr(jax.lax.optimization_barrier)(aval)
 
 
 def flatten_closed_jaxpr(closed: Any, keep_markers: bool = True) -> FlatProgram:
