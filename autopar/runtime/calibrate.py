@@ -17,14 +17,7 @@ each mesh is recorded beside it, as a check. A sample stops early once its timed
 ``max_sample_s`` (after three calls at least): the 16 MiB programs need no more to settle, and
 compiling one program per size and kind is most of the run anyway.
 
-The runtime's own costs (``RuntimeSample``): a call of a trivial jitted program over all
-devices (what a one-stage step pays once), one with 16 small operands on half the devices (a
-pipeline task on a stage), a ``jax.device_put`` of a small array to another device (a transfer
-between stages) and a donated ``acc + g`` on one device at two sizes (the gradient
-accumulation's bandwidth), and an element-wise kernel on every device at once at two sizes
-(the memory bandwidth a fused kernel sees), and programs of 9 and 17 small all-reduces (the
-slope: an all-reduce's latency inside a step). Calls go back to back, waited for at the end,
-as the pipeline driver issues them; the median over rounds is kept.
+The runtime's own costs (``RuntimeSample``) are timed last: :mod:`autopar.runtime.runtime_timing`.
 
 Matmuls: ``m x m`` by ``m x m`` in each dtype, on one device alone and on every device at once
 (``shard_map`` of a local matmul); the fit uses the latter, since a step keeps every device busy
@@ -48,8 +41,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
 from autopar.calibration_samples import (
     CALIBRATED_KINDS,
@@ -59,9 +51,17 @@ from autopar.calibration_samples import (
 )
 from autopar.cluster import format_mesh_shape
 from autopar.errors import InvalidOptionError, MeshError, choices_text
+from autopar.runtime.runtime_timing import (
+    ALL_REDUCE_CHAINS,
+    profile_runtime,
+    shard_mapped,
+    sharded_ones,
+    time_runtime,
+)
 
 __all__ = [
     "ACCELERATOR_MATMUL_SIZES",
+    "ALL_REDUCE_CHAINS",
     "CPU_MATMUL_SIZES",
     "ProfileOptions",
     "ProfileResult",
@@ -199,22 +199,9 @@ def _collective_body(kind: str, axis: str) -> Callable[[jax.Array], jax.Array]:
     return body
 
 
-def _sharded_ones(mesh: Mesh, local: int, dtype: Any) -> jax.Array:
-    """A (*mesh.shape, local) array, one (1, .., local) block per device, made on the devices."""
-    # device_put of a host array: no program to compile per shape (compiles dominate the run)
-    host = np.ones((*mesh.devices.shape, local), dtype)
-    return jax.device_put(host, NamedSharding(mesh, P(*mesh.axis_names, None)))
-
-
 def _square_matmul(x: jax.Array, m: int) -> jax.Array:
     """One device's ``m`` x ``m`` matmul of its row of ``m * m`` elements by itself."""
     return (x.reshape(m, m) @ x.reshape(m, m)).reshape(1, m * m)
-
-
-def _shard_mapped(mesh: Mesh, body: Callable[[jax.Array], jax.Array]) -> Callable[..., Any]:
-    spec = P(*mesh.axis_names, None)
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec,
-                                 check_vma=False))
 
 
 def _time_collectives(mesh: Mesh, options: ProfileOptions) -> list[CollectiveSample]:
@@ -226,10 +213,10 @@ def _time_collectives(mesh: Mesh, options: ProfileOptions) -> list[CollectiveSam
         if n == 1:
             continue
         for kind in options.kinds:
-            fn = _shard_mapped(mesh, _collective_body(kind, axis))
+            fn = shard_mapped(mesh, _collective_body(kind, axis))
             for nbytes in options.sizes:
                 local, moved = _local_elems(kind, nbytes, n, dtype.itemsize)
-                x = _sharded_ones(mesh, local, dtype)
+                x = sharded_ones(mesh, local, dtype)
                 seconds = _median_time(fn, (x,), options)
                 out.append(CollectiveSample(kind=kind, mesh=label, axis=axis, group_size=n,
                                             nbytes=float(moved), seconds=seconds))
@@ -251,97 +238,14 @@ def _time_matmuls(devices: Sequence[Any], options: ProfileOptions) -> list[Matmu
             single = _median_time(jax.jit(jnp.matmul), (one, one), options)
             out.append(MatmulSample(dtype_name, m, m, m, single, concurrent=False))
             if len(devices) > 1:
-                a = _sharded_ones(everyone, m * m, dtype)
-                fn = _shard_mapped(everyone, partial(_square_matmul, m=m))
+                a = sharded_ones(everyone, m * m, dtype)
+                fn = shard_mapped(everyone, partial(_square_matmul, m=m))
                 busy = _median_time(fn, (a,), options)
                 out.append(MatmulSample(dtype_name, m, m, m, busy, concurrent=True))
             logger.info("timed %s matmul %d^3: %.3g GFLOP/s on one device, %.3g with all busy",
                         dtype_name, m, out[-1 - (len(devices) > 1)].flops_per_s / 1e9,
                         out[-1].flops_per_s / 1e9)
     return out
-
-
-_CALLS_PER_ROUND = 20
-_RUNTIME_ROUNDS = 5
-_ACCUMULATE_BYTES = (1 << 20, 16 << 20)
-# Per device: an element-wise kernel on every device at once, at two sizes (the slope is the
-# memory bandwidth a fused kernel sees; the call's and the kernel's fixed costs cancel).
-_STREAM_BYTES = (256 << 10, 4 << 20)
-# Chain lengths of the in-program all-reduces: long enough that running them takes longer
-# than issuing the call (calls go back to back, so a short chain's time is the dispatch's,
-# about 0.3 ms on 8 CPU devices), and the elements each device all-reduces: few enough that
-# only latency counts.
-_ALL_REDUCE_CHAINS = (9, 17)
-_LATENCY_ELEMENTS = 16
-
-
-def _per_call(fn: Callable[[], Any], calls: int = _CALLS_PER_ROUND,
-              rounds: int = _RUNTIME_ROUNDS) -> float:
-    """Median over ``rounds`` of the seconds per call of ``calls`` calls issued back to back
-    and waited for at the end (after one untimed round: the first call compiles)."""
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        out = None
-        for _ in range(calls):
-            out = fn()
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / calls)
-    return statistics.median(times)
-
-
-def _time_runtime(devices: Sequence[Any]) -> list[RuntimeSample]:
-    """The runtime's own costs on ``devices`` (see the module docstring)."""
-    n = len(devices)
-    out = []
-    every = Mesh(np.array(devices), ("d",))
-    trivial = jax.jit(lambda x: x + 1)
-    x = _sharded_ones(every, 16, jnp.float32)
-    out.append(RuntimeSample("call", n, 0.0, _per_call(lambda: trivial(x))))
-    half = max(1, n // 2)
-    stage = Mesh(np.array(devices[:half]), ("d",))
-    operands = [_sharded_ones(stage, 16, jnp.float32) for _ in range(16)]
-    task = jax.jit(lambda *a: [v + 1 for v in a])
-    out.append(RuntimeSample("task", half, 0.0, _per_call(lambda: task(*operands))))
-    small = jax.device_put(np.ones(256, np.float32), devices[0])
-    target = jax.sharding.SingleDeviceSharding(devices[-1])
-    out.append(RuntimeSample("transfer", 1, float(small.nbytes),
-                             _per_call(lambda: jax.device_put(small, target))))
-    add = jax.jit(lambda acc, g: acc + g, donate_argnums=(0,))
-    for nbytes in _ACCUMULATE_BYTES:
-        grad = jax.device_put(np.ones(nbytes // 4, np.float32), devices[0])
-        held = {"acc": jax.device_put(np.zeros(nbytes // 4, np.float32), devices[0])}
-
-        def accumulate(held: dict = held, grad: Any = grad) -> Any:
-            held["acc"] = add(held["acc"], grad)
-            return held["acc"]
-
-        out.append(RuntimeSample("accumulate", 1, float(nbytes),
-                                 _per_call(accumulate, calls=5)))
-    scale = jax.jit(lambda v: v * 0.5 + 1.0)
-    for nbytes in _STREAM_BYTES:
-        v = _sharded_ones(every, nbytes // 4, jnp.float32)
-        # bytes moved per device: its part read once and written once
-        out.append(RuntimeSample("stream", n, 2.0 * nbytes,
-                                 _per_call(partial(scale, v), calls=5)))
-    small = _sharded_ones(every, _LATENCY_ELEMENTS, jnp.float32)
-    for count in _ALL_REDUCE_CHAINS:
-        reduces = jax.jit(_shard_mapped(every, partial(_all_reduce_chain, axis="d",
-                                                       count=count)))
-        out.append(RuntimeSample("all-reduces", n, float(_LATENCY_ELEMENTS * 4),
-                                 _per_call(partial(reduces, small), calls=5), count=count))
-    for sample in out:
-        logger.info("runtime %s (%d device(s), %d bytes, %d): %.0f us", sample.kind,
-                    sample.devices, sample.nbytes, sample.count, sample.seconds * 1e6)
-    return out
-
-
-def _all_reduce_chain(x: jax.Array, axis: str, count: int) -> jax.Array:
-    """``count`` all-reduces of ``x`` over ``axis``, each reading the one before."""
-    for _ in range(count):
-        x = jax.lax.optimization_barrier(jax.lax.psum(x, axis) * 0.5)
-    return x
 
 
 def _memory_bytes(device: Any) -> int | None:
@@ -379,12 +283,12 @@ def profile_devices(options: ProfileOptions | None = None,
     for shape in shapes:
         mesh = Mesh(np.array(devices).reshape(shape), _AXIS_NAMES[: len(shape)])
         label = format_mesh_shape(shape)
-        empty[label] = _median_time(_shard_mapped(mesh, lambda x: x + 1),
-                                    (_sharded_ones(mesh, 16, jnp.float32),), options)
+        empty[label] = _median_time(shard_mapped(mesh, lambda x: x + 1),
+                                    (sharded_ones(mesh, 16, jnp.float32),), options)
         logger.info("mesh %s: empty program %.0f us", label, empty[label] * 1e6)
         samples += _time_collectives(mesh, options)
     matmuls = _time_matmuls(devices, options)
-    runtime = _time_runtime(devices)
+    runtime = time_runtime(devices)
     return ProfileResult(
         platform=devices[0].platform, device_kind=str(devices[0].device_kind),
         num_devices=count, mesh_shapes=tuple(tuple(s) for s in shapes),
@@ -392,9 +296,3 @@ def profile_devices(options: ProfileOptions | None = None,
         memory_bytes=_memory_bytes(devices[0]), started=started,
         elapsed_s=time.perf_counter() - start, options=options, runtime=tuple(runtime),
     )
-
-
-def profile_runtime(devices: Sequence[Any] | None = None) -> tuple[RuntimeSample, ...]:
-    """Only the runtime's own costs (see the module docstring), on ``devices`` (default:
-    all): a few seconds, for a cluster description's ``runtime`` entry."""
-    return tuple(_time_runtime(list(jax.devices() if devices is None else devices)))

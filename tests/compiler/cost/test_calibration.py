@@ -35,6 +35,7 @@ from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.errors import InvalidOptionError
 from autopar.frontend.planning import plan_train_step
 from autopar.runtime.calibrate import (
+    ALL_REDUCE_CHAINS,
     ProfileOptions,
     default_mesh_shapes,
     profile_devices,
@@ -288,6 +289,9 @@ def test_profile_writes_a_cluster_file_that_loads(profiled, tmp_path):
     data = json.loads(path.read_text())["calibration"]
     streams = [r for r in data["runtime_samples"] if r["kind"] == "stream"]
     assert len({r["nbytes"] for r in streams}) == 2  # the bandwidth's two sizes were timed
+    chains = [r for r in data["runtime_samples"] if r["kind"] == "all-reduces"]
+    # both chain lengths, one sample each (the median of their interleaved rounds)
+    assert sorted(r["count"] for r in chains) == sorted(ALL_REDUCE_CHAINS)
     chains = [r for r in data["runtime_samples"] if r["kind"] == "all-reduces"]
     assert len({r["count"] for r in chains}) == 2  # the in-program latency's two lengths
     assert data["link"]["kind"] == "all" and len(data["collective_samples"]) == 24

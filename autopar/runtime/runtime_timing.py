@@ -1,0 +1,153 @@
+"""Timing the runtime's own costs on the present devices (``RuntimeSample``, part of
+``autopar profile``; :mod:`autopar.runtime.calibrate` times the collectives and matmuls).
+
+A call of a trivial jitted program over all devices (what a one-stage step pays once), one
+with 16 small operands on half the devices (a pipeline task on a stage), a
+``jax.device_put`` of a small array to another device (a transfer between stages) and a
+donated ``acc + g`` on one device at two sizes (the gradient accumulation's bandwidth), an
+element-wise kernel on every device at once at two sizes (the memory bandwidth a fused kernel
+sees), and programs of 8 and 40 small all-reduces (the slope: an all-reduce's latency inside a
+step). Calls go back to back, waited for at the end, as the pipeline driver issues them; the
+median over rounds is kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from autopar.calibration_samples import RuntimeSample
+
+logger = logging.getLogger(__name__)
+
+
+def sharded_ones(mesh: Mesh, local: int, dtype: Any) -> jax.Array:
+    """A (*mesh.shape, local) array, one (1, .., local) block per device, made on the devices."""
+    # device_put of a host array: no program to compile per shape (compiles dominate the run)
+    host = np.ones((*mesh.devices.shape, local), dtype)
+    return jax.device_put(host, NamedSharding(mesh, P(*mesh.axis_names, None)))
+
+
+def shard_mapped(mesh: Mesh, body: Callable[[jax.Array], jax.Array]) -> Callable[..., Any]:
+    """``body`` per device over every axis of ``mesh``, jitted."""
+    spec = P(*mesh.axis_names, None)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec,
+                                 check_vma=False))
+
+
+_CALLS_PER_ROUND = 20
+_RUNTIME_ROUNDS = 5
+_ACCUMULATE_BYTES = (1 << 20, 16 << 20)
+# Per device: an element-wise kernel on every device at once, at two sizes (the slope is the
+# memory bandwidth a fused kernel sees; the call's and the kernel's fixed costs cancel).
+_STREAM_BYTES = (256 << 10, 4 << 20)
+# Chain lengths of the in-program all-reduces: long enough that running them takes longer
+# than issuing the call (calls go back to back, so a short chain's time is the dispatch's,
+# about 0.3 ms on 8 CPU devices), and far enough apart that the slope is above the noise:
+# 9 and 17 on 2 CPU devices timed 646 and 385 us (2026-11-29), a slope below zero that left
+# the calibrated latency at 0, where chains of 4 to 128 give 83-88 us an all-reduce
+# (226 us on 8 devices). And the elements each device all-reduces: few enough that only
+# latency counts.
+ALL_REDUCE_CHAINS = (8, 40)
+_ALL_REDUCE_ROUNDS = 15
+_LATENCY_ELEMENTS = 16
+
+
+def _per_call(fn: Callable[[], Any], calls: int = _CALLS_PER_ROUND,
+              rounds: int = _RUNTIME_ROUNDS) -> float:
+    """Median over ``rounds`` of the seconds per call of ``calls`` calls issued back to back
+    and waited for at the end (after one untimed round: the first call compiles)."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        out = None
+        for _ in range(calls):
+            out = fn()
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / calls)
+    return statistics.median(times)
+
+
+def time_runtime(devices: Sequence[Any]) -> list[RuntimeSample]:
+    """The runtime's own costs on ``devices`` (see the module docstring)."""
+    n = len(devices)
+    out = []
+    every = Mesh(np.array(devices), ("d",))
+    trivial = jax.jit(lambda x: x + 1)
+    x = sharded_ones(every, 16, jnp.float32)
+    out.append(RuntimeSample("call", n, 0.0, _per_call(lambda: trivial(x))))
+    half = max(1, n // 2)
+    stage = Mesh(np.array(devices[:half]), ("d",))
+    operands = [sharded_ones(stage, 16, jnp.float32) for _ in range(16)]
+    task = jax.jit(lambda *a: [v + 1 for v in a])
+    out.append(RuntimeSample("task", half, 0.0, _per_call(lambda: task(*operands))))
+    small = jax.device_put(np.ones(256, np.float32), devices[0])
+    target = jax.sharding.SingleDeviceSharding(devices[-1])
+    out.append(RuntimeSample("transfer", 1, float(small.nbytes),
+                             _per_call(lambda: jax.device_put(small, target))))
+    add = jax.jit(lambda acc, g: acc + g, donate_argnums=(0,))
+    for nbytes in _ACCUMULATE_BYTES:
+        grad = jax.device_put(np.ones(nbytes // 4, np.float32), devices[0])
+        held = {"acc": jax.device_put(np.zeros(nbytes // 4, np.float32), devices[0])}
+
+        def accumulate(held: dict = held, grad: Any = grad) -> Any:
+            held["acc"] = add(held["acc"], grad)
+            return held["acc"]
+
+        out.append(RuntimeSample("accumulate", 1, float(nbytes),
+                                 _per_call(accumulate, calls=5)))
+    scale = jax.jit(lambda v: v * 0.5 + 1.0)
+    for nbytes in _STREAM_BYTES:
+        v = sharded_ones(every, nbytes // 4, jnp.float32)
+        # bytes moved per device: its part read once and written once
+        out.append(RuntimeSample("stream", n, 2.0 * nbytes,
+                                 _per_call(partial(scale, v), calls=5)))
+    out += _time_all_reduce_chains(every)
+    for sample in out:
+        logger.info("runtime %s (%d device(s), %d bytes, %d): %.0f us", sample.kind,
+                    sample.devices, sample.nbytes, sample.count, sample.seconds * 1e6)
+    return out
+
+
+def _time_all_reduce_chains(mesh: Mesh) -> list[RuntimeSample]:
+    """Programs of ``ALL_REDUCE_CHAINS`` small all-reduces over ``mesh``'s one axis, timed
+    in turn within each round (their difference is the slope: a slow spell of the shared
+    cores, which on 2 CPU devices swings an all-reduce between about 20 and 100 us, lands on
+    both), the median over the rounds."""
+    small = sharded_ones(mesh, _LATENCY_ELEMENTS, jnp.float32)
+    calls = [partial(jax.jit(shard_mapped(mesh, partial(_all_reduce_chain, axis="d",
+                                                          count=count))), small)
+             for count in ALL_REDUCE_CHAINS]
+    times: list[list[float]] = [[] for _ in calls]
+    for call in calls:
+        jax.block_until_ready(call())  # compiled before the rounds
+    for _ in range(_ALL_REDUCE_ROUNDS):
+        for call, seen in zip(calls, times, strict=True):
+            seen.append(_per_call(call, calls=5, rounds=1))
+    return [RuntimeSample("all-reduces", mesh.size, float(_LATENCY_ELEMENTS * 4),
+                          statistics.median(seen), count=count)
+            for count, seen in zip(ALL_REDUCE_CHAINS, times, strict=True)]
+
+
+def _all_reduce_chain(x: jax.Array, axis: str, count: int) -> jax.Array:
+    """``count`` all-reduces of ``x`` over ``axis``, each reading the one before."""
+    for _ in range(count):
+        x = jax.lax.optimization_barrier(jax.lax.psum(x, axis) * 0.5)
+    return x
+
+
+def profile_runtime(devices: Sequence[Any] | None = None) -> tuple[RuntimeSample, ...]:
+    """Only the runtime's own costs (see the module docstring), on ``devices`` (default:
+    all): a few seconds, for a cluster description's ``runtime`` entry."""
+    return tuple(time_runtime(list(jax.devices() if devices is None else devices)))
