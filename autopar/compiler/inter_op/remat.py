@@ -19,6 +19,7 @@ splitting every parameter at least k ways. Both are read off the layers' costs s
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import re
@@ -61,10 +62,16 @@ def state_split_levels(shape: Sequence[int]) -> list[int]:
     parameter split at least as many ways as one axis, or several together, has (on a data x
     tensor mesh: over the tensor axis, as Megatron-LM splits; over the data axis; over
     both)."""
+    return list(_split_levels(tuple(shape)))
+
+
+@functools.lru_cache(maxsize=256)
+def _split_levels(shape: tuple[int, ...]) -> tuple[int, ...]:
+    # asked for every range on every mesh by each stage table (GPT-3 175B: 140,000 times)
     sizes = [d for d in shape if d > 1]
     products = {math.prod(c) for r in range(1, len(sizes) + 1)
                 for c in itertools.combinations(sizes, r)}
-    return sorted(products)
+    return tuple(sorted(products))
 
 
 @dataclass(frozen=True)
@@ -113,6 +120,12 @@ class LayerSums:
         return sums
 
 
+@functools.lru_cache(maxsize=1024)
+def _candidate_key(shape: tuple[int, ...], split: int) -> str:
+    """A candidate's key: its logical mesh shape, and its split where it has one."""
+    return "x".join(map(str, shape)) + (f"{SPLIT_SUFFIX}{split}" if split > 1 else "")
+
+
 def remat_candidates(sums: LayerSums, shape: tuple[int, ...], mode: str, *,
                      extra_time: float = 0.0, tail_time: float = 0.0, host_time: float = 0.0,
                      param_bytes: float = 0.0, split: int = 1) -> list[StageCandidate]:
@@ -122,7 +135,7 @@ def remat_candidates(sums: LayerSums, shape: tuple[int, ...], mode: str, *,
     ``extra_time`` is added per microbatch; ``tail_time``, ``host_time`` and ``param_bytes``
     are the stage's (see ``StageCandidate``); ``split``: the costs are those of the plans
     splitting every parameter at least that many ways (named so in the key)."""
-    key = "x".join(map(str, shape)) + (f"{SPLIT_SUFFIX}{split}" if split > 1 else "")
+    key = _candidate_key(tuple(shape), split)
     # built field by field, not through a partial: the stage search makes hundreds of
     # thousands (GPT-3 175B: 150,000 calls), and merging a partial's keywords was a fifth of it
     fixed, tail, host, params = sums.fixed_bytes, tail_time, host_time, param_bytes
