@@ -62,7 +62,7 @@ def state_split_levels(shape: Sequence[int]) -> list[int]:
     parameter split at least as many ways as one axis, or several together, has (on a data x
     tensor mesh: over the tensor axis, as Megatron-LM splits; over the data axis; over
     both)."""
-    return list(_split_levels(tuple(shape)))
+    return list(_split_levels(tuple(map(int, shape))))
 
 
 @functools.lru_cache(maxsize=256)

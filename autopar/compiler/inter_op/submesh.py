@@ -20,7 +20,6 @@ Pure Python; no devices, no JAX.
 
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 from collections.abc import Callable, Sequence
@@ -212,13 +211,6 @@ def place_submeshes(
     )
 
 
-@functools.lru_cache(maxsize=1024)
-def _is_int_tuple(shape: tuple) -> bool:
-    """Whether every entry of ``shape`` is an int: asked for every stage candidate, of a few
-    mesh shapes (a generator over each was a tenth of GPT-3 175B's stage tables)."""
-    return all(type(n) is int for n in shape)
-
-
 def _non_negative(value: Any, what: str) -> float:
     if type(value) is float and 0.0 <= value < math.inf:
         return value  # the common case, without the ABC check (the stage DP makes ~10^6)
@@ -266,7 +258,7 @@ class StageCandidate:
             if type(v) is not float or not 0.0 <= v < math.inf:
                 break
         else:
-            if type(shape) is tuple and _is_int_tuple(shape):
+            if type(shape) is tuple and all(type(n) is int for n in shape):
                 return
         for name in ("time", "fixed_memory", "activation_memory_per_microbatch", "tail_time",
                      "host_time", "param_bytes"):

@@ -4,6 +4,8 @@ layer's ILP to such layouts (``sharding_ilp.state_split_at_least``)."""
 
 from __future__ import annotations
 
+import numpy as np
+
 import autopar
 from autopar.cluster import load_cluster
 from autopar.compiler.graph.trace import build_graph
@@ -31,6 +33,16 @@ def test_the_levels_are_the_products_of_the_mesh_axes_least_first():
     assert state_split_levels((4, 4)) == [4, 16]
     assert state_split_levels((2, 2, 4)) == [2, 4, 8, 16]
     assert state_split_levels((1,)) == []
+
+
+def test_the_levels_are_plain_ints_whatever_the_shape_was_given_as():
+    # the levels are kept per shape: a shape of numpy ints asked first must not hand its
+    # numpy products to the same shape of ints (they would reach keys and the plan's JSON)
+    first = state_split_levels((np.int64(3), np.int64(5)))
+    again = state_split_levels((3, 5))
+    assert first == again == [3, 5, 15]
+    assert all(type(k) is int for k in (*first, *again))
+    assert remat_candidates(LayerSums(), (np.int64(3), np.int64(5)), "none")[0].key == "3x5"
 
 
 def test_the_key_names_the_level_and_remat_stays_readable():
