@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -170,6 +171,48 @@ def resharded_operand_bytes(
     return out
 
 
+@dataclass(frozen=True)
+class _ScheduleStructure:
+    """What the memory-greedy schedule reads of the graph alone, computed once per graph
+    (``OpGraph.derived``): a whole model's step is estimated many times, with other shards
+    each time, over the same program (GPT-3 175B's rematerialised step: 60,000 nodes)."""
+
+    distinct_inputs: tuple[tuple[int, ...], ...]  # by node id
+    readers: dict[int, int]  # tensor -> how many nodes read it
+    dependents: tuple[tuple[int, ...], ...]  # by node id: the nodes reading its outputs
+    waiting: tuple[int, ...]  # by node id: how many nodes make its inputs
+    barrier: tuple[int, ...]  # by node id: 1 for an optimization barrier
+    # consumers before producers: each fused op's outputs and inputs (``last_reads``)
+    fused_reversed: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
+
+
+def _schedule_structure(graph: OpGraph) -> _ScheduleStructure:
+    key = ("schedule_structure",)
+    if key in graph.derived:
+        return graph.derived[key]
+    assert all(node.id == k for k, node in enumerate(graph.nodes)), "nodes by id, in order"
+    producer = graph.producer
+    distinct = tuple(tuple(set(node.inputs)) for node in graph.nodes)
+    readers: dict[int, int] = {}
+    for ins in distinct:
+        for t in ins:
+            readers[t] = readers.get(t, 0) + 1
+    dependents: list[set[int]] = [set() for _ in graph.nodes]
+    waiting = []
+    for node in graph.nodes:
+        before = {producer[t] for t in node.inputs if t in producer}
+        waiting.append(len(before))
+        for p in before:
+            dependents[p].add(node.id)
+    found = _ScheduleStructure(
+        distinct, readers, tuple(tuple(d) for d in dependents), tuple(waiting),
+        tuple(int(node.primitive == "optimization_barrier") for node in graph.nodes),
+        tuple((node.outputs, node.inputs) for node in reversed(graph.nodes)
+              if node.primitive in FUSED_OPS))
+    graph.derived[key] = found
+    return found
+
+
 def memory_greedy_order(graph: OpGraph, counted: set[int], share=None) -> list[int]:
     """Node ids in a memory-greedy list schedule of the ``counted`` tensors.
 
@@ -180,51 +223,42 @@ def memory_greedy_order(graph: OpGraph, counted: set[int], share=None) -> list[i
     nothing else is ready, as the recompute is meant to run only when the backward needs it.
     """
     share = share or (lambda t: graph.tensors[t].nbytes)
-    readers: dict[int, int] = {}
-    producer: dict[int, int] = {}
-    distinct_inputs: dict[int, tuple[int, ...]] = {}
-    for node in graph.nodes:
-        distinct_inputs[node.id] = tuple(set(node.inputs))
-        for t in distinct_inputs[node.id]:
-            readers[t] = readers.get(t, 0) + 1
-        for t in node.outputs:
-            producer[t] = node.id
-    dependents: dict[int, set[int]] = {}
-    waiting: dict[int, int] = {}
-    for node in graph.nodes:
-        before = {producer[t] for t in node.inputs if t in producer}
-        waiting[node.id] = len(before)
-        for p in before:
-            dependents.setdefault(p, set()).add(node.id)
+    structure = _schedule_structure(graph)
+    distinct_inputs, dependents = structure.distinct_inputs, structure.dependents
+    readers = dict(structure.readers)
+    waiting = list(structure.waiting)
+    barrier = structure.barrier
     # what each node's outputs add never changes (a tensor with readers keeps them), what its
     # inputs free does (their other readers run first): both read from here, as ``delta`` is
     # asked twice for each of a whole model's tens of thousands of nodes
-    barrier = {node.id: int(node.primitive == "optimization_barrier") for node in graph.nodes}
-    grown = {node.id: sum(share(t) for t in node.outputs if t in counted and t in readers)
-             for node in graph.nodes}
-    counted_inputs = {n: [(t, share(t)) for t in ins if t in counted]
-                      for n, ins in distinct_inputs.items()}
+    grown = [sum(share(t) for t in node.outputs if t in counted and t in readers)
+             for node in graph.nodes]
+    counted_inputs = [[(t, share(t)) for t in ins if t in counted] for ins in distinct_inputs]
 
     def delta(n: int) -> tuple[int, int]:
-        freed = sum(size for t, size in counted_inputs[n] if readers[t] == 1)
+        freed = 0
+        for t, size in counted_inputs[n]:
+            if readers[t] == 1:
+                freed += size
         return (barrier[n], grown[n] - freed)
 
-    ready = [(delta(n), n) for n, w in waiting.items() if w == 0]
+    ready = [(delta(n), n) for n, w in enumerate(waiting) if w == 0]
     heapq.heapify(ready)
     order = []
+    pop, push = heapq.heappop, heapq.heappush
     while ready:
-        d, n = heapq.heappop(ready)
+        d, n = pop(ready)
         now = delta(n)
         if now != d and ready and (now, n) > ready[0]:
-            heapq.heappush(ready, (now, n))  # others' reads changed what it frees
+            push(ready, (now, n))  # others' reads changed what it frees
             continue
         order.append(n)
         for t in distinct_inputs[n]:
             readers[t] -= 1
-        for m in dependents.get(n, ()):
+        for m in dependents[n]:
             waiting[m] -= 1
             if waiting[m] == 0:
-                heapq.heappush(ready, (delta(m), m))
+                push(ready, (delta(m), m))
     return order
 
 
@@ -233,18 +267,19 @@ def last_reads(graph: OpGraph, order: Sequence[int], counted: set[int]) -> dict[
     (not ``counted``, made by a fused op) is read through: its readers recompute it from the
     producer's operands, which must stay alive until then (a ReLU's mask, say, is recomputed in
     the backward from the pre-activation, so the pre-activation lives until the backward)."""
-    position = {n: i for i, n in enumerate(order)}
+    structure = _schedule_structure(graph)
+    distinct_inputs = structure.distinct_inputs
     last: dict[int, int] = {}
-    for node in graph.nodes:
-        for t in node.inputs:
-            last[t] = max(last.get(t, -1), position[node.id])
-    for node in reversed(graph.nodes):  # consumers before producers
-        if node.primitive not in FUSED_OPS:
-            continue
-        fused = [last[t] for t in node.outputs if t not in counted and t in last]
+    for i, n in enumerate(order):  # positions rise: the last write is the latest reader
+        for t in distinct_inputs[n]:
+            last[t] = i
+    for outputs, inputs in structure.fused_reversed:  # consumers before producers
+        fused = [last[t] for t in outputs if t not in counted and t in last]
         if fused:
-            for u in node.inputs:
-                last[u] = max(last.get(u, -1), *fused)
+            latest = max(fused)
+            for u in inputs:
+                if last.get(u, -1) < latest:
+                    last[u] = latest
     return last
 
 
@@ -262,14 +297,20 @@ def _peak_live(
     buffer of a ``lenders`` tensor (an output, alive from its writing to the step's end).
     ``arriving``: inputs brought to the device when first read, ``leaving``: outputs sent
     away when written (both among ``counted``)."""
-    order = memory_greedy_order(graph, counted, share)
+    # every size read below, looked up once (the order alone asks for each several times)
+    sizes = {t: share(t) for t in counted}
+    sizes.update((t, share(t)) for t in lenders if t not in sizes)
+    size = sizes.__getitem__
+    order = memory_greedy_order(graph, counted, size)
     last_use = last_reads(graph, order, counted)
+    nodes = graph.nodes
     born: dict[int, int] = {}
     for i, n in enumerate(order):
-        for t in graph.nodes[n].inputs:
-            if t in arriving and t not in born:
-                born[t] = i
-        for t in graph.nodes[n].outputs:
+        if arriving:
+            for t in nodes[n].inputs:
+                if t in arriving and t not in born:
+                    born[t] = i
+        for t in nodes[n].outputs:
             born[t] = i
     spans = {t: (born[t], last_use.get(t, born[t])) for t in counted if t in born
              and (t in last_use or t in leaving)}
@@ -277,7 +318,7 @@ def _peak_live(
     for t in arriving:
         if t in spans:
             arrivals.setdefault(spans[t][0], []).append(t)
-    borrowed = _borrowers(spans, {t: born[t] for t in lenders if t in born}, share)
+    borrowed = _borrowers(spans, {t: born[t] for t in lenders if t in born}, size)
     frees: dict[int, list[int]] = {}
     for t, (_, end) in spans.items():
         if t not in borrowed:
@@ -285,19 +326,25 @@ def _peak_live(
     live = peak = 0
     for i, n in enumerate(order):
         dying = frees.pop(i, [])
-        in_place = graph.nodes[n].primitive in FUSED_OPS
-        live += sum(share(t) for t in arrivals.get(i, ()))
-        for t in graph.nodes[n].outputs:
+        node = nodes[n]
+        in_place = node.primitive in FUSED_OPS
+        if i in arrivals:
+            live += sum(sizes[t] for t in arrivals[i])
+        for t in node.outputs:
             if t not in spans or t in borrowed:
                 continue
             # a loop writes its result over an operand it reads for the last time
-            same = next((u for u in dying if in_place and share(u) == share(t)), None)
+            same = next((u for u in dying if sizes[u] == sizes[t]), None) if in_place \
+                else None
             if same is not None:
                 dying.remove(same)
             else:
-                live += share(t)
-        peak = max(peak, live + int(transient.get(n, 0)))
-        live -= sum(share(t) for t in dying)
+                live += sizes[t]
+        now = live + int(transient.get(n, 0)) if transient else live
+        if now > peak:
+            peak = now
+        for t in dying:
+            live -= sizes[t]
     return peak
 
 
@@ -306,25 +353,37 @@ def _borrowers(spans: Mapping[int, tuple[int, int]], lenders: Mapping[int, int],
     puts into a lender's buffer (``lenders[t]``: the position it is written at): biggest
     temporaries first, each into the smallest buffer that holds it, is not yet written while
     the temporary lives, and holds no other borrower at the time."""
-    buffers = sorted(lenders, key=lambda t: (share(t), lenders[t]))
-    sizes = [share(t) for t in buffers]
+    # the buffers by size, and of one size by when they are written: a temporary looks at
+    # the sizes that hold it, smallest first, and in each only at the buffers written after
+    # it ends (at its end, one of its own size: written over it in place); a whole model has
+    # thousands of buffers and temporaries, most of them alive until late in the step
+    by_size: dict[int, list[int]] = {}
+    for t in sorted(lenders, key=lambda t: (share(t), lenders[t])):
+        by_size.setdefault(share(t), []).append(t)
+    sizes = list(by_size)
+    written = {size: [lenders[b] for b in group] for size, group in by_size.items()}
     # per buffer, the spans of its borrowers: disjoint, kept sorted by start (and so by end),
     # so a new span can only overlap its neighbours in that order
     starts: dict[int, list[int]] = {}
     ends: dict[int, list[int]] = {}
-    out = set()
+    out: set[int] = set()
     for t in sorted(spans, key=lambda t: (-share(t), spans[t])):
         start, end = spans[t]
         size = share(t)
-        for b in buffers[bisect.bisect_left(sizes, size):]:
-            if end > lenders[b] or (end == lenders[b] and share(b) != size):
-                continue  # alive once the output is written (unless written over it in place)
-            first, last = starts.setdefault(b, []), ends.setdefault(b, [])
-            k = bisect.bisect_right(first, end)  # spans starting after this one ends
-            if k and last[k - 1] >= start:  # the latest span starting within it still lives
-                continue
-            first.insert(k, start)
-            last.insert(k, end)
-            out.add(t)
-            break
+        placed = False
+        for held in itertools.islice(sizes, bisect.bisect_left(sizes, size), None):
+            group = by_size[held]
+            after = bisect.bisect_left if held == size else bisect.bisect_right
+            for b in itertools.islice(group, after(written[held], end), None):
+                first, last = starts.setdefault(b, []), ends.setdefault(b, [])
+                k = bisect.bisect_right(first, end)  # spans starting after this one ends
+                if k and last[k - 1] >= start:  # the latest span starting within it lives
+                    continue
+                first.insert(k, start)
+                last.insert(k, end)
+                out.add(t)
+                placed = True
+                break
+            if placed:
+                break
     return out

@@ -18,6 +18,7 @@ activations keeps its input, its centred input and its normalised output for the
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from autopar.compiler.graph.batch_split import SHAPE_PRESERVING
 from autopar.compiler.graph.opgraph import SCAN_ENTER, OpGraph
@@ -57,34 +58,42 @@ def _is_float(dtype: str) -> bool:
     return "float" in dtype
 
 
-def library_read_operands(
-    graph: OpGraph, shards: Mapping[int, int] | None = None
-) -> set[int]:
-    """Tensors a library reduction reads from memory (see the module docstring): walking up
-    from each reduction big enough for the library (``shards[t]``: how many ways tensor ``t``
-    is split, default whole), through the elementwise ops that feed only it (folded into the
-    library call), to the values those read."""
-    shards = shards or {}
+@dataclass(frozen=True)
+class _LibraryWalk:
+    """One reduction the kernel library may take: its operand, its results, and the values
+    it reads from memory when it does (the walk up through what it folds in)."""
+
+    operand: int
+    outputs: tuple[int, ...]
+    reads: frozenset[int]
+
+
+@dataclass(frozen=True)
+class _WrittenStructure:
+    """What of ``materialized_temporaries`` depends on the graph alone, computed once per
+    graph: a whole model's step is estimated many times (every floor, every ILP's chosen
+    plan), each with other shards, and only which reductions the library takes changes."""
+
+    always: frozenset[int]  # written whatever the shards
+    if_library_read: frozenset[int]  # fused results written only where a library reads them
+    walks: tuple[_LibraryWalk, ...]
+
+
+def _structure(graph: OpGraph) -> _WrittenStructure:
+    key = ("written_values",)
+    if key in graph.derived:
+        return graph.derived[key]
+    consumers = graph.consumers
     producer = graph.producer
-    readers: dict[int, int] = {}
-    for node in graph.nodes:
-        for t in set(node.inputs):
-            readers[t] = readers.get(t, 0) + 1
-    outputs = {io.tensor for io in graph.outputs}
-
-    def elements(t: int) -> int:
-        return graph.tensors[t].size // max(1, shards.get(t, 1))
-
-    read: set[int] = set()
+    outputs = graph.output_tensors
+    walks = []
     for node in graph.nodes:
         if node.primitive not in LIBRARY_REDUCTIONS or not node.inputs:
             continue
         operand = node.inputs[0]
-        if not _is_float(graph.tensors[operand].dtype) or max(
-            elements(operand), *(elements(t) for t in node.outputs)
-        ) < LIBRARY_MIN_ELEMENTS:
+        if not _is_float(graph.tensors[operand].dtype):
             continue
-        stack, seen = [operand], set()
+        stack, seen, read = [operand], set(), set()
         while stack:
             t = stack.pop()
             if t in seen or graph.tensors[t].kind == "literal":
@@ -95,12 +104,52 @@ def library_read_operands(
             if (
                 p is not None
                 and graph.nodes[p].primitive in FUSED_OPS
-                and readers.get(t, 0) == 1
+                and len(consumers.get(t, ())) == 1
                 and t not in outputs
             ):
                 stack.extend(graph.nodes[p].inputs)
             else:
                 read.add(t)
+        walks.append(_LibraryWalk(operand, tuple(node.outputs), frozenset(read)))
+    always, maybe = set(), set()
+    for node in graph.nodes:
+        if node.primitive in ALIASING_OPS:
+            continue
+        fused_producer = node.primitive in FUSED_OPS
+        for t in node.outputs:
+            readers = [graph.nodes[u].primitive for u in consumers.get(t, ())]
+            if (
+                not fused_producer
+                or t in outputs
+                or (len(readers) > 1 and node.primitive in EXPENSIVE_OPS)
+                or any(r not in FUSED_OPS and r not in READS_FUSED_OPERANDS for r in readers)
+            ):
+                always.add(t)
+            else:
+                maybe.add(t)
+    found = _WrittenStructure(frozenset(always), frozenset(maybe), tuple(walks))
+    graph.derived[key] = found
+    return found
+
+
+def library_read_operands(
+    graph: OpGraph, shards: Mapping[int, int] | None = None
+) -> set[int]:
+    """Tensors a library reduction reads from memory (see the module docstring): walking up
+    from each reduction big enough for the library (``shards[t]``: how many ways tensor ``t``
+    is split, default whole), through the elementwise ops that feed only it (folded into the
+    library call), to the values those read."""
+    shards = shards or {}
+    tensors = graph.tensors
+
+    def elements(t: int) -> int:
+        return tensors[t].size // max(1, shards.get(t, 1))
+
+    read: set[int] = set()
+    for walk in _structure(graph).walks:
+        if max(elements(walk.operand), *(elements(t) for t in walk.outputs)) \
+                >= LIBRARY_MIN_ELEMENTS:
+            read |= walk.reads
     return read
 
 
@@ -110,25 +159,6 @@ def materialized_temporaries(
     """Intermediate tensors XLA writes to memory (see the module docstring) when tensor ``t``
     is split ``shards[t]`` ways (default: whole; it decides which reductions go to the
     kernel library)."""
-    consumers: dict[int, list[str]] = {}
-    for node in graph.nodes:
-        for t in set(node.inputs):
-            consumers.setdefault(t, []).append(node.primitive)
-    outputs = {io.tensor for io in graph.outputs}
-    library_reads = library_read_operands(graph, shards)
-    kept = set()
-    for node in graph.nodes:
-        if node.primitive in ALIASING_OPS:
-            continue
-        fused_producer = node.primitive in FUSED_OPS
-        for t in node.outputs:
-            readers = consumers.get(t, [])
-            if (
-                not fused_producer
-                or t in outputs
-                or t in library_reads
-                or (len(readers) > 1 and node.primitive in EXPENSIVE_OPS)
-                or any(r not in FUSED_OPS and r not in READS_FUSED_OPERANDS for r in readers)
-            ):
-                kept.add(t)
-    return kept
+    structure = _structure(graph)
+    return set(structure.always) | (structure.if_library_read
+                                    & library_read_operands(graph, shards))

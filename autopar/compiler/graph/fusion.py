@@ -71,7 +71,16 @@ def _materialised(graph: OpGraph, tensor: int) -> bool:
 def kernel_bytes(graph: OpGraph, node: OpNode) -> float:
     """Bytes ``node`` reads and writes from device memory per step, fused as XLA fuses it
     (see the module docstring): a library kernel's operands and results; for a fused op,
-    the operands that are in memory and the results written out."""
+    the operands that are in memory and the results written out. Computed once per node of
+    a graph (``OpGraph.derived``): every ILP build on every mesh asks for every node's."""
+    known = graph.derived.setdefault(("kernel_bytes",), {})
+    found = known.get(node.id)
+    if found is None:
+        found = known[node.id] = _kernel_bytes(graph, node)
+    return found
+
+
+def _kernel_bytes(graph: OpGraph, node: OpNode) -> float:
     if node.primitive in LIBRARY_KERNELS:
         return node.bytes_accessed
     if node.primitive in _VIEWS or node.primitive in _RECOMPUTED:

@@ -20,16 +20,25 @@ def memory_vectors(table: DecisionVariables) -> list[list[float]]:
     sizes = {a: table.mesh.axis_size(a) for a in table.mesh.axis_names}
     tensors = table.graph.tensors
     written = materialized_temporaries(table.graph) | {io.tensor for io in table.graph.outputs}
+    # a member's bytes per choice depend on its strategy list and its outputs' sizes: the
+    # same op of every repeated layer shares both, and is computed once
+    per_member: dict[tuple, list[float]] = {}
     vectors = []
     for var in table.variables:
         vec = [0.0] * var.size
         for member, strategies in var.members.items():
-            outs = table.member_outputs(member)
-            for i, s in enumerate(strategies):
-                for t, spec in zip(outs, s.output_specs, strict=True):
-                    if member >= 0 and t not in written:
-                        continue
-                    vec[i] += tensors[t].nbytes / spec.num_shards(sizes)
+            outs = tuple(tensors[t].nbytes if member < 0 or t in written else None
+                         for t in table.member_outputs(member))
+            key = (id(strategies), outs)
+            found = per_member.get(key)
+            if found is None:
+                found = per_member[key] = [
+                    [nbytes / spec.num_shards(sizes)
+                     for nbytes, spec in zip(outs, s.output_specs, strict=True)
+                     if nbytes is not None] for s in strategies]
+            for i, parts in enumerate(found):
+                for part in parts:
+                    vec[i] += part
         vectors.append(vec)
     return vectors
 
@@ -52,19 +61,22 @@ def live_sets(table: DecisionVariables, max_live_sets: int,
     arriving = {t: var for t, var in inputs.items() if t in host}
     step = max(1, len(order) // max_live_sets)
     live: dict[int, int] = {}  # tensor -> position of its last reader
+    ending: dict[int, list[int]] = {}  # position -> the tensors whose last reader it is
     sets: list[list[int]] = []
     for i, n in enumerate(order):
         for t in graph.nodes[n].inputs:
             if t in arriving and t not in live and t in last_use:
                 live[t] = last_use[t]
+                ending.setdefault(max(live[t], i), []).append(t)
         for t in graph.nodes[n].outputs:
             if t in counted and (t in last_use or t in host):
                 live[t] = last_use.get(t, i)
+                ending.setdefault(max(live[t], i), []).append(t)
         if i % step == 0:
             current = {arriving[t] if t in arriving else table.var_of[table.tensor_home[t][0]]
                        for t in live}
             sets.append(sorted(current | always))
-        for t in [t for t, end in live.items() if end <= i]:
+        for t in ending.pop(i, ()):
             del live[t]
             arriving.pop(t, None)
     return sets

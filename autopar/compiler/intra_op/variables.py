@@ -83,7 +83,16 @@ def input_key(position: int) -> int:
 
 def node_signature(graph: OpGraph, node: OpNode) -> tuple:
     """What a node's strategies depend on: primitive, parameters, operand and result types,
-    and how often it runs per step (inside scan regions)."""
+    and how often it runs per step (inside scan regions). Computed once per node of a graph
+    (``OpGraph.derived``): every ILP build on every mesh asks for every node's."""
+    known = graph.derived.setdefault(("node_signature",), {})
+    found = known.get(node.id)
+    if found is None:
+        found = known[node.id] = _node_signature(graph, node)
+    return found
+
+
+def _node_signature(graph: OpGraph, node: OpNode) -> tuple:
     params = tuple(sorted((k, repr(v)) for k, v in node.params.items()))
     types = tuple(
         (graph.tensors[t].shape, graph.tensors[t].dtype) for t in (*node.inputs, *node.outputs)
@@ -134,6 +143,9 @@ class MeshCaches:
     follow: dict[tuple, list[Strategy] | None] = field(default_factory=dict)
     reshard_costs: dict[tuple, Any] = field(default_factory=dict)
     matrices: dict[tuple, Any] = field(default_factory=dict)
+    # each shared strategy list's ``decision_cost``s, by the list's id (the lists above
+    # live as long as these caches: every id here names a list they hold)
+    decision_costs: dict[int, list[float]] = field(default_factory=dict)
 
 
 class DecisionVariables:
@@ -180,9 +192,18 @@ class DecisionVariables:
 
     # -- building ----------------------------------------------------------------------------
 
+    def decision_costs(self, strategies: list[Strategy]) -> list[float]:
+        """``decision_cost`` of each of ``strategies``, a list the caches hold (the same op
+        of every repeated layer shares one: a whole model's build asks millions of times)."""
+        found = self.caches.decision_costs.get(id(strategies))
+        if found is None:
+            found = self.caches.decision_costs[id(strategies)] = [decision_cost(s)
+                                                                   for s in strategies]
+        return found
+
     def new_variable(self, key: int, strategies: list[Strategy]) -> None:
         var = Variable(len(self.variables), key, {key: strategies},
-                       [decision_cost(s) for s in strategies])
+                       list(self.decision_costs(strategies)))
         self.variables.append(var)
         self.var_of[key] = var.index
 
@@ -322,6 +343,6 @@ class DecisionVariables:
         if chosen is None:
             return False
         var.members[node.id] = chosen
-        var.costs = [c + decision_cost(s) for c, s in zip(var.costs, chosen, strict=True)]
+        var.costs = [c + d for c, d in zip(var.costs, self.decision_costs(chosen), strict=True)]
         self.var_of[node.id] = var.index
         return True
