@@ -36,12 +36,15 @@ def available_cores() -> int:
 
 
 def run_pulled(tasks: Sequence[Task], solve: Callable[[Task], Answer],
-               workers: int) -> list[Answer]:
+               workers: int, meanwhile: Callable[[], Any] | None = None) -> list[Answer]:
     """``[solve(t) for t in tasks]``, over ``workers`` processes (this one and forked
     children), each taking the next task in order when it finishes one: put the slowest
-    first."""
+    first. ``meanwhile()``: work of this process's own (it may call JAX, and fork) done
+    first, while the children already solve (run first when nothing is forked)."""
     workers = min(workers, len(tasks))
     if workers <= 1 or not hasattr(os, "fork"):
+        if meanwhile is not None:
+            meanwhile()
         return [solve(t) for t in tasks]
     counter: Any = multiprocessing.get_context("fork").Value("i", 0)
 
@@ -58,6 +61,15 @@ def run_pulled(tasks: Sequence[Task], solve: Callable[[Task], Answer],
         return done
 
     children = [_fork(work) for _ in range(workers - 1)]
+    if meanwhile is not None:
+        # before the readers: a child ``meanwhile`` forks inherits no running thread (the
+        # children's answers wait in their pipes until read)
+        try:
+            meanwhile()
+        except BaseException:
+            for pid, fd in children:
+                Beside(pid, fd).cancel()
+            raise
     received: list[bytes] = [b""] * len(children)
 
     def read(k: int, fd: int) -> None:

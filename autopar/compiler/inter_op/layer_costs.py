@@ -10,7 +10,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Protocol
+from typing import Any, Protocol
 
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.opgraph import OpGraph
@@ -108,6 +108,9 @@ class LayerCostCache:
     # stage cost table on the same cuts reads them (one per schedule and replica count: GPT
     # 1T's search reads 16 tables of about 20,000 ranges and meshes each)
     summed: dict[tuple, dict[tuple[int, int], LayerSums]] = field(default_factory=dict)
+    # this process's own work, done once while the first forked solves run (``prefetch``):
+    # the full search traces its one-stage candidates' rematerialised step there
+    meanwhile: Callable[[], Any] | None = None
 
     def use_layers(self, pp: PipelineProgram, positions: Sequence[int]) -> None:
         """Look for the forward's repeated block once, its boundaries placed as ``positions``
@@ -296,7 +299,8 @@ class LayerCostCache:
         order = sorted(missing, key=lambda mesh: -len(mesh.device_ids))
         if self.status is not None:  # the fastest plans' ILPs; the lean ones are not known yet
             self.status.expect(len(missing) * len(firsts))
-        for found in run_pulled(order, solve, workers):
+        meanwhile, self.meanwhile = self.meanwhile, None
+        for found in run_pulled(order, solve, workers, meanwhile):
             for key, cost in found:
                 self._record(key, cost)
 

@@ -22,7 +22,7 @@ def memory_vectors(table: DecisionVariables) -> list[list[float]]:
     written = materialized_temporaries(table.graph) | {io.tensor for io in table.graph.outputs}
     # a member's bytes per choice depend on its strategy list and its outputs' sizes: the
     # same op of every repeated layer shares both, and is computed once
-    per_member: dict[tuple, list[float]] = {}
+    per_member: dict[tuple, list[list[float]]] = {}
     vectors = []
     for var in table.variables:
         vec = [0.0] * var.size

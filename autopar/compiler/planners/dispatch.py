@@ -158,7 +158,11 @@ def plan(step: StepProgram, cluster: ClusterSpec, *,
 
 
 def _plan_pipelined(step: StepProgram, method: PipeshardParallel, traced: TracedStep,
-                    cluster: ClusterSpec) -> PlannedProgram:
+                    cluster: ClusterSpec, *,
+                    meanwhile: Callable[[], Any] | None = None) -> PlannedProgram:
+    """``meanwhile()``: this process's own work, done while the stage search's first forked
+    layer ILPs run (``LayerCostCache.meanwhile``; left undone if none are forked: the caller
+    does it then)."""
     from autopar.compiler.planners.schedule_choice import plan_pipeline
     from autopar.compiler.planners.stage_costs import layer_cost_cache
 
@@ -167,6 +171,7 @@ def _plan_pipelined(step: StepProgram, method: PipeshardParallel, traced: Traced
     step.status.enter("pipelines")
     cache = layer_cost_cache(method)
     cache.status = step.status
+    cache.meanwhile = meanwhile
     plan = replace(plan_pipeline(pipeline, method, cluster, cache=cache),
                    batch_argnums=step.batch_argnums)
     dropped = pipeline.dropped_constraints

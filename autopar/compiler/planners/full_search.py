@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from autopar.cluster import ClusterSpec
 from autopar.compiler.graph.trace import TracedStep
@@ -50,8 +50,17 @@ PIPESHARD = MethodName.PIPESHARD  # the pipelined candidate's name among the fou
 
 OneStagePlanner = Callable[[StepProgram, ClusterSpec, IlpObserver | None, float,
                             float | None], PlannedProgram]
-PipelinePlanner = Callable[[StepProgram, PipeshardParallel, TracedStep, ClusterSpec],
-                           PlannedProgram]
+
+
+class PipelinePlanner(Protocol):
+    """``dispatch._plan_pipelined``: ``meanwhile()`` is done while the stage search's first
+    forked layer ILPs run."""
+
+    def __call__(self, step: StepProgram, method: PipeshardParallel, traced: TracedStep,
+                 cluster: ClusterSpec, *,
+                 meanwhile: Callable[[], Any] | None = None) -> PlannedProgram: ...
+
+
 # ``beat`` for a one-stage candidate's first planning: no plan fits yet, so one whose fastest
 # plan is over the budget is put off (``CannotWinError``) until the pipelines are planned
 DEFER = 0.0
@@ -86,6 +95,11 @@ class FullSearch:
     deferred: list[tuple[str, OneStageMethod, int]] = field(default_factory=list)
     # ShardParallel candidates planned in the forked child beside the pipelines, by row
     singles: list[tuple[str, OneStageMethod, int]] = field(default_factory=list)
+    # the child planning ``singles`` (``start_beside``), once started; where its start failed,
+    # why (raised once the pipelines are planned, not as their failure)
+    child: Beside | None = None
+    child_started: bool = False
+    child_error: Exception | None = None
     # the pipelined candidate's notes on its stage-cost ILPs, kept when another plan wins
     ilp_notes: list[str] = field(default_factory=list)
 
@@ -111,18 +125,20 @@ class FullSearch:
         beside = one_stage_beside.plans_beside(step, self.method, self.cluster,
                                                self.ilp_observer, self.deadline)
         self.queue_one_stage(beside)
-        child = self.start_beside()
         pruned = step.pipeline is not None and self.method.prune and pipelines_cannot_win(
             self.found, self.budget, self.method, self.cluster, self.rows)
         try:
             if step.pipeline is not None and not pruned and self.within_budget(PIPESHARD):
                 self.plan_pipelines()
-            answer = child.join() if child is not None else None
+            self.begin_beside()
+            if self.child_error is not None:
+                raise self.child_error
+            answer = self.child.join() if self.child is not None else None
         except BaseException:  # an error, or Ctrl-C: the child is ended, not left behind
-            if child is not None:
-                child.cancel()
+            if self.child is not None:
+                self.child.cancel()
             raise
-        if child is not None:
+        if self.child is not None:
             self.collect_beside(answer)
         self.plan_deferred()
         return self.choose()
@@ -201,6 +217,18 @@ class FullSearch:
         return {"name": name, "method": name.split(" ")[0], "est_step_time_s": None,
                 "fits": False, "needs_bytes": max(replicated, floor), "note": note}
 
+    def begin_beside(self) -> None:
+        """Start the child (``start_beside``) once: from the pipelines' stage search, while
+        its first forked layer ILPs run (its trace of the rematerialised step is one core's
+        work: 2-4 s at GPT-39B and GPT-3 175B), or from ``run`` when that forked none."""
+        if self.child_started:
+            return
+        self.child_started = True
+        try:
+            self.child = self.start_beside()
+        except Exception as err:  # noqa: BLE001 - raised by ``run``, not as the pipelines'
+            self.child_error = err
+
     def start_beside(self) -> Beside | None:
         """The child planning ``singles`` (after tracing here what they will need), or None
         when there are none."""
@@ -225,7 +253,8 @@ class FullSearch:
         began = time.perf_counter()
         try:
             self.found[PIPESHARD] = self.plan_pipelined(self.step, pipelined, traced,
-                                                          self.cluster)
+                                                          self.cluster,
+                                                          meanwhile=self.begin_beside)
         except AutoparError as err:
             self.rows.append(failed_row(PIPESHARD, PIPESHARD, err))
         finally:

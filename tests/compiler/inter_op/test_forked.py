@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from autopar.compiler.inter_op import forked
 from autopar.compiler.inter_op.forked import run_pulled
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
@@ -56,3 +57,55 @@ def test_the_tasks_of_a_failed_child_are_solved_here():
 
     answers = run_pulled(list(range(8)), solve, workers=2)
     assert answers == [(k + 1, parent) for k in range(8)]
+
+
+def test_this_processs_own_work_runs_while_the_child_solves(tmp_path):
+    """``meanwhile`` runs here once, after the child is forked: the child takes tasks while it
+    runs (here it waits until the child has solved one), and the answers are all there."""
+    parent = os.getpid()
+    solved = tmp_path / "a-child-solved"
+    ran = []
+
+    def solve(task: int) -> int:
+        if os.getpid() != parent:
+            solved.touch()
+        return task * 2
+
+    def meanwhile() -> None:
+        waited = 0.0
+        while not solved.exists() and waited < 30:
+            time.sleep(0.01)
+            waited += 0.01
+        ran.append(os.getpid())
+
+    assert run_pulled(list(range(6)), solve, workers=2, meanwhile=meanwhile) == \
+        [k * 2 for k in range(6)]
+    assert ran == [parent] and solved.exists()
+    # with nothing to fork, it runs first, here
+    assert run_pulled([1], solve, workers=2, meanwhile=lambda: ran.append(0)) == [2]
+    assert ran == [parent, 0]
+
+
+def test_children_are_ended_when_this_processs_own_work_fails(monkeypatch):
+    pids = []
+    real = forked._fork
+
+    def kept(work):
+        pid, fd = real(work)
+        pids.append(pid)
+        return pid, fd
+
+    monkeypatch.setattr(forked, "_fork", kept)
+
+    def solve(task: int) -> int:
+        time.sleep(0.01)
+        return task
+
+    def meanwhile() -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_pulled(list(range(50)), solve, workers=2, meanwhile=meanwhile)
+    assert len(pids) == 1
+    with pytest.raises(ChildProcessError):  # reaped: no such child any more
+        os.waitpid(pids[0], os.WNOHANG)

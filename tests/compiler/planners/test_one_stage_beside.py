@@ -120,18 +120,24 @@ def keep_children(monkeypatch):
     return children
 
 
-def test_the_child_is_ended_when_the_pipelines_fail(monkeypatch):
-    """A pipeline search that raises (here: a bug stands in) ends the child, not leaves it."""
+@pytest.mark.parametrize("started", [True, False], ids=["child-started", "before-the-child"])
+def test_the_child_is_ended_when_the_pipelines_fail(monkeypatch, started):
+    """A pipeline search that raises (here: a bug stands in) ends the child, not leaves it.
+    The stage search starts the child while its first forked ILPs run (``meanwhile``): one
+    that fails after that ends it, one that fails before it leaves none started."""
     children = keep_children(monkeypatch)
-    def broken(*args, **kwargs):
+    def broken(*args, meanwhile=None, **kwargs):
+        if started:
+            meanwhile()
         raise RuntimeError("pipelines failed")
 
     monkeypatch.setattr(dispatch, "_plan_pipelined", broken)
     with pytest.raises(RuntimeError, match="pipelines failed"):
         search(monkeypatch, beside=True)
-    assert len(children) == 1
-    with pytest.raises(ChildProcessError):  # reaped: no such child any more
-        os.waitpid(children[0].pid, 0)
+    assert len(children) == (1 if started else 0)
+    for child in children:
+        with pytest.raises(ChildProcessError):  # reaped: no such child any more
+            os.waitpid(child.pid, 0)
 
 
 def test_which_searches_plan_beside(monkeypatch):
