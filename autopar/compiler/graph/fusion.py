@@ -72,12 +72,8 @@ def kernel_bytes(graph: OpGraph, node: OpNode) -> float:
     """Bytes ``node`` reads and writes from device memory per step, fused as XLA fuses it
     (see the module docstring): a library kernel's operands and results; for a fused op,
     the operands that are in memory and the results written out. Computed once per node of
-    a graph (``OpGraph.derived``): every ILP build on every mesh asks for every node's."""
-    known = graph.derived.setdefault(("kernel_bytes",), {})
-    found = known.get(node.id)
-    if found is None:
-        found = known[node.id] = _kernel_bytes(graph, node)
-    return found
+    a graph (``OpGraph.node_fact``)."""
+    return graph.node_fact("kernel_bytes", node, _kernel_bytes)
 
 
 def _kernel_bytes(graph: OpGraph, node: OpNode) -> float:

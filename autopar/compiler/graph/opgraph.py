@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from autopar.ir.program import SCAN_ENTER as _ENTER
 from autopar.ir.program import SCAN_EXIT as _EXIT
+
+_Fact = TypeVar("_Fact")
+_MISSING = object()  # a node fact not computed yet (``OpGraph.node_fact``)
 
 if TYPE_CHECKING:  # networkx is imported where a view is asked for: it adds 0.15 s to
     import networkx as nx  # every ``import autopar``
@@ -127,6 +130,17 @@ class OpGraph:
     # does not change once built, so each is computed once (``memory_model.parameter_inputs``,
     # read by every memory estimate of the step)
     derived: dict[tuple, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def node_fact(self, name: str, node: OpNode,
+                  compute: Callable[[OpGraph, OpNode], _Fact]) -> _Fact:
+        """``compute(self, node)``, kept per node under ``name`` in ``derived``: what every
+        ILP build on every mesh asks of every node (its fused bytes, its strategy signature)
+        is computed once per graph."""
+        known = self.derived.setdefault(("node_fact", name), {})
+        found = known.get(node.id, _MISSING)
+        if found is _MISSING:
+            found = known[node.id] = compute(self, node)
+        return found
 
     @cached_property
     def producer(self) -> dict[int, int]:

@@ -84,12 +84,8 @@ def input_key(position: int) -> int:
 def node_signature(graph: OpGraph, node: OpNode) -> tuple:
     """What a node's strategies depend on: primitive, parameters, operand and result types,
     and how often it runs per step (inside scan regions). Computed once per node of a graph
-    (``OpGraph.derived``): every ILP build on every mesh asks for every node's."""
-    known = graph.derived.setdefault(("node_signature",), {})
-    found = known.get(node.id)
-    if found is None:
-        found = known[node.id] = _node_signature(graph, node)
-    return found
+    (``OpGraph.node_fact``)."""
+    return graph.node_fact("node_signature", node, _node_signature)
 
 
 def _node_signature(graph: OpGraph, node: OpNode) -> tuple:

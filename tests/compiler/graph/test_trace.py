@@ -193,3 +193,20 @@ def test_untraceable_step_raises_trace_error():
 def test_non_array_argument_is_a_trace_error():
     with pytest.raises(TraceError, match="not an array"):
         trace_step(lambda s: s, ("a string",))
+
+
+def test_a_node_fact_is_computed_once_per_node_and_name():
+    x = jax.ShapeDtypeStruct((4,), jnp.float32)
+    graph = trace_step(lambda x: jnp.tanh(x) * 2.0, (x,)).graph
+    asked = []
+
+    def fact(g, node):
+        asked.append(node.id)
+        return None if node.primitive == "tanh" else node.primitive  # None is kept too
+
+    for _ in range(3):
+        assert [graph.node_fact("kind", n, fact) for n in graph.nodes] == \
+            [None if n.primitive == "tanh" else n.primitive for n in graph.nodes]
+    assert asked == [n.id for n in graph.nodes]
+    graph.node_fact("other", graph.nodes[0], fact)  # another name: its own table
+    assert asked[-1] == graph.nodes[0].id and len(asked) == len(graph.nodes) + 1
