@@ -28,7 +28,8 @@ def default_thresholds():
 
 @pytest.fixture
 def nothing_frozen():
-    """A process that froze nothing (the suite's conftest froze what collection imported)."""
+    """A process that froze nothing (whatever an earlier test of the process left frozen is
+    released here and frozen again after)."""
     was_frozen = gc.get_freeze_count() > 0
     gc.unfreeze()
     yield
