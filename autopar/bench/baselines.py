@@ -1,6 +1,6 @@
 """The plans the full search is compared with: one device, data parallelism, the intra-operator
 ILP alone and Megatron-LM's tensor parallelism for GPT (the hand-made pipeline splits are the
-full search's own candidates: ``planners/pipeline_search.hand_splits``).
+full search's own candidates: ``planners/pipeline_splits.hand_splits``).
 
 Everything here plans (pure, no devices); running a plan locally is ``autopar.bench.measure``.
 """

@@ -108,9 +108,18 @@ class LayerCostCache:
     # stage cost table on the same cuts reads them (one per schedule and replica count: GPT
     # 1T's search reads 16 tables of about 20,000 ranges and meshes each)
     summed: dict[tuple, dict[tuple[int, int], LayerSums]] = field(default_factory=dict)
+    # what the stage cost tables read alike (``shared``)
+    table_memo: dict[tuple, tuple[Any, Any]] = field(default_factory=dict)
     # this process's own work, done once while the first forked solves run (``prefetch``):
     # the full search traces its one-stage candidates' rematerialised step there
     meanwhile: Callable[[], Any] | None = None
+
+    def shared(self, pp: PipelineProgram, key: tuple, make: Callable[[], Any]) -> Any:
+        """``make()`` once per ``key`` and ``pp``'s forward (what the stage tables share)."""
+        found = self.table_memo.get(key)
+        if found is None or found[0] is not pp.forward:
+            found = self.table_memo[key] = (pp.forward, make())
+        return found[1]
 
     def use_layers(self, pp: PipelineProgram, positions: Sequence[int]) -> None:
         """Look for the forward's repeated block once, its boundaries placed as ``positions``

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.compiler.inter_op.stage_options import StageDPOptions
-from autopar.compiler.inter_op.submesh import StageCostTable, always_packs
+from autopar.compiler.inter_op.submesh import CandidateArrays, StageCostTable, always_packs
 from autopar.errors import InvalidOptionError, PlanError, choices_text
 
 __all__ = [
@@ -54,6 +54,7 @@ __all__ = [
     "StageDPProblem",
     "backtrack",
     "best_stage_count",
+    "candidate_arrays",
     "pipeline_time",
     "prepare_problems",
     "run_dp",
@@ -165,9 +166,9 @@ class _DenseTable:
         )
 
 
-def _densify(
-    table: StageCostTable, devices: int, usable: tuple[int, ...], options: StageDPOptions
-) -> _DenseTable:
+def candidate_arrays(table: StageCostTable, usable: Sequence[int],
+                     num_microbatches: int) -> CandidateArrays:
+    """The table's candidates on the ``usable`` submeshes as arrays, entry by entry."""
     layers = table.num_layers
     entries = [
         (k, e, j, table.candidates(k, e, i))
@@ -180,7 +181,7 @@ def _densify(
     times, fixed, act = np.full(shape, np.inf), np.full(shape, np.inf), np.zeros(shape)
     param = np.zeros(shape)
     sums = np.full(shape, np.inf)
-    m = options.num_microbatches
+    m = num_microbatches
     at = [(k, e, j, c) for k, e, j, found in entries for c in range(len(found))]
     if at:
         where = tuple(np.array(axis) for axis in zip(*at, strict=True))
@@ -190,17 +191,28 @@ def _densify(
         fixed[where] = [c.fixed_memory for c in chosen]
         act[where] = [c.activation_memory_per_microbatch for c in chosen]
         param[where] = [c.param_bytes for c in chosen]
+    return CandidateArrays(times, sums, fixed, act, param)
+
+
+def _densify(
+    table: StageCostTable, devices: int, usable: tuple[int, ...], options: StageDPOptions
+) -> _DenseTable:
+    layers = table.num_layers
+    m = options.num_microbatches
+    arrays = table.dense(usable, m) if table.dense is not None else None
+    if arrays is None:
+        arrays = candidate_arrays(table, usable, m)
     budget = np.inf if options.memory_budget_bytes is None else options.memory_budget_bytes
     return _DenseTable(
         num_layers=layers,
         num_devices=devices,
         table_index=usable,
         sizes=np.array([table.submeshes[i].num_devices for i in usable]),
-        times=times,
-        sums=sums,
-        fixed=fixed,
-        act=act,
-        param=param,
+        times=arrays.times,
+        sums=arrays.sums,
+        fixed=arrays.fixed,
+        act=arrays.act,
+        param=arrays.param,
         versions=options.weight_versions_by_count(min(layers, devices)),
         budget=float(budget),
         by_count={},

@@ -29,7 +29,9 @@ from typing import Any
 from autopar.errors import InvalidOptionError, PlanError, choices_text
 
 __all__ = [
+    "CandidateArrays",
     "CandidateFn",
+    "DenseFn",
     "always_packs",
     "StageCandidate",
     "StageCostTable",
@@ -299,6 +301,25 @@ class StageCandidate:
 CandidateFn = Callable[[int, int, SubmeshShape], Sequence[StageCandidate]]
 
 
+@dataclass(frozen=True)
+class CandidateArrays:
+    """A whole table's candidates as the stage DP reads them, over (start k, end e, usable
+    submesh j, candidate c), each entry's candidates in the order ``candidates`` returns them
+    and padded after: ``times`` (``max_part``), ``sums`` (``sum_part``) and ``fixed`` infinite
+    in padding, ``act`` and ``param`` zero there."""
+
+    times: Any
+    sums: Any
+    fixed: Any
+    act: Any
+    param: Any
+
+
+# A table's candidates made as arrays at once, for the usable submesh indices and the DP's
+# microbatch count (None where it cannot, left to ``candidates``): see ``StageCostTable``
+DenseFn = Callable[[Sequence[int], int], "CandidateArrays | None"]
+
+
 class StageCostTable:
     """Candidates for every layer range ``[start, end)`` and submesh index.
 
@@ -306,10 +327,13 @@ class StageCostTable:
     the entry is first read; :meth:`build` reads them all at once, i.e. it calls ``fn``
     ``L (L + 1) / 2 * len(submeshes)`` times. An empty sequence means "cannot run here". A
     caller that already has the candidates (a cache, a parallel sweep) can pass ``fn`` as a
-    dictionary lookup.
+    dictionary lookup. ``dense``: the same candidates as arrays for the whole table at once
+    (``CandidateArrays``), which the DP reads instead of calling ``fn`` per entry (GPT-3 175B's
+    search reads 14 tables of 19,000 candidates each); ``fn`` still gives the chosen ones.
     """
 
-    def __init__(self, num_layers: int, submeshes: Sequence[SubmeshShape], fn: CandidateFn):
+    def __init__(self, num_layers: int, submeshes: Sequence[SubmeshShape], fn: CandidateFn,
+                 dense: DenseFn | None = None):
         if not isinstance(num_layers, numbers.Integral) or num_layers < 1:
             raise InvalidOptionError(f"num_layers must be a positive integer, got {num_layers!r}")
         if not submeshes:
@@ -317,6 +341,7 @@ class StageCostTable:
         self.num_layers: int = int(num_layers)
         self.submeshes: tuple[SubmeshShape, ...] = tuple(submeshes)
         self._fn: CandidateFn = fn
+        self.dense: DenseFn | None = dense
         self._entries: dict[tuple[int, int, int], tuple[StageCandidate, ...]] = {}
 
     @classmethod

@@ -31,11 +31,8 @@ from autopar.compiler.inter_op.remat import (
 )
 from autopar.compiler.inter_op.stages import StagePartition, place_submeshes
 from autopar.compiler.intra_op.problem import IlpStatus
-from autopar.compiler.planners.pipeline_search import (
-    PipeshardSearch,
-    piece_owners,
-    search_pipeshard,
-)
+from autopar.compiler.planners.pipeline_candidate import piece_owners
+from autopar.compiler.planners.pipeline_search import PipeshardSearch, search_pipeshard
 from autopar.compiler.planners.recompute_report import recompute_notes
 from autopar.compiler.planners.stage_costs import (
     range_pieces,

@@ -30,7 +30,9 @@ from autopar.compiler.inter_op.stages import (
     SubmeshShape,
     submesh_shapes,
 )
+from autopar.compiler.inter_op.submesh import CandidateArrays
 from autopar.compiler.planners.stage_costs import stage_dp_options, stage_meshes, submesh_mesh
+from autopar.compiler.planners.stage_table_arrays import table_arrays
 from autopar.errors import InvalidOptionError, PlanError
 from autopar.ir.pieces import LayerRanges, Piece, cut_pieces
 from autopar.ir.pipeline_pieces import piece_roles
@@ -43,9 +45,11 @@ from autopar.methods import PipeshardParallel, StageMode
 class CostClock:
     """Seconds spent costing layers (tracing their train graphs and solving their ILPs) while
     the stage DP reads the table: the table is filled lazily, so the DP's own time is the
-    search's total minus this."""
+    search's total minus this. ``beside_s``: other work done meanwhile (while forked ILPs
+    ran), in neither."""
 
     seconds: float = 0.0
+    beside_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -128,9 +132,12 @@ class TableEntries:
     shares_of: dict[tuple[int, int, int], float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.layers = cut_pieces(self.pp.forward, self.positions)
+        cuts = tuple(self.positions)
+        self.layers = self.cache.shared(self.pp, ("layers", cuts),
+                                        lambda: cut_pieces(self.pp.forward, cuts))
         self.options = stage_dp_options(self.method, self.cluster, self.num_microbatches)
-        self.facts = _range_facts(self.pp, self.positions)
+        self.facts = self.cache.shared(self.pp, ("range facts", cuts),
+                                       lambda: _range_facts(self.pp, cuts))
 
     def mesh_of(self, submesh: SubmeshShape, shape: tuple[int, ...]) -> LogicalMesh:
         if (submesh, shape) not in self.meshes_made:
@@ -161,22 +168,31 @@ class TableEntries:
         key = (id(mesh), split, start)
         if key in self.shares_of:  # read for every range starting there
             return self.shares_of[key]
+        held = self.cache.layer_cost(self.pp, self.layers[start], mesh, split=split,
+                                     specs=False).boundary_bytes
+        self.shares_of[key] = max(self.layer_input_bytes(start) / held, 1.0) \
+            if held > 0 else 1.0
+        return self.shares_of[key]
+
+    def layer_input_bytes(self, start: int) -> float:
+        """The bytes of layer ``start``'s activation and microbatch inputs."""
         if start not in self.input_bytes:
             roles = piece_roles(self.pp, self.layers[start])
             self.input_bytes[start] = sum(nbytes(self.pp.forward.avals[v])
                                           for v in (*roles.acts, *roles.micro))
-        held = self.cache.layer_cost(self.pp, self.layers[start], mesh, split=split,
-                                     specs=False).boundary_bytes
-        self.shares_of[key] = max(self.input_bytes[start] / held, 1.0) if held > 0 else 1.0
-        return self.shares_of[key]
+        return self.input_bytes[start]
+
+    def most_in_flight_on(self, devices: int) -> float:
+        """The most microbatches a stage on ``devices`` devices could hold in flight."""
+        if devices not in self.most_in_flight:
+            self.most_in_flight[devices] = _most_in_flight(self.options, devices, self.cluster,
+                                                           len(self.layers))
+        return self.most_in_flight[devices]
 
     def overfills(self, candidates: Sequence[StageCandidate], devices: int) -> bool:
         """Whether none of a stage's candidates on ``devices`` devices fits with the most
         microbatches such a stage could hold."""
-        if devices not in self.most_in_flight:
-            self.most_in_flight[devices] = _most_in_flight(self.options, devices, self.cluster,
-                                                           len(self.layers))
-        most = self.most_in_flight[devices]
+        most = self.most_in_flight_on(devices)
         return not self.options.fits(min(c.memory(most) for c in candidates))
 
     def _host_time(self, facts: _RangeFacts, submesh: SubmeshShape) -> float:
@@ -286,4 +302,13 @@ def stage_cost_table(pp: PipelineProgram, positions: Sequence[int], method: Pipe
                        workers)
     if clock is not None:
         clock.seconds += time.perf_counter() - start_s
-    return StageCostTable(len(positions) + 1, submeshes, entries.candidates)
+
+    def arrays(usable: Sequence[int], num_microbatches: int) -> CandidateArrays | None:
+        began = time.perf_counter()
+        try:
+            return table_arrays(entries, usable, submeshes, num_microbatches)
+        finally:
+            if clock is not None:
+                clock.seconds += time.perf_counter() - began
+
+    return StageCostTable(len(positions) + 1, submeshes, entries.candidates, dense=arrays)

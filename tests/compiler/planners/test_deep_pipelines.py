@@ -1,4 +1,4 @@
-"""Pipelines of more stages than the stage DP has layers (``pipeline_search.deep_equal_splits``):
+"""Pipelines of more stages than the stage DP has layers (``pipeline_splits.deep_equal_splits``):
 Megatron-LM runs GPT 529.6B in 35 stages of its 105 layers, which a DP over at most 16 layers
 cannot build. Planned on abstract shapes; nothing here runs a step or is timed."""
 
@@ -9,11 +9,8 @@ import pytest
 import autopar
 from autopar.cluster import load_cluster
 from autopar.compiler.planners import dispatch
-from autopar.compiler.planners.pipeline_search import (
-    deep_equal_splits,
-    deep_stage_counts,
-    search_pipeshard,
-)
+from autopar.compiler.planners.pipeline_search import search_pipeshard
+from autopar.compiler.planners.pipeline_splits import deep_equal_splits, deep_stage_counts
 from autopar.models import get_model
 
 

@@ -14,7 +14,7 @@ from tanh_mlp import tanh_mlp_step
 import autopar
 from autopar.cli.main import main
 from autopar.cluster import load_cluster
-from autopar.compiler.planners.pipeline_search import stage_baselines
+from autopar.compiler.planners.pipeline_splits import stage_baselines
 from autopar.errors import BatchSizeError, NoLossFunctionError, PlanError
 from autopar.ir.pipeline_program import build_pipeline_program
 from autopar.models import get_model
