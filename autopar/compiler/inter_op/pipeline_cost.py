@@ -33,7 +33,7 @@ from autopar.compiler.cost.collectives import allreduce_time
 from autopar.ir.pieces import Piece
 from autopar.ir.pipeline_pieces import piece_roles
 from autopar.ir.pipeline_program import PipelineProgram
-from autopar.ir.pipeline_segments import plan_segments
+from autopar.ir.pipeline_segments import Segment, plan_segments
 from autopar.ir.schedule_orders import make_schedule
 from autopar.ir.schedule_timeline import stage_timeline, steady_state
 from autopar.ir.schedules import ScheduleName, is_async
@@ -78,7 +78,8 @@ def runs_as_one_program(schedule: str, num_stages: int) -> bool:
 
 
 def driver_counts(pp: PipelineProgram, pieces: Sequence[Piece], stage_of_piece: Sequence[int],
-                  schedule: str, num_microbatches: int, num_chunks: int = 1) -> DriverCounts:
+                  schedule: str, num_microbatches: int, num_chunks: int = 1,
+                  segments: Sequence[Segment] | None = None) -> DriverCounts:
     """The driver's operations per step for ``pieces`` owned by ``stage_of_piece`` (as
     ``runtime.pipeline.PipelineRunner`` runs them: one task per schedule entry, each input of
     a forward placed on its stage per microbatch unless it is a step input, fetched once per
@@ -121,7 +122,8 @@ def driver_counts(pp: PipelineProgram, pieces: Sequence[Piece], stage_of_piece: 
     for fid in pp.diff_inputs:
         transfers += max(consumers.get(fid, 0), 1)  # each gradient to its home stage
         small += max(consumers.get(fid, 0) - 1, 0)  # summed over the pieces reading it
-    segments, _ = plan_segments(pp, list(pieces), list(stage_of_piece))
+    if segments is None:  # (given: ``plan_segments`` of these pieces and stages)
+        segments, _ = plan_segments(pp, list(pieces), list(stage_of_piece))
     if is_async(schedule):  # each stage's update per version instead of the segments after
         segments = [seg for seg in segments if seg.phase == "before"]
         tasks += stages * (m if schedule == ScheduleName.PIPEDREAM else 1)

@@ -27,7 +27,9 @@ from autopar.compiler.planners.stage_costs import (
     range_pieces,
     submesh_mesh,
 )
+from autopar.ir.pieces import Piece
 from autopar.ir.pipeline_program import PipelineProgram
+from autopar.ir.pipeline_segments import Segment, plan_segments
 from autopar.plan import MethodName
 
 
@@ -69,14 +71,23 @@ class PipelineCandidate:
         }
 
 
-def estimate_candidate(pp: PipelineProgram, partition: StagePartition, positions: Sequence[int],
-              schedule: str, m: int, chunks: int, cluster: ClusterSpec,
-              cache: LayerCostCache) -> PipelineEstimate:
+def estimate_candidate(pp: PipelineProgram, partition: StagePartition,
+                       positions: Sequence[int], schedule: str, m: int, chunks: int,
+                       cluster: ClusterSpec, cache: LayerCostCache) -> PipelineEstimate:
     """The whole-step estimate of ``partition`` (``pipeline_cost.estimate_pipeline``): the
-    driver counted on its real pieces, the preprocessing on the first stage's devices."""
+    driver counted on its real pieces, the preprocessing on the first stage's devices. The
+    pieces and the step's segments depend on the stages' layers only, which the schedules'
+    searches often share (the equal splits; a replica count's DP): made once per cache."""
     owner, ranges = piece_owners(len(partition.stages), chunks, partition, positions)
-    pieces = range_pieces(pp, positions, ranges)
-    counts = driver_counts(pp, pieces, owner, schedule, m, chunks)
+
+    def pieces_and_segments() -> tuple[list[Piece], list[Segment]]:
+        pieces = range_pieces(pp, positions, ranges)
+        return pieces, plan_segments(pp, pieces, owner)[0]
+
+    pieces, segments = cache.shared(
+        pp, ("pieces and segments", tuple(positions), tuple(ranges), tuple(owner)),
+        pieces_and_segments)
+    counts = driver_counts(pp, pieces, owner, schedule, m, chunks, segments=segments)
     first = partition.stages[0]
     mesh = submesh_mesh(cluster, first.submesh, first.candidate.logical_mesh_shape)
     work = cache.work or step_work(pp)
