@@ -74,6 +74,10 @@ def _split_levels(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(sorted(products))
 
 
+# the one field of ``LayerSums`` that is a layer range's largest term, not its sum
+MAXED_FIELD = "recompute_bytes"
+
+
 @dataclass(frozen=True)
 class LayerSums:
     """What a stage's candidates read of its layers' costs (``PieceCost``), summed in layer
@@ -97,19 +101,25 @@ class LayerSums:
     tail_s: float = 0.0
     whole_param_bytes: float = 0.0
 
+    @staticmethod
+    def layer_terms(c: Any) -> tuple[float, ...]:
+        """What one layer's cost ``c`` adds to each field, in field order (``recompute_bytes``
+        is the largest of them, ``MAXED_FIELD``; every other field their sum)."""
+        return (c.time_s, c.time_s + FORWARD_SHARE * c.compute_s,
+                c.time_s + c.selective_recompute_s,
+                c.checkpoint_bytes + c.matmul_output_bytes, c.fixed_bytes, c.activation_bytes,
+                c.checkpoint_bytes, c.recompute_bytes, c.param_bytes, c.sync_s + c.update_s,
+                c.whole_param_bytes)
+
     def plus(self, c: Any) -> LayerSums:
         """These sums with one more layer's cost ``c`` added."""
-        return LayerSums(self.time_s + c.time_s,
-                         self.remat_time_s + (c.time_s + FORWARD_SHARE * c.compute_s),
-                         self.selective_time_s + (c.time_s + c.selective_recompute_s),
-                         self.selective_bytes + (c.checkpoint_bytes + c.matmul_output_bytes),
-                         self.fixed_bytes + c.fixed_bytes,
-                         self.activation_bytes + c.activation_bytes,
-                         self.checkpoint_bytes + c.checkpoint_bytes,
-                         max(self.recompute_bytes, c.recompute_bytes),
-                         self.param_bytes + c.param_bytes,
-                         self.tail_s + (c.sync_s + c.update_s),
-                         self.whole_param_bytes + c.whole_param_bytes)
+        t = self.layer_terms(c)
+        return LayerSums(self.time_s + t[0], self.remat_time_s + t[1],
+                         self.selective_time_s + t[2], self.selective_bytes + t[3],
+                         self.fixed_bytes + t[4], self.activation_bytes + t[5],
+                         self.checkpoint_bytes + t[6], max(self.recompute_bytes, t[7]),
+                         self.param_bytes + t[8], self.tail_s + t[9],
+                         self.whole_param_bytes + t[10])
 
     @classmethod
     def of(cls, costs: Sequence[Any]) -> LayerSums:

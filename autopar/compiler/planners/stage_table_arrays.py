@@ -15,6 +15,7 @@ entry overfills, and only its layers' costs, so no ILP is solved that it would n
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -26,7 +27,7 @@ from autopar.compiler.inter_op.pipeline_cost import (
     runs_as_one_program,
     tasks_per_microbatch,
 )
-from autopar.compiler.inter_op.remat import FORWARD_SHARE, state_split_levels
+from autopar.compiler.inter_op.remat import MAXED_FIELD, LayerSums, state_split_levels
 from autopar.compiler.inter_op.stages import SubmeshShape
 from autopar.compiler.inter_op.submesh import CandidateArrays
 from autopar.compiler.planners.stage_costs import stage_meshes
@@ -55,9 +56,8 @@ class Entries(Protocol):
 
     def mesh_of(self, submesh: SubmeshShape, shape: tuple[int, ...]) -> LogicalMesh: ...
 
-# the layer cost fields a range sums (``LayerSums``), each layer's term as ``plus`` makes it
-_SUMMED = ("time", "remat_time", "selective_time", "selective_bytes", "fixed", "act",
-           "checkpoint", "param", "tail", "whole_param")
+# ``LayerSums``' fields, in order: what each layer adds to them is ``LayerSums.layer_terms``
+_FIELDS = tuple(f.name for f in dataclasses.fields(LayerSums))
 
 
 def _modes(remat: str) -> tuple[str, ...]:
@@ -93,48 +93,32 @@ class _RangeArrays:
 
 
 def _layer_terms(entries: Entries, mesh: LogicalMesh, split: int,
-                 needed: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
-    """Each needed layer's terms of the sums (nan for the others, which no entry asked for),
-    its ``recompute_bytes`` and its ``boundary_bytes``."""
+                 needed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each needed layer's terms (``LayerSums.layer_terms``, a row per field; nan for the
+    layers no entry asked for) and its ``boundary_bytes``."""
     n = len(entries.layers)
-    terms = {name: np.full(n, np.nan) for name in _SUMMED}
-    recompute, boundary = np.full(n, np.nan), np.full(n, np.nan)
+    terms, boundary = np.full((len(_FIELDS), n), np.nan), np.full(n, np.nan)
     for k in np.flatnonzero(needed):
         c = entries.cache.layer_cost(entries.pp, entries.layers[k], mesh, split=split,
                                      specs=False)
-        terms["time"][k] = c.time_s
-        terms["remat_time"][k] = c.time_s + FORWARD_SHARE * c.compute_s
-        terms["selective_time"][k] = c.time_s + c.selective_recompute_s
-        terms["selective_bytes"][k] = c.checkpoint_bytes + c.matmul_output_bytes
-        terms["fixed"][k] = c.fixed_bytes
-        terms["act"][k] = c.activation_bytes
-        terms["checkpoint"][k] = c.checkpoint_bytes
-        terms["param"][k] = c.param_bytes
-        terms["tail"][k] = c.sync_s + c.update_s
-        terms["whole_param"][k] = c.whole_param_bytes
-        recompute[k], boundary[k] = c.recompute_bytes, c.boundary_bytes
-    return terms, recompute, boundary
+        terms[:, k] = LayerSums.layer_terms(c)
+        boundary[k] = c.boundary_bytes
+    return terms, boundary
 
 
-def _range_sums(terms: dict[str, np.ndarray],
-                recompute: np.ndarray) -> dict[str, np.ndarray]:
-    """Every range's sums, ``[k, e]``, added layer by layer from ``k`` as ``LayerSums.plus``
-    adds them (0.0 first), ``recompute`` as their running maximum."""
-    names = list(terms)
-    inc = np.stack([terms[name] for name in names])
-    n = inc.shape[1]
-    out = np.full((len(names), n, n + 1), np.nan)
-    running = np.zeros((len(names), n))
-    most = np.full((n, n + 1), np.nan)
-    running_most = np.zeros(n)
+def _range_sums(terms: np.ndarray) -> dict[str, np.ndarray]:
+    """Every range's ``LayerSums`` fields, ``[k, e]``, added layer by layer from ``k`` as
+    ``LayerSums.plus`` adds them (to 0.0 first; ``MAXED_FIELD`` their running maximum)."""
+    n = terms.shape[1]
+    maxed = np.array([name == MAXED_FIELD for name in _FIELDS])
+    out = np.full((len(_FIELDS), n, n + 1), np.nan)
+    running = np.zeros((len(_FIELDS), n))
     for e in range(1, n + 1):
-        running[:, :e] = running[:, :e] + inc[:, e - 1:e]
+        added = running[:, :e] + terms[:, e - 1:e]
+        running[:, :e] = np.where(maxed[:, None],
+                                  np.maximum(running[:, :e], terms[:, e - 1:e]), added)
         out[:, :e, e] = running[:, :e]
-        running_most[:e] = np.maximum(running_most[:e], recompute[e - 1])
-        most[:e, e] = running_most[:e]
-    sums = {name: out[i] for i, name in enumerate(names)}
-    sums["recompute"] = most
-    return sums
+    return {name: out[i] for i, name in enumerate(_FIELDS)}
 
 
 def _needed_layers(wanted: np.ndarray) -> np.ndarray:
@@ -202,19 +186,22 @@ def _level_slots(entries: Entries, ranges: _RangeArrays, mesh: LogicalMesh, spli
     """One split level's slots on ``mesh`` (``remat_candidates``' variants, in its order)."""
     n = len(entries.layers)
     runtime = entries.cluster.runtime
-    terms, recompute, held = _layer_terms(entries, mesh, split, _needed_layers(wanted))
-    sums = _range_sums(terms, recompute)
+    terms, held = _layer_terms(entries, mesh, split, _needed_layers(wanted))
+    sums = _range_sums(terms)
     shares = np.ones(n)
     ok = held > 0
     shares[ok] = np.maximum(ranges.input_bytes[ok] / held[ok], 1.0)
-    extra = transfer / shares[:, None] + sums["param"] / runtime.accumulate_bytes_per_s
-    tail = sums["tail"] + _replica_times(entries, sums["whole_param"], wanted, devices)
-    rebuilt = sums["fixed"] + sums["recompute"]
-    made = {"none": (sums["time"] + extra, sums["fixed"], sums["act"]),
-            "selective": (sums["selective_time"] + extra, rebuilt, sums["selective_bytes"]),
-            "layers": (sums["remat_time"] + extra, rebuilt, sums["checkpoint"])}
+    param = sums["param_bytes"]
+    extra = transfer / shares[:, None] + param / runtime.accumulate_bytes_per_s
+    tail = sums["tail_s"] + _replica_times(entries, sums["whole_param_bytes"], wanted,
+                                           devices)
+    fixed = sums["fixed_bytes"]
+    rebuilt = fixed + sums["recompute_bytes"]
+    made = {"none": (sums["time_s"] + extra, fixed, sums["activation_bytes"]),
+            "selective": (sums["selective_time_s"] + extra, rebuilt, sums["selective_bytes"]),
+            "layers": (sums["remat_time_s"] + extra, rebuilt, sums["checkpoint_bytes"])}
     return [{"time": made[mode][0], "fixed": made[mode][1], "act": made[mode][2],
-             "param": sums["param"], "tail": tail, "wanted": wanted}
+             "param": param, "tail": tail, "wanted": wanted}
             for mode in _modes(entries.method.remat)]
 
 
