@@ -139,8 +139,7 @@ def _label(method: PipeshardParallel) -> str:
 def _beside(cache: LayerCostCache, clock: CostClock, work: Callable[[], None],
             forking: Callable[[], list[PipelineCandidate]]) -> list[PipelineCandidate]:
     """``forking()``, with ``work()`` done by this process while the ILPs it forks run (else
-    after it); ``work``'s seconds are left out of ``clock``, which the tables it reads count
-    in."""
+    after it); ``work``'s seconds are left out of ``clock`` (they are the DP's)."""
     spent = 0.0
 
     def timed() -> None:
@@ -162,9 +161,8 @@ def _beside(cache: LayerCostCache, clock: CostClock, work: Callable[[], None],
         pending, cache.meanwhile = cache.meanwhile is timed, None
     if pending:  # nothing was forked
         work()
-    else:
+    else:  # the DP's seconds, though the table that forked counted them
         clock.seconds -= spent
-        clock.beside_s += spent
     return out
 
 
@@ -224,5 +222,5 @@ def search_pipeshard(pp: PipelineProgram, method: PipeshardParallel, cluster: Cl
     found = search_pipelines(pp, method, cluster, positions, cache, clock)
     solved = time.perf_counter()
     return PipeshardSearch(pp, method, cluster, cache, graph, found, searched - start,
-                           clock.seconds, solved - searched - clock.seconds - clock.beside_s)
+                           clock.seconds, solved - searched - clock.seconds)
 

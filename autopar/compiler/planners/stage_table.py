@@ -45,11 +45,9 @@ from autopar.methods import PipeshardParallel, StageMode
 class CostClock:
     """Seconds spent costing layers (tracing their train graphs and solving their ILPs) while
     the stage DP reads the table: the table is filled lazily, so the DP's own time is the
-    search's total minus this. ``beside_s``: other work done meanwhile (while forked ILPs
-    ran), in neither."""
+    search's total minus this."""
 
     seconds: float = 0.0
-    beside_s: float = 0.0
 
 
 @dataclass(frozen=True)
