@@ -216,3 +216,20 @@ def tasks_per_microbatch(schedule: str) -> int:
     apart under zero-bubble schedules."""
     return 3 if schedule == ScheduleName.ZB_H1 else 2
 
+
+def stage_host_seconds(runtime: RuntimeCosts, schedule: str, num_microbatches: int,
+                       only_stage: bool, puts_per_microbatch: Any, params: Any,
+                       fixed: Any) -> Any:
+    """The driver's seconds per step for a stage (``only_stage``: it holds every device),
+    from what its layers send per microbatch and hold (numbers, or arrays of them over
+    layer ranges: the same operations either way)."""
+    if only_stage and runs_as_one_program(schedule, 1):
+        # the only stage: the runtime runs the step as one program (runtime.fused_step)
+        return runtime.call_s
+    per_task = tasks_per_microbatch(schedule)
+    return (num_microbatches * (per_task * runtime.task_s
+                                + puts_per_microbatch * runtime.transfer_s)
+            # each gradient sent to its home stage (the first backward's gradients are the
+            # accumulators: no zeros made and placed)
+            + params * runtime.transfer_s
+            + fixed * runtime.transfer_s)

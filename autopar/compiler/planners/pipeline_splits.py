@@ -23,16 +23,11 @@ from autopar.compiler.planners.pipeline_candidate import (
     estimate_candidate,
     forward_graph,
 )
-from autopar.compiler.planners.stage_costs import (
-    layer_cost_cache,
-    stage_dp_options,
-)
+from autopar.compiler.planners.stage_costs import layer_cost_cache, stage_dp_options
 from autopar.compiler.planners.stage_table import CostClock, stage_cost_table
 from autopar.errors import PlanError
 from autopar.ir.pipeline_program import PipelineProgram
-from autopar.methods import (
-    PipeshardParallel,
-)
+from autopar.methods import PipeshardParallel
 
 
 def hand_split_counts(dp_stages: int, max_tries: int = 4) -> list[int]:

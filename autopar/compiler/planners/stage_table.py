@@ -17,11 +17,7 @@ from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.inter_op.forked import available_cores
 from autopar.compiler.inter_op.layer_costs import LayerCostCache
 from autopar.compiler.inter_op.piece_cost import PieceCost, nbytes
-from autopar.compiler.inter_op.pipeline_cost import (
-    replica_allreduce_time,
-    runs_as_one_program,
-    tasks_per_microbatch,
-)
+from autopar.compiler.inter_op.pipeline_cost import replica_allreduce_time, stage_host_seconds
 from autopar.compiler.inter_op.remat import LayerSums, remat_candidates, state_split_levels
 from autopar.compiler.inter_op.stages import (
     StageCandidate,
@@ -195,17 +191,10 @@ class TableEntries:
 
     def _host_time(self, facts: _RangeFacts, submesh: SubmeshShape) -> float:
         """The driver's seconds per step for a stage of this range on ``submesh``."""
-        runtime, m = self.cluster.runtime, self.num_microbatches
-        if submesh.num_devices == self.cluster.num_devices and \
-                runs_as_one_program(self.method.schedule, 1):
-            # the only stage: the runtime runs the step as one program (runtime.fused_step)
-            return runtime.call_s
-        per_task = tasks_per_microbatch(self.method.schedule)
-        return (m * (per_task * runtime.task_s + facts.puts_per_microbatch * runtime.transfer_s)
-                # each gradient sent to its home stage (the first backward's gradients are
-                # the accumulators: no zeros made and placed)
-                + facts.params * runtime.transfer_s
-                + facts.fixed * runtime.transfer_s)
+        return stage_host_seconds(self.cluster.runtime, self.method.schedule,
+                                  self.num_microbatches,
+                                  submesh.num_devices == self.cluster.num_devices,
+                                  facts.puts_per_microbatch, facts.params, facts.fixed)
 
     def _variants(self, start: int, end: int, submesh: SubmeshShape, shape: tuple[int, ...],
                   split: int, transfer: float, host: float) -> list[StageCandidate]:

@@ -22,11 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from autopar.compiler.cost.mesh import LogicalMesh
-from autopar.compiler.inter_op.pipeline_cost import (
-    replica_allreduce_time,
-    runs_as_one_program,
-    tasks_per_microbatch,
-)
+from autopar.compiler.inter_op.pipeline_cost import replica_allreduce_time, stage_host_seconds
 from autopar.compiler.inter_op.remat import MAXED_FIELD, LayerSums, state_split_levels
 from autopar.compiler.inter_op.stages import SubmeshShape
 from autopar.compiler.inter_op.submesh import CandidateArrays
@@ -151,14 +147,10 @@ def _submesh_slots(entries: Entries, ranges: _RangeArrays,
     cluster, runtime = entries.cluster, entries.cluster.runtime
     link = cluster.inter_host if sub.num_hosts > 1 else cluster.intra_host
     transfer = ranges.bytes * link.beta
-    if sub.num_devices == cluster.num_devices and \
-            runs_as_one_program(entries.method.schedule, 1):
-        host = np.full((n, n + 1), runtime.call_s)
-    else:
-        per_task = tasks_per_microbatch(entries.method.schedule)
-        host = (entries.num_microbatches * (per_task * runtime.task_s
-                                            + ranges.puts * runtime.transfer_s)
-                + ranges.params * runtime.transfer_s + ranges.fixed * runtime.transfer_s)
+    host = np.broadcast_to(stage_host_seconds(
+        runtime, entries.method.schedule, entries.num_microbatches,
+        sub.num_devices == cluster.num_devices, ranges.puts, ranges.params, ranges.fixed),
+        (n, n + 1))
     most = entries.most_in_flight_on(sub.num_devices)
     budget = entries.options.memory_budget_bytes
     slots = []
@@ -227,10 +219,8 @@ def _packed(per_sub: list[list[dict[str, np.ndarray]]], n: int,
             num_microbatches: int) -> CandidateArrays | None:
     """Each entry's wanted slots moved to the front, in order (as ``candidates`` lists
     them), over (k, e, j, c)."""
-    counts = [sum(s["wanted"].astype(int) for s in slots) if slots else np.zeros((n, n + 1),
-                                                                                    int)
-              for slots in per_sub]
-    width = max([1] + [int(np.max(c)) for c in counts])
+    width = max([1] + [int(np.sum([s["wanted"] for s in slots], axis=0).max())
+                       for slots in per_sub if slots])
     shape = (n, n + 1, len(per_sub), width)
     times, fixed, act = np.full(shape, np.inf), np.full(shape, np.inf), np.zeros(shape)
     param, sums = np.zeros(shape), np.full(shape, np.inf)
