@@ -32,6 +32,7 @@ from autopar.compiler.inter_op.recompute_parts import RecomputeParts, recompute_
 from autopar.compiler.inter_op.remat import LayerSums, state_split_levels
 from autopar.compiler.inter_op.seams import STAGE_GAP, price_seams, stitched_gap
 from autopar.compiler.inter_op.step_parts import StepWork, step_work
+from autopar.compiler.intra_op.dual_bound import WarmMessages
 from autopar.compiler.intra_op.sharding_ilp import IntraOpOptions, MeshCaches
 from autopar.ir.pieces import Piece, PieceSlicer
 from autopar.ir.pipeline_pieces import PieceRoles, piece_roles
@@ -39,8 +40,7 @@ from autopar.ir.pipeline_program import PipelineProgram
 from autopar.ir.repeats import RepeatGrid, find_repeats
 
 # Fewer layer ILPs than this are solved here, one by one, when the stage search asks: forking
-# costs tens of milliseconds, and small searches (the tests', the zoo at tiny sizes) finish
-# in about that.
+# costs tens of milliseconds, about what small searches (the zoo at tiny sizes) take.
 PARALLEL_MIN_SOLVES = 24
 # Built ILPs kept for a memory-lean variant to restrict rather than build again: the stage
 # search asks for it right after the fastest plans of the same stage's layers.
@@ -198,6 +198,12 @@ class LayerCostCache:
         return replace(composed, time_s=composed.time_s + seams.time_s, ilp_gap=gap,
                        collectives=composed.collectives + seams.collectives)
 
+    def _signature(self, pp: PipelineProgram, piece: Piece) -> str:
+        span = _span(piece)
+        if span not in self.signatures:
+            self.signatures[span] = piece_signature(pp, piece)
+        return self.signatures[span]
+
     def _roles(self, pp: PipelineProgram, piece: Piece) -> PieceRoles:
         span = _span(piece)
         if span not in self.roles:
@@ -218,10 +224,11 @@ class LayerCostCache:
 
     def _solve_new(self, pp: PipelineProgram, signature: str, mesh: LogicalMesh,
                    options: IntraOpOptions, split: int,
-                   lower: Sequence[PieceCost] = ()) -> PieceCost:
-        """The structure's plan on ``mesh`` at ``split``: one of its ``lower`` (less-split)
-        variants' plans where that already splits every parameter so many ways
-        (``meets_state_split``: marked ``derived``), else its ILP solved."""
+                   lower: Sequence[PieceCost] = (),
+                   warm: WarmMessages | None = None) -> PieceCost:
+        """The structure's plan on ``mesh`` at ``split``: a ``lower`` (less-split) variant's
+        plan where it splits every parameter so many ways (``meets_state_split``: marked
+        ``derived``), else its ILP solved (``warm``: dual messages of lower splits')."""
         graph, paths, traced_from = self.graphs[signature]
         work, state_per_parameter = self.work, self.state_per_parameter
         assert work is not None and state_per_parameter is not None, "read by _prepare first"
@@ -238,7 +245,7 @@ class LayerCostCache:
                 return replace(prior, derived=True)
         return solve_piece(pp, traced_from, graph, paths, mesh, options, built,
                             state_per_parameter, self.num_microbatches, split,
-                            recompute=self.recompute[signature])
+                            recompute=self.recompute[signature], warm=warm)
 
     def _record(self, key: tuple, cost: PieceCost) -> None:
         self.solved[key] = (cost, self.graphs[key[0]][2])
@@ -261,13 +268,9 @@ class LayerCostCache:
         ``PARALLEL_MIN_SOLVES`` are missing; fewer are left to ``cost``, which solves what it
         is asked for when asked."""
         units = [self.units(pp, piece) for piece in pieces]
-        for unit in (u for group in units for u in group):
-            span = _span(unit)
-            if span not in self.signatures:
-                self.signatures[span] = piece_signature(pp, unit)
         firsts: dict[str, Piece] = {}
         for unit in (u for group in units for u in group):
-            firsts.setdefault(self.signatures[_span(unit)], unit)
+            firsts.setdefault(self._signature(pp, unit), unit)
         missing = [mesh for mesh in meshes
                    if any((sig, *_mesh_key(mesh), 1) not in self.solved for sig in firsts)]
         if workers < 2 or len(missing) * len(firsts) < PARALLEL_MIN_SOLVES:
@@ -289,6 +292,9 @@ class LayerCostCache:
         def solve(mesh: LogicalMesh) -> list[tuple[tuple, PieceCost]]:
             found = {}
             levels = (1, *state_split_levels(mesh.shape))
+            # dual messages up each structure's levels solved here (not from elsewhere: no
+            # plan may depend on which process solved what)
+            warm = {sig: WarmMessages() for sig in firsts}
             for k, split in enumerate(levels):
                 for sig in firsts:
                     key = (sig, *_mesh_key(mesh), split)
@@ -297,7 +303,7 @@ class LayerCostCache:
                     else:
                         lower = [found[(sig, *_mesh_key(mesh), s)] for s in levels[:k]]
                         found[key] = self._solve_new(pp, sig, mesh, self.options, split,
-                                                     lower)
+                                                     lower, warm[sig])
                 if not overfilled(mesh, layer_costs(found, mesh, split)):
                     break
             return [(k, c) for k, c in found.items() if k not in self.solved]
@@ -323,10 +329,7 @@ class LayerCostCache:
                                                          self.options.time_limit_s))
         missing: dict[tuple, tuple[str, LogicalMesh, int]] = {}
         for piece, mesh, split in jobs:
-            span = _span(piece)
-            if span not in self.signatures:
-                self.signatures[span] = piece_signature(pp, piece)
-            signature = self.signatures[span]
+            signature = self._signature(pp, piece)
             key = (signature, *_mesh_key(mesh), split)
             if key in missing or key in self.solved:
                 continue  # (one the table's limit stopped, ``cost`` solves again)
@@ -348,14 +351,11 @@ class LayerCostCache:
         again under it if the table's solve stopped at its limit. ``split`` > 1: the fastest
         plan among those splitting each of the piece's parameters at least that many ways, or
         as many as it can be (``state_split_at_least``). ``specs=False``: its times and bytes
-        only, its specs left naming the values of the identical piece solved first (the stage
-        cost tables read GPT 1T's layers on every mesh: renaming each piece's specs was 3 of
-        its 130 profiled seconds)."""
+        only, its specs naming the identical piece's values (the tables read every layer on
+        every mesh: at GPT 1T renaming was 3 of 130 profiled seconds)."""
         mesh_key = _mesh_key(mesh)
         span = _span(piece)
-        if span not in self.signatures:
-            self.signatures[span] = piece_signature(pp, piece)
-        signature = self.signatures[span]
+        signature = self._signature(pp, piece)
         key = (signature, *mesh_key, split)
         options = self.options
         if time_limit_s is not None and time_limit_s > options.time_limit_s:

@@ -40,6 +40,7 @@ from autopar.compiler.inter_op.piece_plan import forward_value_specs, piece_coll
 from autopar.compiler.inter_op.recompute_parts import RecomputeParts, recompute_parts
 from autopar.compiler.inter_op.remat import FORWARD_SHARE
 from autopar.compiler.inter_op.step_parts import StepWork, amortise, gradient_nodes
+from autopar.compiler.intra_op.dual_bound import WarmMessages
 from autopar.compiler.intra_op.ilp import restrict, solve
 from autopar.compiler.intra_op.problem import STOPPED_STATUSES
 from autopar.compiler.intra_op.sharding_ilp import (
@@ -247,21 +248,27 @@ def build_piece(graph: OpGraph, mesh: LogicalMesh, options: IntraOpOptions,
 def solve_piece(pp: PipelineProgram, piece: Piece, graph: OpGraph, paths: dict[str, int],
                 mesh: LogicalMesh, options: IntraOpOptions, built: BuiltPiece,
                  state_per_parameter: float, m: int, split: int = 1,
-                recompute: RecomputeParts | None = None) -> PieceCost:
+                recompute: RecomputeParts | None = None,
+                warm: WarmMessages | None = None) -> PieceCost:
     """``split`` > 1: the fastest plan among those splitting every parameter at least that
     many ways (``state_split_at_least``). ``recompute``: the piece's ``recompute_parts``, where
-    the caller has them."""
+    the caller has them. ``warm``: the dual messages of this piece's solve at a lower split
+    on this mesh, to start from (and to keep this solve's in)."""
     problem, parts, per_step = built.problem, built.parts, built.per_step
     solve_limited = partial(solve, solver=options.solver, time_limit_s=options.time_limit_s,
-                            relative_gap=options.relative_gap)
+                            relative_gap=options.relative_gap, warm=warm)
     if split > 1:
         restricted, originals = restrict(problem, {
             u: np.asarray(c)
             for u, c in state_split_at_least(parts, options.batch_argnums, split).items()})
+        if warm is not None:
+            warm.strategies = originals
         sub = solve_limited(restricted)
         solution = replace(sub, choices=[int(originals[u][c])
                                          for u, c in enumerate(sub.choices)])
     else:
+        if warm is not None:
+            warm.strategies = None
         solution = solve_limited(problem)
     node_strategy, input_spec, _, tensor_spec, _ = read_solution(parts, solution.choices)
     updates, makers = gradient_nodes(graph)

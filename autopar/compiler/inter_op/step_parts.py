@@ -81,11 +81,12 @@ def _rate(mesh: LogicalMesh, dtype: str) -> float:
     return mesh.device.flops_for(dtype) * mesh.compute_efficiency
 
 
-def step_work(pp: PipelineProgram) -> StepWork:
+def step_work(pp: PipelineProgram, outer_graph: OpGraph | None = None) -> StepWork:
     """The step's own work around the pipeline (see :class:`StepWork`), priced per node as
-    the one-stage planners price it (each node's flops at its result's dtype)."""
+    the one-stage planners price it (each node's flops at its result's dtype).
+    ``outer_graph``: ``pp.outer``'s graph where the caller has it built."""
     outer = pp.outer
-    graph = build_graph(outer)
+    graph = build_graph(outer) if outer_graph is None else outer_graph
     after = set(pp.vg.outputs)
     update: defaultdict[str, float] = defaultdict(float)
     before: defaultdict[str, float] = defaultdict(float)

@@ -16,7 +16,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from autopar.compiler.intra_op.dual_bound import DualBound, reduced_objective, tighten
+from autopar.compiler.intra_op.dual_bound import (
+    DualBound,
+    WarmMessages,
+    reduced_objective,
+    tighten,
+)
 from autopar.compiler.intra_op.elimination import solve_by_elimination
 from autopar.compiler.intra_op.mip import (
     MIP_REL_GAP,
@@ -137,7 +142,7 @@ def brute_force(problem: IntraOpProblem) -> tuple[list[int], float]:
 def solve(problem: IntraOpProblem, *, solver: str = Solver.AUTO, time_limit_s: float = 30.0,
           presolve: bool = True, relative_gap: float = MIP_REL_GAP,
           start: Sequence[int] | None = None, dual_bound: bool = True,
-          elimination: bool = True) -> IntraOpSolution:
+          elimination: bool = True, warm: WarmMessages | None = None) -> IntraOpSolution:
     """Cheapest choices within the memory budget.
 
     The solver gets what is left of ``time_limit_s`` after presolve and model building (at least
@@ -155,6 +160,8 @@ def solve(problem: IntraOpProblem, *, solver: str = Solver.AUTO, time_limit_s: f
     MIP solves what is left (exact). False skips that (for tests and measurements).
     ``relative_gap``: the solver stops once its incumbent is within this fraction of its bound
     (default 1e-9: optimal up to solver tolerances; a looser gap "optimal" means within it).
+    ``warm``: dual messages from a solve of a problem this one restricts, to start dual
+    ascent from; what this solve's ascent ends with is kept there for the next.
     ``elimination``: a problem without memory rows whose presolved graph eliminates within
     the price ``elimination.solve_by_elimination`` allows (table entries: 5M, or 100 per
     edge pair) is solved exactly that way (solver "elimination"), before any of the above.
@@ -185,7 +192,7 @@ def solve(problem: IntraOpProblem, *, solver: str = Solver.AUTO, time_limit_s: f
                                len(r.cost), sum(len(a) for a in r.adj.values()) // 2)
     if dual_bound and presolve and _pair_count(r) > DUAL_BOUND_MIN_PAIRS:
         return _solve_bounded(problem, r, solver=name, time_limit_s=time_limit_s,
-                              relative_gap=relative_gap, started=t0, start=start)
+                              relative_gap=relative_gap, started=t0, start=start, warm=warm)
     if name == Solver.AUTO:
         name = resolve_auto()
     # Greedy plans from the cheapest and from the least-memory choices (the latter always fits:
@@ -272,7 +279,8 @@ def _bound_seed(r: ReducedProblem, start: Sequence[int] | None) -> dict[int, int
 
 def _solve_bounded(problem: IntraOpProblem, r: ReducedProblem, *, solver: str,
                    time_limit_s: float, relative_gap: float, started: float,
-                   start: Sequence[int] | None) -> IntraOpSolution:
+                   start: Sequence[int] | None,
+                   warm: WarmMessages | None = None) -> IntraOpSolution:
     """``solve`` for large problems: dual ascent first (``DUAL_BOUND_TIME_SHARE`` of the time
     limit at most); its plan when within ``relative_gap`` of its bound, else the MIP on the
     strategies the bound leaves (the optimum is among them), warm-started with that plan."""
@@ -280,7 +288,10 @@ def _solve_bounded(problem: IntraOpProblem, r: ReducedProblem, *, solver: str,
     edges = sum(len(a) for a in r.adj.values()) // 2
     bound: DualBound = tighten(r, relative_gap=relative_gap,
                                deadline=started + DUAL_BOUND_TIME_SHARE * time_limit_s,
-                               start=_bound_seed(r, start))
+                               start=_bound_seed(r, start),
+                               warm=None if warm is None else warm.start(r))
+    if warm is not None:
+        warm.keep(r, bound.messages)
     if bound.plan is not None and bound.gap() <= relative_gap:
         choices = complete_choices(r, n, bound.plan)
         return IntraOpSolution(choices, evaluate(problem, choices), IlpStatus.OPTIMAL, True,

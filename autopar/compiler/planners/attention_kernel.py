@@ -90,11 +90,16 @@ def _kernel_cannot_fit(step: StepProgram, cluster: ClusterSpec, budget: float) -
     the kernel never holds whole) is still over ``budget``: then no plan with the kernel fits
     either, and the step is not traced again for it."""
     graph = step.traced.graph
-    blocks = {(site.query_length, site.key_length) for site in find_attention(graph)}
-    if not blocks:
-        return True
     n = max(1, cluster.num_devices)
-    shards = {t: NEVER_HELD if info.ndim >= 2 and info.shape[-2:] in blocks else n
-              for t, info in graph.tensors.items()}
-    floor = estimate_memory(graph, batch_argnums=step.batch_argnums, shards=shards)
+    # the same floor for every candidate on these devices (three at GPT-39B's search): once
+    key: tuple = (id(graph), "kernel", (n,), frozenset())
+    floor = step.memo.memory_floors.get(key)
+    if floor is None:
+        blocks = {(site.query_length, site.key_length) for site in find_attention(graph)}
+        if not blocks:
+            return True
+        shards = {t: NEVER_HELD if info.ndim >= 2 and info.shape[-2:] in blocks else n
+                  for t, info in graph.tensors.items()}
+        floor = estimate_memory(graph, batch_argnums=step.batch_argnums, shards=shards)
+        step.memo.memory_floors[key] = floor
     return floor.total > budget

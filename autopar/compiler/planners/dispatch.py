@@ -163,6 +163,7 @@ def _plan_pipelined(step: StepProgram, method: PipeshardParallel, traced: Traced
     """``meanwhile()``: this process's own work, done while the stage search's first forked
     layer ILPs run (``LayerCostCache.meanwhile``; left undone if none are forked: the caller
     does it then)."""
+    from autopar.compiler.inter_op.step_parts import step_work
     from autopar.compiler.planners.schedule_choice import plan_pipeline
     from autopar.compiler.planners.stage_costs import layer_cost_cache
 
@@ -170,6 +171,8 @@ def _plan_pipelined(step: StepProgram, method: PipeshardParallel, traced: Traced
     assert pipeline is not None, "a pipelined method's step is traced with its pipeline cut"
     step.status.enter("pipelines")
     cache = layer_cost_cache(method)
+    if traced.program is pipeline.outer:  # its graph is built: not again for the step's work
+        cache.work = step_work(pipeline, traced.graph)
     cache.status = step.status
     cache.meanwhile = meanwhile
     plan = replace(plan_pipeline(pipeline, method, cluster, cache=cache),

@@ -128,3 +128,38 @@ def test_sweeps_move_costs_without_changing_any_plan_and_never_lower_the_bound()
             moved = rep.const + sum(float(rep.node_costs(u)[plan[u]]) for u in r.cost) + sum(
                 float(m[plan[u], plan[w]]) for (u, w), m in edges.items())
             assert_same(moved, reduced_objective(r, plan))
+
+
+def test_a_restriction_started_from_the_wider_problems_messages_keeps_its_optimum(
+        monkeypatch) -> None:
+    """``WarmMessages`` carries one solve's dual messages to a restriction of its problem (a
+    memory-lean variant): the bound it starts from is still below the restriction's optimum,
+    the solve through it is still exact, and it starts where the first ascent left off."""
+    from autopar.compiler.intra_op.dual_bound import WarmMessages
+
+    monkeypatch.setattr(ilp, "DUAL_BOUND_MIN_PAIRS", 0)  # the solve takes the bounded path
+    higher = 0
+    for seed in range(12):
+        problem = random_problem(seed, n=8, kmin=3, kmax=5, p_edge=0.6)
+        r = reduce_problem(problem, False)
+        warm = WarmMessages()
+        wide = tighten(r, relative_gap=0.0, deadline=time.perf_counter() + 10, max_sweeps=60,
+                       warm=warm.start(r))
+        warm.keep(r, wide.messages)
+        assert warm.kept  # the ascent's messages are kept by original strategy
+        # every node keeps its strategies but the first (where it has more than two)
+        keep = {u: np.arange(1, len(nd.costs)) if len(nd.costs) > 2 else np.arange(len(nd.costs))
+                for u, nd in enumerate(problem.nodes)}
+        narrow, kept = restrict(problem, keep)
+        _, want = brute_force(narrow)
+        warm.strategies = kept
+        rn = reduce_problem(narrow, False)
+        started = tighten(rn, relative_gap=0.0, deadline=time.perf_counter() + 10,
+                          max_sweeps=0, warm=warm.start(rn))
+        cold = tighten(rn, relative_gap=0.0, deadline=time.perf_counter() + 10, max_sweeps=0)
+        assert started.lower <= want + 1e-9 * max(1.0, abs(want))
+        higher += started.lower > cold.lower + 1e-12
+        warm_solved = solve(narrow, elimination=False, warm=warm)
+        assert warm_solved.solver.startswith("dual-ascent") or warm_solved.solver == "presolve"
+        assert_same(warm_solved.objective, want)
+    assert higher >= 6  # the messages carried over start most restrictions' bounds higher
