@@ -21,8 +21,10 @@ from autopar.compiler.inter_op.piece_cost import (
     PieceCost,
     build_piece,
     meets_state_split,
+    mesh_solve_key,
     optimizer_state_per_parameter,
     piece_signature,
+    piece_span,
     piece_train_graph,
     solve_piece,
     solve_status,
@@ -69,49 +71,46 @@ class LayerCostCache:
     num_microbatches: int = 1
     solved: dict[tuple, tuple[PieceCost, Piece]] = field(default_factory=dict)
     ilp_solves: int = 0
-    # memory-lean variants whose plan was a less-split one's, solved for nothing
-    # (``meets_state_split``)
+    # memory-lean variants whose plan was a less-split one's (``meets_state_split``)
     derived_levels: int = 0
     # strategy lists, resharding costs and matrices per mesh, shared by every piece on it
     mesh_caches: dict[tuple, MeshCaches] = field(default_factory=dict)
-    # each piece's structure hash, by its first and last equation
+    # each piece's structure hash and its input and output roles, by its first and last
+    # equation
     signatures: dict[tuple[int, int], str] = field(default_factory=dict)
-    # each piece's input and output roles, by its first and last equation
     roles: dict[tuple[int, int], PieceRoles] = field(default_factory=dict)
     # per structure: what recomputation keeps and rebuilds (``recompute_parts``)
     recompute: dict[str, RecomputeParts] = field(default_factory=dict)
     # bytes of optimizer state per byte of parameters, read off the step once
     state_per_parameter: float | None = None
-    # each structure's train graph, traced once for all meshes, and the piece it was traced
-    # from (its value ids are the ones the graph's paths name)
+    # each structure's train graph, traced once, and the piece it was traced from (whose ids
+    # the graph's paths name)
     graphs: dict[str, tuple[OpGraph, dict[str, int], Piece]] = field(default_factory=dict)
     # the step's work outside the loss function, read off the step once
     work: StepWork | None = None
     statuses: Counter = field(default_factory=Counter)
-    # a cache hit renamed for the piece that asked (by solve key and the piece's span): the
-    # stage search asks for every layer of every range on every mesh
+    # a cache hit renamed for the piece that asked, by solve key and the piece's span
     renamed: dict[tuple, PieceCost] = field(default_factory=dict)
     # the latest built ILPs by (structure, mesh): a piece's memory-lean variant is its
     # fastest's problem restricted, asked for soon after it (``BUILT_PROBLEMS_KEPT``)
     built: dict[tuple, BuiltPiece] = field(default_factory=dict)
-    # the forward's repeated block, once looked for (``use_layers``)
+    # the forward's repeated block, once looked for (``use_layers``); each layer's blocks,
+    # by its first and last equation, cut by ``slicer``
     grid: RepeatGrid | None = None
     grid_found: bool = False
-    # each layer's blocks, by its first and last equation, cut by ``slicer``
     units_of: dict[tuple[int, int], list[Piece]] = field(default_factory=dict)
     slicer: PieceSlicer | None = None
     # each layer's cost as its blocks' sum, by (its span, mesh, split)
     composed: dict[tuple, PieceCost] = field(default_factory=dict)
     # told of every ILP solved, for a progress display (``planners.status.PlanningStatus``)
     status: SolveObserver | None = None
-    # each layer range's costs summed, by (layer cuts, mesh, split) then (start, end): every
-    # stage cost table on the same cuts reads them (one per schedule and replica count: GPT
-    # 1T's search reads 16 tables of about 20,000 ranges and meshes each)
+    # each layer range's costs summed, by (layer cuts, mesh, split) then (start, end), for
+    # every stage cost table on these cuts (GPT 1T: 16 tables of ~20,000 ranges and meshes)
     summed: dict[tuple, dict[tuple[int, int], LayerSums]] = field(default_factory=dict)
     # what the stage cost tables read alike (``shared``)
     table_memo: dict[tuple, tuple[Any, Any]] = field(default_factory=dict)
-    # this process's own work, done once while the first forked solves run (``prefetch``):
-    # the full search traces its one-stage candidates' rematerialised step there
+    # this process's own work while the first forked solves run (``prefetch``): the full
+    # search traces its one-stage candidates' rematerialised step there
     meanwhile: Callable[[], Any] | None = None
 
     def shared(self, pp: PipelineProgram, key: tuple, make: Callable[[], Any]) -> Any:
@@ -133,11 +132,11 @@ class LayerCostCache:
                    split: int) -> dict[tuple[int, int], LayerSums]:
         """The sums of layer ranges' costs on ``mesh`` at ``split``, by (start, end), for the
         layers cut at ``positions``: filled by the stage cost tables that read them."""
-        return self.summed.setdefault((tuple(positions), *_mesh_key(mesh), split), {})
+        return self.summed.setdefault((tuple(positions), *mesh_solve_key(mesh), split), {})
 
     def units(self, pp: PipelineProgram, piece: Piece) -> list[Piece]:
         """``piece`` cut at the repeated block's boundaries inside it (``[piece]`` if none)."""
-        span = _span(piece)
+        span = piece_span(piece)
         if span not in self.units_of:
             a, b = (piece.eqns[0], piece.eqns[-1] + 1) if piece.eqns else (0, 0)
             cuts = self.grid.cuts_within(a, b) if self.grid is not None and piece.eqns else []
@@ -159,7 +158,7 @@ class LayerCostCache:
         units = self.units(pp, piece)
         if len(units) == 1:
             return self.cost(pp, units[0], mesh, time_limit_s, split=split, specs=specs)
-        key = (_span(piece), *_mesh_key(mesh), split, specs)
+        key = (piece_span(piece), *mesh_solve_key(mesh), split, specs)
         longer = time_limit_s is not None and time_limit_s > self.options.time_limit_s
         if longer or key not in self.composed:
             costs = [self.cost(pp, u, mesh, time_limit_s, split=split, specs=specs)
@@ -199,13 +198,13 @@ class LayerCostCache:
                        collectives=composed.collectives + seams.collectives)
 
     def _signature(self, pp: PipelineProgram, piece: Piece) -> str:
-        span = _span(piece)
+        span = piece_span(piece)
         if span not in self.signatures:
             self.signatures[span] = piece_signature(pp, piece)
         return self.signatures[span]
 
     def _roles(self, pp: PipelineProgram, piece: Piece) -> PieceRoles:
-        span = _span(piece)
+        span = piece_span(piece)
         if span not in self.roles:
             self.roles[span] = piece_roles(pp, piece)
         return self.roles[span]
@@ -224,15 +223,15 @@ class LayerCostCache:
 
     def _solve_new(self, pp: PipelineProgram, signature: str, mesh: LogicalMesh,
                    options: IntraOpOptions, split: int,
-                   lower: Sequence[PieceCost] = (),
-                   warm: WarmMessages | None = None) -> PieceCost:
+                   lower: Sequence[PieceCost] = ()) -> PieceCost:
         """The structure's plan on ``mesh`` at ``split``: a ``lower`` (less-split) variant's
         plan where it splits every parameter so many ways (``meets_state_split``: marked
-        ``derived``), else its ILP solved (``warm``: dual messages of lower splits')."""
+        ``derived``), else its ILP solved, its dual ascent started from the last messages a
+        ``lower`` one kept (wherever that was solved: the plan is the same)."""
         graph, paths, traced_from = self.graphs[signature]
         work, state_per_parameter = self.work, self.state_per_parameter
         assert work is not None and state_per_parameter is not None, "read by _prepare first"
-        mesh_key = _mesh_key(mesh)
+        mesh_key = mesh_solve_key(mesh)
         built = self.built.pop((signature, mesh_key), None)
         if built is None:
             built = build_piece(graph, mesh, options, self.mesh_caches.setdefault(
@@ -243,11 +242,25 @@ class LayerCostCache:
         for prior in lower if split > 1 else ():
             if meets_state_split(built, options.batch_argnums, prior, split):
                 return replace(prior, derived=True)
-        return solve_piece(pp, traced_from, graph, paths, mesh, options, built,
-                            state_per_parameter, self.num_microbatches, split,
-                            recompute=self.recompute[signature], warm=warm)
+        warm = WarmMessages(next((c.dual_messages for c in reversed(lower)
+                                  if c.dual_messages is not None), {}))
+        cost = solve_piece(pp, traced_from, graph, paths, mesh, options, built,
+                           state_per_parameter, self.num_microbatches, split,
+                           recompute=self.recompute[signature], warm=warm)
+        return replace(cost, dual_messages=warm.kept) if warm.made else cost
+
+    def _lower(self, signature: str, mesh: LogicalMesh, split: int) -> list[PieceCost]:
+        """The structure's less split plans on ``mesh`` solved so far, least split first."""
+        keys = [(signature, *mesh_solve_key(mesh), s)
+                for s in (1, *state_split_levels(mesh.shape)) if s < split]
+        return [self.solved[k][0] for k in keys if k in self.solved]
 
     def _record(self, key: tuple, cost: PieceCost) -> None:
+        if cost.dual_messages is not None:  # only the latest rung's are read again
+            for s in (1, *state_split_levels(key[1])):
+                if s < key[-1] and (below := (*key[:-1], s)) in self.solved:
+                    was, first = self.solved[below]
+                    self.solved[below] = (replace(was, dual_messages=None), first)
         self.solved[key] = (cost, self.graphs[key[0]][2])
         if cost.derived:
             self.derived_levels += 1
@@ -261,18 +274,16 @@ class LayerCostCache:
                  meshes: Sequence[LogicalMesh],
                  overfilled: Callable[[LogicalMesh, list[PieceCost]], bool],
                  workers: int) -> None:
-        """Solve every piece's fastest plan on every mesh (per block: ``units``), and on the
-        meshes where ``overfilled(mesh, the pieces' costs in order)``, their plans splitting
-        every parameter more ways (``state_split_levels``, least split first, until one is
-        not overfilled), split by mesh over ``workers`` processes (``forked``), when at least
-        ``PARALLEL_MIN_SOLVES`` are missing; fewer are left to ``cost``, which solves what it
-        is asked for when asked."""
+        """Solve every piece's fastest plan on every mesh (per block: ``units``) and, where
+        ``overfilled(mesh, the pieces' costs)``, their more split plans (``state_split_levels``
+        upward until one is not), by mesh over ``workers`` processes (``forked``) when at
+        least ``PARALLEL_MIN_SOLVES`` are missing (fewer are left to ``cost``)."""
         units = [self.units(pp, piece) for piece in pieces]
         firsts: dict[str, Piece] = {}
         for unit in (u for group in units for u in group):
             firsts.setdefault(self._signature(pp, unit), unit)
         missing = [mesh for mesh in meshes
-                   if any((sig, *_mesh_key(mesh), 1) not in self.solved for sig in firsts)]
+                   if any((sig, *mesh_solve_key(mesh), 1) not in self.solved for sig in firsts)]
         if workers < 2 or len(missing) * len(firsts) < PARALLEL_MIN_SOLVES:
             return
         for sig, unit in firsts.items():
@@ -282,7 +293,7 @@ class LayerCostCache:
                         split: int) -> list[PieceCost]:
             out = []
             for piece, group in zip(pieces, units, strict=True):
-                costs = [found[(self.signatures[_span(u)], *_mesh_key(mesh), split)]
+                costs = [found[(self.signatures[piece_span(u)], *mesh_solve_key(mesh), split)]
                          for u in group]
                 out.append(costs[0] if len(group) == 1 else
                            compose_costs(pp, piece, group, costs, partial(self._roles, pp),
@@ -292,21 +303,21 @@ class LayerCostCache:
         def solve(mesh: LogicalMesh) -> list[tuple[tuple, PieceCost]]:
             found = {}
             levels = (1, *state_split_levels(mesh.shape))
-            # dual messages up each structure's levels solved here (not from elsewhere: no
-            # plan may depend on which process solved what)
-            warm = {sig: WarmMessages() for sig in firsts}
             for k, split in enumerate(levels):
                 for sig in firsts:
-                    key = (sig, *_mesh_key(mesh), split)
+                    key = (sig, *mesh_solve_key(mesh), split)
                     if key in self.solved:
                         found[key] = self.solved[key][0]
                     else:
-                        lower = [found[(sig, *_mesh_key(mesh), s)] for s in levels[:k]]
+                        lower = [found[(sig, *mesh_solve_key(mesh), s)] for s in levels[:k]]
                         found[key] = self._solve_new(pp, sig, mesh, self.options, split,
-                                                     lower, warm[sig])
+                                                     lower)
                 if not overfilled(mesh, layer_costs(found, mesh, split)):
                     break
-            return [(k, c) for k, c in found.items() if k not in self.solved]
+            # each structure's latest dual messages travel back, not every rung's
+            latest = {k[0]: k for k, c in found.items() if c.dual_messages is not None}
+            return [(k, c if latest.get(k[0]) in (k, None) else replace(c, dual_messages=None))
+                    for k, c in found.items() if k not in self.solved]
 
         # largest meshes first, each taken by the next free process: a larger mesh's ILPs
         # have more strategies (at GPT 76.1B on 1,024 GPUs the three largest took 130 of 153
@@ -330,7 +341,7 @@ class LayerCostCache:
         missing: dict[tuple, tuple[str, LogicalMesh, int]] = {}
         for piece, mesh, split in jobs:
             signature = self._signature(pp, piece)
-            key = (signature, *_mesh_key(mesh), split)
+            key = (signature, *mesh_solve_key(mesh), split)
             if key in missing or key in self.solved:
                 continue  # (one the table's limit stopped, ``cost`` solves again)
             self._prepare(pp, piece, signature)
@@ -339,7 +350,7 @@ class LayerCostCache:
             return  # ``cost`` solves them as it is asked
         tasks = sorted(missing.items(), key=lambda task: -len(task[1][1].device_ids))
         found = run_pulled(tasks, lambda task: (task[0], self._solve_new(
-            pp, task[1][0], task[1][1], options, task[1][2])), workers)
+            pp, task[1][0], task[1][1], options, task[1][2], self._lower(*task[1]))), workers)
         for key, cost in found:
             self._record(key, cost)
 
@@ -353,8 +364,8 @@ class LayerCostCache:
         as many as it can be (``state_split_at_least``). ``specs=False``: its times and bytes
         only, its specs naming the identical piece's values (the tables read every layer on
         every mesh: at GPT 1T renaming was 3 of 130 profiled seconds)."""
-        mesh_key = _mesh_key(mesh)
-        span = _span(piece)
+        mesh_key = mesh_solve_key(mesh)
+        span = piece_span(piece)
         signature = self._signature(pp, piece)
         key = (signature, *mesh_key, split)
         options = self.options
@@ -366,10 +377,8 @@ class LayerCostCache:
                 self.summed.clear()  # sums that read the stopped solve
         if key not in self.solved:
             self._prepare(pp, piece, signature)
-            lower = [self.solved[(signature, *mesh_key, s)][0]
-                     for s in (1, *state_split_levels(mesh.shape))
-                     if s < split and (signature, *mesh_key, s) in self.solved]
-            self._record(key, self._solve_new(pp, signature, mesh, options, split, lower))
+            self._record(key, self._solve_new(pp, signature, mesh, options, split,
+                                              self._lower(signature, mesh, split)))
         cost, first = self.solved[key]
         if first is piece or not specs:
             return cost
@@ -389,12 +398,3 @@ class LayerCostCache:
         named = replace(cost, input_specs=inputs, value_specs=values)
         self.renamed[(key, span)] = named
         return named
-
-
-def _mesh_key(mesh: LogicalMesh) -> tuple:
-    return (tuple(mesh.shape), tuple(mesh.alpha), tuple(mesh.beta), mesh.peak_flops,
-            mesh.compute_efficiency)
-
-
-def _span(piece: Piece) -> tuple[int, int]:
-    return (piece.eqns[0], piece.eqns[-1]) if piece.eqns else (piece.index, -1)

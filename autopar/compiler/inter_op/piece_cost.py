@@ -113,6 +113,9 @@ class PieceCost:
     # of ``time_s`` and ``update_s``, the kernels' launches (the same under every plan)
     launch_s: float = 0.0
     update_launch_s: float = 0.0
+    # the dual messages its ILP's ascent ended with (``WarmMessages.kept``), where it ran
+    # one: the next memory-lean rung's start (``LayerCostCache``)
+    dual_messages: dict | None = field(default=None, compare=False, repr=False)
 
     def planned_s(self, num_microbatches: int) -> float:
         """``per_microbatch_s`` without the kernels' launches: what plans differ in."""
@@ -352,3 +355,14 @@ def nbytes(aval: Any) -> float:
     for d in aval.shape:
         size *= int(d)
     return float(size * aval.dtype.itemsize)
+
+
+def mesh_solve_key(mesh: LogicalMesh) -> tuple:
+    """What a piece's ILP on ``mesh`` depends on of the mesh (``LayerCostCache``'s keys)."""
+    return (tuple(mesh.shape), tuple(mesh.alpha), tuple(mesh.beta), mesh.peak_flops,
+            mesh.compute_efficiency)
+
+
+def piece_span(piece: Piece) -> tuple[int, int]:
+    """A piece of the forward by its first and last equation."""
+    return (piece.eqns[0], piece.eqns[-1]) if piece.eqns else (piece.index, -1)

@@ -307,13 +307,15 @@ class WarmMessages:
     """Dual messages carried from one solve to the next of nested problems: the same
     problem's memory-lean variants, each a restriction of the one before (``ilp.restrict``).
     ``strategies``: per node of the problem solved next, the original index of each of its
-    strategies (None: all of them, in order), set by the caller before each solve; the
-    messages are kept by original strategy index, so a restriction reads its own entries.
-    Started from them, the ascent on GPT-39B's memory-lean layer ILPs ends in fewer sweeps
-    (docs/ilp-format.md, "Large problems")."""
+    strategies (None: all of them, in order), set by the caller before each solve; ``kept``:
+    the messages by (node, neighbour), as original strategy indices and values (float32: a
+    start need not be exact, any messages are valid), so a restriction reads its own entries;
+    ``made``: how many solves have replaced them. Started from them, the ascent on GPT-39B's
+    memory-lean layer ILPs ends in fewer sweeps (docs/ilp-format.md, "Large problems")."""
 
-    strategies: list[np.ndarray] | None = None
     kept: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    strategies: list[np.ndarray] | None = None
+    made: int = 0
 
     def _ids(self, u: int, count: int) -> np.ndarray:
         return np.arange(count) if self.strategies is None else np.asarray(self.strategies[u])
@@ -337,8 +339,10 @@ class WarmMessages:
     def keep(self, r: ReducedProblem, messages: dict[tuple[int, int], np.ndarray]) -> None:
         """Keep what a solve of ``r`` ended with, by original strategy index (in place of
         what was kept)."""
-        self.kept = {}
+        kept = {}
         for (u, w), values in messages.items():
             ids = self._ids(u, len(r.cost[u]))
             order = np.argsort(ids, kind="stable")
-            self.kept[(u, w)] = (ids[order], values[order])
+            kept[(u, w)] = (ids[order].astype(np.int32), values[order].astype(np.float32))
+        self.kept = kept
+        self.made += 1

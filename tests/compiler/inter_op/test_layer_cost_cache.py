@@ -89,3 +89,53 @@ def test_a_lean_variant_whose_less_split_plan_already_qualifies_is_not_solved_ag
     assert abs(costs[2].time_s - solved.time_s) <= gap * solved.time_s
     assert costs[2].input_specs == costs[1].input_specs
     assert costs[4].time_s > costs[2].time_s  # the next level did need its own ILP
+
+
+def test_the_lean_rungs_are_the_same_whichever_process_solved_the_rungs_below(monkeypatch):
+    """A memory-lean rung's dual ascent starts from the messages its rung below ended with
+    (``dual_bound.WarmMessages``), which travel with that rung's cost: the forked prefetch
+    (each mesh's rungs in one child) and this process solving each rung when asked give the
+    same plans. Every ILP takes dual ascent here (no elimination, no pair floor), so every
+    rung above the first starts warm."""
+    import os
+
+    import pytest
+
+    from autopar.compiler.inter_op import layer_costs
+    from autopar.compiler.intra_op import ilp
+    from autopar.compiler.inter_op.remat import state_split_levels
+
+    if not hasattr(os, "fork"):
+        pytest.skip("needs os.fork")
+    monkeypatch.setattr(ilp, "DUAL_BOUND_MIN_PAIRS", 0)
+    monkeypatch.setattr(ilp, "solve_by_elimination", lambda r: None)
+    monkeypatch.setattr(layer_costs, "PARALLEL_MIN_SOLVES", 0)
+    model = get_model("gpt", "tiny", num_layers=2).with_value_and_grad(autopar.value_and_grad)
+    pp = build_pipeline_program(model.train_step, model.abstract_inputs(), (1,), 2)
+    method = autopar.PipeshardParallel(num_microbatches=2, layers=2)
+    positions = layer_positions(pp, build_graph(pp.forward), method.layers, 8)
+    cluster = local_cluster().with_devices(1, 8)
+    meshes = [LogicalMesh.from_cluster(cluster, shape) for shape in ((2, 4), (4, 2))]
+    pieces = [range_piece(pp, positions, k, k + 1) for k in range(len(positions) + 1)]
+
+    def every_rung(cache):
+        return [(c.choices, c.time_s, c.derived)
+                for mesh in meshes for split in (1, *state_split_levels(mesh.shape))
+                for c in [cache.cost(pp, piece, mesh, split=split) for piece in pieces]]
+
+    forked = layer_cost_cache(method)
+    forked.prefetch(pp, pieces, meshes, lambda mesh, costs: True, workers=2)
+    solved = forked.ilp_solves
+    here = layer_cost_cache(method)
+    assert every_rung(forked) == every_rung(here)
+    assert forked.ilp_solves == solved  # the prefetch had solved every rung
+    # and so are the messages each structure's latest rung ended with (a rung started cold
+    # here would end elsewhere than the same rung started warm in a child)
+    def messages(cache):
+        return {key: {edge: (ids.tolist(), values.tolist())
+                      for edge, (ids, values) in cost.dual_messages.items()}
+                for key, (cost, _) in cache.solved.items() if cost.dual_messages is not None}
+
+    kept = messages(here)
+    assert kept and kept == messages(forked)
+    assert all(key[-1] > 1 for key in kept)  # only the top rungs keep theirs
