@@ -2,7 +2,10 @@
 on each mesh (a regression: the second layer met first on a new mesh used to fail), and a piece
 that runs is solved under the method's time limit."""
 
+import os
 from dataclasses import replace
+
+import pytest
 
 import autopar
 from autopar.compiler.cost.mesh import LogicalMesh
@@ -97,13 +100,9 @@ def test_the_lean_rungs_are_the_same_whichever_process_solved_the_rungs_below(mo
     (each mesh's rungs in one child) and this process solving each rung when asked give the
     same plans. Every ILP takes dual ascent here (no elimination, no pair floor), so every
     rung above the first starts warm."""
-    import os
-
-    import pytest
-
     from autopar.compiler.inter_op import layer_costs
-    from autopar.compiler.intra_op import ilp
     from autopar.compiler.inter_op.remat import state_split_levels
+    from autopar.compiler.intra_op import ilp
 
     if not hasattr(os, "fork"):
         pytest.skip("needs os.fork")
