@@ -82,6 +82,34 @@ def piece_roles(pp: PipelineProgram, piece: Piece) -> PieceRoles:
     return PieceRoles(params, acts, fixed, micro, float_out, other_out)
 
 
+def least_cut_transfers(pp: PipelineProgram) -> int:
+    """The fewest values a cut anywhere in the forward makes the driver place per microbatch,
+    as ``piece_roles`` sorts them: each value defined before the cut and read after it is an
+    input of a later piece and, where it is a float, also an output whose cotangent is placed
+    and an activation whose gradient is sent back (three for a float, one otherwise). The
+    least over every cut point: what a pipeline's first cut adds, wherever it is."""
+    eqns = pp.forward.eqns
+    defined = {v: i for i, eqn in enumerate(eqns) for v in eqn.outputs}
+    last_read: dict[int, int] = {}
+    for j, eqn in enumerate(eqns):
+        for v in eqn.inputs:
+            if v in defined:
+                last_read[v] = j
+    # a value defined by equation i and last read by j crosses the cuts before i + 1 .. j
+    change = [0] * (len(eqns) + 1)
+    for v, j in last_read.items():
+        i = defined[v]
+        if j > i:
+            weight = 3 if _is_float(pp.forward.avals[v]) else 1
+            change[i + 1] += weight
+            change[j + 1] -= weight
+    crossing, running = [], 0
+    for c in range(1, len(eqns)):
+        running += change[c]
+        crossing.append(running)
+    return min(crossing, default=0)
+
+
 def _is_float(aval: Any) -> bool:
     # jax's issubdtype: a PRNG key's dtype (``key<fry>``) is no numpy dtype, and no float
     return bool(jax.dtypes.issubdtype(aval.dtype, np.inexact))

@@ -31,7 +31,7 @@ from typing import Any
 from autopar.cluster import ClusterSpec, RuntimeCosts
 from autopar.compiler.cost.collectives import allreduce_time
 from autopar.ir.pieces import Piece
-from autopar.ir.pipeline_pieces import piece_roles
+from autopar.ir.pipeline_pieces import least_cut_transfers, piece_roles
 from autopar.ir.pipeline_program import PipelineProgram
 from autopar.ir.pipeline_segments import Segment, plan_segments
 from autopar.ir.schedule_orders import make_schedule
@@ -42,6 +42,7 @@ __all__ = [
     "DriverCounts",
     "PipelineEstimate",
     "driver_counts",
+    "least_driver_counts",
     "runs_as_one_program",
     "estimate_pipeline",
     "replica_allreduce_time",
@@ -130,6 +131,27 @@ def driver_counts(pp: PipelineProgram, pieces: Sequence[Piece], stage_of_piece: 
     tasks += len(segments)
     transfers += sum(len(seg.inputs) for seg in segments)
     return DriverCounts(tasks, small, transfers)
+
+
+def least_driver_counts(pp: PipelineProgram, num_microbatches: int) -> DriverCounts:
+    """What ``driver_counts`` counts for every pipeline of two or more stages of ``pp`` under
+    any schedule, wherever its stages are cut: a forward and a backward task per stage and
+    microbatch, the microbatches' cut and the losses' means; per microbatch, the slice of
+    every batch leaf the forward reads placed on a stage that reads it, each loss output
+    placed and what the first cut sends (``least_cut_transfers``, the least over every cut
+    point); every other loss input the forward reads fetched once; every gradient sent home.
+    A floor under the driver's time (``seconds``): the pipelines' least host time."""
+    m = num_microbatches
+    fwd = pp.forward
+    loss_inputs = set(fwd.in_ids)
+    read = {v for eqn in fwd.eqns for v in eqn.inputs if v in loss_inputs}
+    split = read & pp.split_inputs
+    outputs = len(pp.loss_outputs)
+    tasks = 2 * 2 * m + len(pp.split_inputs) + outputs
+    fetched = {pp.operand_of[v] for v in read - split}
+    per_microbatch = len(split) + outputs + least_cut_transfers(pp)
+    transfers = m * per_microbatch + len(fetched) + len(pp.diff_inputs)
+    return DriverCounts(tasks, 0, transfers)
 
 
 def replica_allreduce_time(whole_param_bytes: float, stage_devices: int, replicas: int,

@@ -19,6 +19,7 @@ from autopar.compiler.planners.candidate_rows import fits_budget
 from autopar.compiler.planners.pipeline_search import driver_floor_s
 from autopar.compiler.planners.stage_costs import logical_shapes
 from autopar.compiler.planners.step_program import PlannedProgram, StepProgram
+from autopar.ir.pipeline_program import PipelineProgram
 from autopar.method_options import RematMode
 from autopar.methods import (
     AutoParallel,
@@ -99,20 +100,23 @@ def within_deadline(method: M, deadline: float | None) -> M:
 
 
 def pipelines_cannot_win(found: dict[str, PlannedProgram], budget: float, method: AutoParallel,
-                cluster: ClusterSpec, rows: list[dict[str, Any]]) -> bool:
+                         cluster: ClusterSpec, rows: list[dict[str, Any]],
+                         pp: PipelineProgram) -> bool:
     """Whether a one-stage plan fitting the budget is estimated at or below the least driver
-    time of any pipeline of two or more stages (``driver_floor_s``), so that no pipeline can
-    be chosen (a one-stage pipeline is kept only for memory); if so, says why in ``rows``."""
+    time of any pipeline of two or more stages of ``pp`` (``driver_floor_s``), so that no
+    pipeline can be chosen (a one-stage pipeline is kept only for memory); if so, says why in
+    ``rows``."""
     fitting = [p.plan.est_step_time_s for p in found.values() if fits_budget(p.plan, budget)]
-    floor = driver_floor_s(method.pipeline_method(), cluster)
+    floor = driver_floor_s(pp, method.pipeline_method(), cluster)
     if not fitting or min(fitting) > floor:
         return False
     rows.append({"name": MethodName.PIPESHARD, "method": MethodName.PIPESHARD,
                  "est_step_time_s": None,
                  "fits": False, "note": (
                      f"not planned: any pipeline of two or more stages costs at least "
-                     f"{floor * 1e3:.3g} ms a step in driver tasks on this cluster, and a "
-                     f"one-stage plan that fits is estimated at {min(fitting) * 1e3:.3g} ms "
+                     f"{floor * 1e3:.3g} ms a step in its driver's tasks and transfers on this "
+                     f"cluster, and a one-stage plan that fits is estimated at "
+                     f"{min(fitting) * 1e3:.3g} ms "
                      "(AutoParallel(prune=False) plans it anyway)")})
     return True
 

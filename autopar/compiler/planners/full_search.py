@@ -126,7 +126,7 @@ class FullSearch:
                                                self.ilp_observer, self.deadline)
         self.queue_one_stage(beside)
         pruned = step.pipeline is not None and self.method.prune and pipelines_cannot_win(
-            self.found, self.budget, self.method, self.cluster, self.rows)
+            self.found, self.budget, self.method, self.cluster, self.rows, step.pipeline)
         try:
             if step.pipeline is not None and not pruned and self.within_budget(PIPESHARD):
                 self.plan_pipelines()

@@ -68,8 +68,8 @@ def plans_beside(step: StepProgram, method: AutoParallel, cluster: ClusterSpec,
     if not method.prune:
         return True
     peak = max(cluster.device.peak_flops.values()) * cluster.num_devices
-    return step.traced.graph.total_flops / peak > driver_floor_s(method.pipeline_method(),
-                                                                   cluster)
+    return step.traced.graph.total_flops / peak > driver_floor_s(
+        step.pipeline, method.pipeline_method(), cluster)
 
 
 def trace_first(step: StepProgram, candidates: Sequence[Method], cluster: ClusterSpec,

@@ -18,6 +18,7 @@ from autopar.cluster import ClusterSpec
 from autopar.compiler.graph.opgraph import OpGraph
 from autopar.compiler.inter_op.layer_costs import LayerCostCache
 from autopar.compiler.inter_op.layers import layer_positions
+from autopar.compiler.inter_op.pipeline_cost import least_driver_counts
 from autopar.compiler.inter_op.stages import (
     StageCostTable,
     StageDPOptions,
@@ -62,13 +63,16 @@ def replica_counts(method: PipeshardParallel, cluster: ClusterSpec) -> list[int]
     return [r for r in range(1, hosts + 1) if hosts % r == 0 and m % r == 0]
 
 
-def driver_floor_s(method: PipeshardParallel, cluster: ClusterSpec) -> float:
-    """The least host time the estimate gives any pipeline of two or more stages: each stage
-    runs at least a forward and a backward task per microbatch (``driver_counts``), ``m / r``
-    microbatches on each of ``r`` replicas' drivers, each task ``runtime.task_s``. A
-    one-stage plan estimated below it leaves such pipelines nothing to win."""
+def driver_floor_s(pp: PipelineProgram, method: PipeshardParallel,
+                   cluster: ClusterSpec) -> float:
+    """The least host time the estimate gives any pipeline of two or more stages of ``pp``:
+    the operations its driver issues whatever the stages (``least_driver_counts``: each
+    stage's forward and backward task per microbatch, each microbatch's batch slices and loss
+    outputs placed, the parameters fetched, their gradients sent home), with ``m / r``
+    microbatches on each of ``r`` replicas' drivers. A one-stage plan estimated below it
+    leaves such pipelines nothing to win."""
     per_driver = method.num_microbatches // max(replica_counts(method, cluster))
-    return 2 * 2 * per_driver * cluster.runtime.task_s
+    return least_driver_counts(pp, per_driver).seconds(cluster.runtime)
 
 
 def search_pipelines(pp: PipelineProgram, method: PipeshardParallel, cluster: ClusterSpec,

@@ -109,7 +109,9 @@ def test_the_full_search_keeps_the_fastest_candidate_and_records_them_all():
     skipped = [r for r in pruned.planning.candidates if r["method"] == "pipeshard"]
     assert [r["name"] for r in skipped] == ["pipeshard"]
     assert skipped[0]["note"].startswith("not planned: any pipeline of two or more stages")
-    floor = driver_floor_s(autopar.AutoParallel().pipeline_method(), local_cluster())
+    traced = dispatch.trace(step, args, autopar.AutoParallel(), (1,))
+    floor = driver_floor_s(traced.pipeline, autopar.AutoParallel().pipeline_method(),
+                           local_cluster())
     best_pipeline = min(r["est_step_time_s"] for r in rows if r["method"] == "pipeshard"
                         and r.get("num_stages", 1) > 1)
     assert floor <= best_pipeline  # the bound is one: every pipeline planned costs more
