@@ -120,7 +120,9 @@ def solve_by_elimination(r: ReducedProblem,
                 if v != u:
                     tables_of[v].discard(k)
         rest = tuple(sorted({v for scope, _ in mine for v in scope} - {u}))
-        axes = (u, *rest)
+        # ``u`` last: numpy reduces over a contiguous last axis without copying the table
+        # (argmin over the first axis copies it transposed: 2-3x slower at these sizes)
+        axes = (*rest, u)
         position = {v: i for i, v in enumerate(axes)}
         joint = np.zeros([sizes[v] for v in axes])
         for scope, values in mine:
@@ -131,10 +133,10 @@ def solve_by_elimination(r: ReducedProblem,
             for v in scope:
                 shape[position[v]] = sizes[v]
             joint += placed.reshape(shape)
-        best = np.argmin(joint, axis=0)
+        best = joint.argmin(axis=-1)
         trail.append((u, rest, best.astype(np.min_scalar_type(sizes[u]))))
         if rest:
-            add(rest, np.take_along_axis(joint, best[None], axis=0)[0])
+            add(rest, np.take_along_axis(joint, best[..., None], axis=-1)[..., 0])
     plan: dict[int, int] = {}
     for u, rest, best in reversed(trail):
         plan[u] = int(best[tuple(plan[v] for v in rest)])
