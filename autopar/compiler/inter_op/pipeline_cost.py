@@ -133,25 +133,52 @@ def driver_counts(pp: PipelineProgram, pieces: Sequence[Piece], stage_of_piece: 
     return DriverCounts(tasks, small, transfers)
 
 
-def least_driver_counts(pp: PipelineProgram, num_microbatches: int) -> DriverCounts:
-    """What ``driver_counts`` counts for every pipeline of two or more stages of ``pp`` under
-    any schedule, wherever its stages are cut: a forward and a backward task per stage and
-    microbatch, the microbatches' cut and the losses' means; per microbatch, the slice of
-    every batch leaf the forward reads placed on a stage that reads it, each loss output
-    placed and what the first cut sends (``least_cut_transfers``, the least over every cut
-    point); every other loss input the forward reads fetched once; every gradient sent home.
-    A floor under the driver's time (``seconds``): the pipelines' least host time."""
+def least_driver_counts(pp: PipelineProgram, num_microbatches: int,
+                        asynchronous: bool = False) -> DriverCounts:
+    """What ``driver_counts`` counts for every pipeline of two or more stages of ``pp``,
+    wherever its stages are cut: a forward and a backward task per stage and microbatch, the
+    microbatches' cut and the losses' means; per microbatch, the slice of every batch leaf
+    the forward reads placed on a stage that reads it, each loss output placed and what the
+    first cut sends (``least_cut_transfers``, the least over every cut point); every other
+    loss input the forward reads fetched once; every gradient sent home; and the step's
+    equations outside the loss run as segments (``_least_segments``). ``asynchronous``: an
+    asynchronous schedule may be the one, which runs the update in its stages' tasks. A floor
+    under the driver's time (``seconds``): the pipelines' least host time."""
     m = num_microbatches
     fwd = pp.forward
     loss_inputs = set(fwd.in_ids)
     read = {v for eqn in fwd.eqns for v in eqn.inputs if v in loss_inputs}
     split = read & pp.split_inputs
     outputs = len(pp.loss_outputs)
-    tasks = 2 * 2 * m + len(pp.split_inputs) + outputs
+    segment_tasks, segment_inputs = _least_segments(pp, asynchronous)
+    tasks = 2 * 2 * m + len(pp.split_inputs) + outputs + segment_tasks
     fetched = {pp.operand_of[v] for v in read - split}
     per_microbatch = len(split) + outputs + least_cut_transfers(pp)
-    transfers = m * per_microbatch + len(fetched) + len(pp.diff_inputs)
+    transfers = m * per_microbatch + len(fetched) + len(pp.diff_inputs) + segment_inputs
     return DriverCounts(tasks, 0, transfers)
+
+
+def _least_segments(pp: PipelineProgram, asynchronous: bool) -> tuple[int, int]:
+    """The fewest segment tasks and segment inputs placed (``plan_segments``) of any
+    partition: a segment per phase that has equations at least, and every value a segment
+    reads that no segment makes (the step's inputs, the gradients) placed once at least. An
+    asynchronous schedule keeps only the segments before the pipeline and runs a task per
+    stage (two at least) for its updates instead."""
+    skipped = {pp.vg_index, *pp.input_splits}  # run by the driver itself
+    after = pp.after_gradients
+    eqns = [e for e in pp.outer.eqns if e.index not in skipped]
+    made = {v for e in eqns for v in e.outputs} | pp.outer_constants
+
+    def least(phases: tuple[bool, ...]) -> tuple[int, int]:
+        kept = [e for e in eqns if (e.index in after) in phases]
+        present = {e.index in after for e in kept}
+        return len(present), len({v for e in kept for v in e.inputs} - made)
+
+    tasks, inputs = least((False, True))
+    if asynchronous:
+        before_tasks, before_inputs = least((False,))
+        tasks, inputs = min(tasks, before_tasks + 2), min(inputs, before_inputs)
+    return tasks, inputs
 
 
 def replica_allreduce_time(whole_param_bytes: float, stage_devices: int, replicas: int,

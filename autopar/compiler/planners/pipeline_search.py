@@ -42,7 +42,7 @@ from autopar.compiler.planners.stage_costs import (
 from autopar.compiler.planners.stage_table import CostClock, stage_cost_table
 from autopar.errors import PlanError
 from autopar.ir.pipeline_program import PipelineProgram
-from autopar.ir.schedules import ScheduleName
+from autopar.ir.schedules import ScheduleName, is_async
 from autopar.methods import (
     SCHEDULE_AUTO,
     ManualStages,
@@ -68,11 +68,14 @@ def driver_floor_s(pp: PipelineProgram, method: PipeshardParallel,
     """The least host time the estimate gives any pipeline of two or more stages of ``pp``:
     the operations its driver issues whatever the stages (``least_driver_counts``: each
     stage's forward and backward task per microbatch, each microbatch's batch slices and loss
-    outputs placed, the parameters fetched, their gradients sent home), with ``m / r``
-    microbatches on each of ``r`` replicas' drivers. A one-stage plan estimated below it
-    leaves such pipelines nothing to win."""
+    outputs placed, the parameters fetched, their gradients sent home, the update's segments
+    and what they read), with ``m / r`` microbatches on each of ``r`` replicas' drivers, under
+    the method's schedule (or any ``schedule="auto"`` compares). A one-stage plan estimated
+    below it leaves such pipelines nothing to win."""
     per_driver = method.num_microbatches // max(replica_counts(method, cluster))
-    return least_driver_counts(pp, per_driver).seconds(cluster.runtime)
+    asynchronous = is_async(method.schedule) or (method.schedule == SCHEDULE_AUTO
+                                                 and method.allow_async)
+    return least_driver_counts(pp, per_driver, asynchronous).seconds(cluster.runtime)
 
 
 def search_pipelines(pp: PipelineProgram, method: PipeshardParallel, cluster: ClusterSpec,
