@@ -99,6 +99,12 @@ class PipelineProgram:
         return frozenset(dependent)
 
     @functools.cached_property
+    def driver_eqns(self) -> frozenset[int]:
+        """The step's equations the pipeline's driver runs itself, outside every segment: the
+        loss function's and the microbatches' cut of the split inputs."""
+        return frozenset({self.vg_index, *self.input_splits})
+
+    @functools.cached_property
     def outer_readers(self) -> dict[int, tuple[int, ...]]:
         """For each value of the step, the equations reading it, in order."""
         readers: dict[int, list[int]] = {}

@@ -53,7 +53,7 @@ def plan_segments(
 
     after = pp.after_gradients
     eqn_home: dict[int, int] = {}
-    skipped = {pp.vg_index, *pp.input_splits}  # run by the driver itself
+    skipped = pp.driver_eqns
     value_bytes = pp.outer_value_bytes
     for i in sorted(after - skipped):  # after the gradients: follow the operand bytes
         e = outer.eqns[i]
@@ -92,7 +92,7 @@ def _group(pp: PipelineProgram, eqn_home: dict[int, int], after: frozenset[int]
     made_by = pp.outer_producers
     eqns = outer.eqns
     level: dict[int, int] = {}
-    skipped = {pp.vg_index, *pp.input_splits}  # the driver runs them: their results are given
+    skipped = pp.driver_eqns
     groups: dict[tuple[str, int, int], list[int]] = {}
     for e in eqns:  # in program order: every producer's level is known before its readers'
         i = e.index

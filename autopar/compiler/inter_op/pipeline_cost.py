@@ -164,7 +164,7 @@ def _least_segments(pp: PipelineProgram, asynchronous: bool) -> tuple[int, int]:
     reads that no segment makes (the step's inputs, the gradients) placed once at least. An
     asynchronous schedule keeps only the segments before the pipeline and runs a task per
     stage (two at least) for its updates instead."""
-    skipped = {pp.vg_index, *pp.input_splits}  # run by the driver itself
+    skipped = pp.driver_eqns
     after = pp.after_gradients
     eqns = [e for e in pp.outer.eqns if e.index not in skipped]
     made = {v for e in eqns for v in e.outputs} | pp.outer_constants
