@@ -44,8 +44,8 @@ from autopar.ir.repeats import RepeatGrid, find_repeats
 # Fewer layer ILPs than this are solved here, one by one, when the stage search asks: forking
 # costs tens of milliseconds, about what small searches (the zoo at tiny sizes) take.
 PARALLEL_MIN_SOLVES = 24
-# Built ILPs kept for a memory-lean variant to restrict rather than build again: the stage
-# search asks for it right after the fastest plans of the same stage's layers.
+# Built ILPs kept for a memory-lean variant to restrict rather than build again (asked for right
+# after the fastest plans of the same stage's layers; a prefetch keeps all of one mesh's).
 BUILT_PROBLEMS_KEPT = 8
 
 
@@ -223,11 +223,12 @@ class LayerCostCache:
 
     def _solve_new(self, pp: PipelineProgram, signature: str, mesh: LogicalMesh,
                    options: IntraOpOptions, split: int,
-                   lower: Sequence[PieceCost] = ()) -> PieceCost:
+                   lower: Sequence[PieceCost] = (), keep: int | None = None) -> PieceCost:
         """The structure's plan on ``mesh`` at ``split``: a ``lower`` (less-split) variant's
         plan where it splits every parameter so many ways (``meets_state_split``: marked
         ``derived``), else its ILP solved, its dual ascent started from the last messages a
-        ``lower`` one kept (wherever that was solved: the plan is the same)."""
+        ``lower`` one kept (wherever that was solved: the plan is the same). ``keep``: how
+        many built problems stay after it (default ``BUILT_PROBLEMS_KEPT``)."""
         graph, paths, traced_from = self.graphs[signature]
         work, state_per_parameter = self.work, self.state_per_parameter
         assert work is not None and state_per_parameter is not None, "read by _prepare first"
@@ -237,7 +238,7 @@ class LayerCostCache:
             built = build_piece(graph, mesh, options, self.mesh_caches.setdefault(
                 mesh_key, MeshCaches()), work, self.num_microbatches)
         self.built[(signature, mesh_key)] = built  # the most recently used last
-        while len(self.built) > BUILT_PROBLEMS_KEPT:
+        while len(self.built) > (BUILT_PROBLEMS_KEPT if keep is None else keep):
             del self.built[next(iter(self.built))]
         for prior in lower if split > 1 else ():
             if meets_state_split(built, options.batch_argnums, prior, split):
@@ -311,7 +312,7 @@ class LayerCostCache:
                     else:
                         lower = [found[(sig, *mesh_solve_key(mesh), s)] for s in levels[:k]]
                         found[key] = self._solve_new(pp, sig, mesh, self.options, split,
-                                                     lower)
+                                                     lower, max(BUILT_PROBLEMS_KEPT, len(firsts)))
                 if not overfilled(mesh, layer_costs(found, mesh, split)):
                     break
             # each structure's latest dual messages travel back, not every rung's
@@ -336,8 +337,7 @@ class LayerCostCache:
         would), the distinct ones missing split over ``workers`` processes: the chosen
         pipeline's stages, each one ILP of all its layers. Their train graphs are traced
         here first (JAX stays in this process)."""
-        options = replace(self.options, time_limit_s=max(time_limit_s,
-                                                         self.options.time_limit_s))
+        options = replace(self.options, time_limit_s=max(time_limit_s, self.options.time_limit_s))
         missing: dict[tuple, tuple[str, LogicalMesh, int]] = {}
         for piece, mesh, split in jobs:
             signature = self._signature(pp, piece)

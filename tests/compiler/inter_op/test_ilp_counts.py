@@ -82,3 +82,41 @@ def test_layer_ilps_split_over_processes_give_the_same_table(one_process, monkey
     assert solves == serial_solves
     assert 0 < len(builds) < len(serial_builds)  # the child built the rest
     assert split == serial
+
+
+def test_a_prefetch_builds_each_structure_once_per_mesh_through_its_memory_lean_rungs(
+        monkeypatch):
+    """A prefetch solves a mesh's every structure, then their more split rungs: each rung
+    restricts its structure's built problem. With more structures than the cache keeps built
+    problems (one kept here; GPT-39B's equal-operator split has 17 structures against 8 kept),
+    none is built again for its next rung."""
+    from autopar.compiler.inter_op import layer_costs
+
+    monkeypatch.setattr(layer_costs, "BUILT_PROBLEMS_KEPT", 1)
+    monkeypatch.setattr(layer_costs, "PARALLEL_MIN_SOLVES", 0)
+    # the prefetch's solves in this process, in order (a forked child's builds are not seen)
+    monkeypatch.setattr(layer_costs, "run_pulled",
+                        lambda tasks, solve, workers, meanwhile=None: [solve(t) for t in tasks])
+    builds: list[tuple] = []
+
+    def counting(graph, mesh, options, caches=None):
+        builds.append((id(graph), tuple(mesh.shape), tuple(mesh.alpha), tuple(mesh.beta)))
+        return BUILD_PROBLEM(graph, mesh, options, caches)
+
+    monkeypatch.setattr(piece_cost, "build_problem", counting)
+    model = get_model("gpt", "tiny", num_layers=2).with_value_and_grad(autopar.value_and_grad)
+    described = load_cluster("aws-p3.16xlarge")
+    # a device far too small for any layer: every mesh's every rung is solved
+    cluster = dataclasses.replace(described, num_hosts=1, device=dataclasses.replace(
+        described.device, memory_bytes=1024))
+    method = autopar.PipeshardParallel(num_microbatches=4, layers=2, planning_workers=2)
+    pp = build_pipeline_program(model.train_step, model.abstract_inputs(), (1,), 4)
+    positions = layer_positions(pp, build_graph(pp.forward), 2, cluster.num_devices)
+    cache = layer_cost_cache(method)
+    stage_cost_table(pp, positions, method, cluster, cache)
+    structures = {b[0] for b in builds}
+    assert len(structures) > 1  # more than the one problem kept
+    # memory-lean rungs were solved (more ILPs than structure and mesh pairs)...
+    assert cache.ilp_solves + cache.derived_levels > len(set(builds))
+    # ...each from its structure's problem built once on its mesh
+    assert len(builds) == len(set(builds))
