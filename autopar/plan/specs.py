@@ -24,6 +24,8 @@ class CollectiveKind(StrEnum):
 
 def collective_kind(kind: CollectiveKind | str) -> CollectiveKind:
     """``kind`` as a :class:`CollectiveKind` (InvalidOptionError naming the valid ones)."""
+    if isinstance(kind, CollectiveKind):
+        return kind
     try:
         return CollectiveKind(kind)
     except ValueError:
@@ -75,6 +77,18 @@ class ShardingSpec:
         used = [a for axes in self.dims for a in axes]
         if len(used) != len(set(used)):
             raise PlanError(f"sharding spec {self.dims} uses a mesh axis twice")
+
+    def __hash__(self) -> int:
+        # specs key the planner's caches (a GPT-39B search hashes them millions of times) and
+        # a tuple of tuples rehashes every element each time: hashed once
+        found = self.__dict__.get("_hash")
+        if found is None:
+            found = hash(self.dims)
+            object.__setattr__(self, "_hash", found)
+        return found
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"dims": self.dims}  # not the hash: another process hashes strings anew
 
     @classmethod
     def replicated(cls, ndim: int) -> ShardingSpec:

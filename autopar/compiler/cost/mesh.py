@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -122,7 +123,8 @@ class LogicalMesh:
 
     def axis_size(self, axis: int | str) -> int:
         """Size of a mesh axis given by index or name."""
-        return self.shape[self._axis(axis)]
+        size = self._named_sizes.get(axis) if isinstance(axis, str) else None
+        return self.shape[self._axis(axis)] if size is None else size
 
     def axis_index(self, name: str) -> int:
         """Index of the axis called ``name``."""
@@ -130,6 +132,11 @@ class LogicalMesh:
             raise MeshError(f"unknown mesh axis '{name}'; valid axes: "
                             f"{choices_text(self.axis_names)}")
         return self.axis_names.index(name)
+
+    @cached_property
+    def _named_sizes(self) -> dict[str, int]:
+        # a strategy build asks an axis's size by name hundreds of thousands of times
+        return dict(zip(self.axis_names, self.shape, strict=True))
 
     def _axis(self, axis: int | str) -> int:
         if isinstance(axis, str):

@@ -97,10 +97,10 @@ class StrategyContext:
             return 0.0
         return kernel_bytes(self.graph, self.node)
 
-    @property
+    @cached_property
     def dominant_dtype(self) -> str:
-        outs = self.outputs
-        return outs[0].dtype if outs else "float32"
+        outs = self.node.outputs
+        return self.graph.tensors[outs[0]].dtype if outs else "float32"
 
     def collective(
         self, kind: CollectiveKind, nbytes: float, axes: Sequence[str]

@@ -52,7 +52,7 @@ def active_axes(ctx: StrategyContext) -> tuple[str, ...]:
 def mesh_order(ctx: StrategyContext, axes: Iterable[str]) -> tuple[str, ...]:
     """``axes`` sorted into mesh order (the major-first order several axes take on one dim)."""
     wanted = set(axes)
-    return tuple(a for a in ctx.axis_names if a in wanted)
+    return tuple(a for a in ctx.mesh.axis_names if a in wanted)
 
 
 def spec_text(spec: ShardingSpec | None) -> str:
