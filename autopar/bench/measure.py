@@ -15,12 +15,12 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from autopar.bench.hand_accumulation import HandStep
 from autopar.models import ZooModel
-from autopar.plan import Plan
+from autopar.plan import Plan, PlanningRecord
 
 
 @dataclass(frozen=True)
@@ -162,12 +162,16 @@ def measure_plans(step_fn: Callable, plans: dict[str, Plan], inputs: LocalInputs
     the same rounds under their names."""
     import autopar
 
-    # a plan given under several names (autopar's plan is one of the baselines' own) is one
-    # program: timed once, its timing shared, so that noise cannot tell it from itself
-    first_name: dict[int, str] = {}
+    # a plan given under several names (autopar's plan is one of the baselines' own, or a
+    # copy of it with the clock's choice recorded) is one program: timed once, its timing
+    # shared, so that noise cannot tell it from itself
+    first_name: dict[str, str] = {}
+    distinct: dict[str, Plan] = {}
     for name, plan in plans.items():
-        first_name.setdefault(id(plan), name)
-    distinct = {name: plan for name, plan in plans.items() if first_name[id(plan)] == name}
+        twin = next((n for n, p in distinct.items() if same_program(p, plan)), None)
+        first_name[name] = name if twin is None else twin
+        if twin is None:
+            distinct[name] = plan
     steps, loops, firsts = {}, {}, {}
     for name, plan in distinct.items():
         step = autopar.parallelize(step_fn, plan=plan, devices=list(devices), cache=False)
@@ -191,10 +195,22 @@ def measure_plans(step_fn: Callable, plans: dict[str, Plan], inputs: LocalInputs
         counted = steps[name].get_hlo_collectives(inputs.state, inputs.batch)
         out[name] = Timing(tuple(times[name]), warmup, firsts[name], counted,
                            task_compute_s=task_compute_s(steps[name], plan, loops[name]))
-    timed = {name: out[first_name[id(plan)]] for name, plan in plans.items()}
+    timed = {name: out[first_name[name]] for name in plans}
     for name, made in hand.items():
         timed[name] = Timing(tuple(times[name]), warmup, firsts[name], made.hlo_collectives)
     return timed
+
+
+def same_program(a: Plan, b: Plan) -> bool:
+    """Whether two plans run as one program: equal but for what records how they were made
+    (their planning records, solver records and notes), which the runtime does not read."""
+    if a is b:
+        return True
+
+    def bare(plan: Plan) -> Plan:
+        return replace(plan, planning=PlanningRecord(), solver=None, notes=())
+
+    return bare(a) == bare(b)
 
 
 def measure_single_device(step_fn: Callable, inputs: LocalInputs, device: Any, warmup: int,
