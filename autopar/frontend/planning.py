@@ -319,6 +319,8 @@ def _check_spec_ranks(plan: Plan, program: Any) -> None:
     for i, stage in enumerate(plan.stages):
         for vid, spec in stage.tensor_shardings.items():
             check(f"stages[{i}].tensor_shardings['{vid}']", vid, spec)
+        for vid, spec in stage.cotangent_shardings.items():
+            check(f"stages[{i}].cotangent_shardings['{vid}']", vid, spec)
         if plan.is_pipelined:
             continue  # the runner places outputs and operands without these
         for path, spec in stage.output_shardings.items():

@@ -127,6 +127,9 @@ class FlatProgram:
     regions: dict[int, ScanRegion] = field(default_factory=dict)
     # the user's with_sharding_constraint calls numbered as copies (``flatten``)
     dropped_constraints: int = 0
+    # the backward's cotangent of each forward value marked by ``ir.cotangent_marks``: the
+    # marked value's id (in the program that marked it) -> this program's id
+    cotangents: dict[int, int] = field(default_factory=dict)
 
     @property
     def num_eqns(self) -> int:

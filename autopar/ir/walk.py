@@ -12,6 +12,7 @@ from typing import Any
 import jax
 from jax.extend import core as jcore
 
+from autopar.ir.cotangent_marks import COTANGENT, COTANGENT_MARK
 from autopar.ir.loss_markers import PIPELINE_BOUNDARY, VALUE_AND_GRAD, expand_value_and_grad
 from autopar.ir.program import SCAN_ENTER, SCAN_EXIT, FlatEqn, FlatProgram, ScanRegion, TensorKind
 
@@ -62,6 +63,7 @@ class Numberer:
         self.regions: dict[int, ScanRegion] = {}
         self.repeat = 1  # the lengths of the scan regions being walked, multiplied
         self.dropped_constraints = 0
+        self.cotangents: dict[int, int] = {}
 
     def new_id(self, aval: Any, kind: str, value: Any = None) -> int:
         vid = len(self.avals)
@@ -85,7 +87,8 @@ class Numberer:
         return FlatProgram(self.eqns, self.avals, self.kinds, self.values, in_ids, out_ids,
                            in_paths, out_paths, in_tree, out_tree, arg_leaf_ranges,
                            regions=dict(self.regions),
-                           dropped_constraints=self.dropped_constraints)
+                           dropped_constraints=self.dropped_constraints,
+                           cotangents=dict(self.cotangents))
 
     def walk(self, jaxpr: Any, consts: Sequence[Any], operand_ids: Sequence[int]) -> list[int]:
         const_ids = [
@@ -115,6 +118,10 @@ class Numberer:
             name = eqn.primitive.name
             if name == PIPELINE_BOUNDARY and not self.keep_markers:
                 results = operands
+            elif name == COTANGENT_MARK:  # an identity: where the cotangent is, recorded
+                results = operands
+                if eqn.params["role"] == COTANGENT:
+                    self.cotangents[eqn.params["value"]] = operands[0]
             elif name == VALUE_AND_GRAD and not self.keep_markers:
                 expanded = jax.make_jaxpr(self.expansion(eqn.params["loss"]))(
                     *[v.aval for v in eqn.invars]

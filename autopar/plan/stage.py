@@ -33,6 +33,13 @@ class StagePlan:
     input_shardings: dict[str, ShardingSpec] = field(default_factory=dict)
     output_shardings: dict[str, ShardingSpec] = field(default_factory=dict)
     tensor_shardings: dict[int, ShardingSpec] = field(default_factory=dict)
+    # a pipeline stage's: the spec of each forward value's cotangent in the backward, where
+    # it is not the value's own (the runtime holds the backward to it)
+    cotangent_shardings: dict[int, ShardingSpec] = field(default_factory=dict)
+    # a pipeline stage's: where its plan reads a contraction's operands otherwise than they
+    # come, keyed "equation:operand:role" (``ir.cotangent_marks``: "in" as the forward reads
+    # it; "ct", "other" as the transpose making that operand's gradient reads them)
+    contraction_shardings: dict[str, ShardingSpec] = field(default_factory=dict)
     # (node id, operand position) -> the spec that use needs, where it differs from the
     # producer's: the runtime constrains the tensor twice, so XLA reshards exactly there.
     operand_shardings: dict[tuple[int, int], ShardingSpec] = field(default_factory=dict)
@@ -98,6 +105,8 @@ class StagePlan:
         for kind, specs in (("input_shardings", self.input_shardings),
                             ("output_shardings", self.output_shardings),
                             ("tensor_shardings", self.tensor_shardings),
+                            ("cotangent_shardings", self.cotangent_shardings),
+                            ("contraction_shardings", self.contraction_shardings),
                             ("operand_shardings", self.operand_shardings)):
             for key, spec in specs.items():
                 unknown = [a for dim in spec.dims for a in dim if a not in axes]
@@ -122,6 +131,8 @@ STAGE_JSON = (
     JsonField("input_shardings", spec_map(str), specs_to_json),
     JsonField("output_shardings", spec_map(str), specs_to_json),
     JsonField("tensor_shardings", spec_map(int), specs_to_json),
+    JsonField("cotangent_shardings", spec_map(int), specs_to_json, {}),
+    JsonField("contraction_shardings", spec_map(str), specs_to_json, {}),
     JsonField("operand_shardings", spec_map(use_key), _use_keys_json, {}),
     JsonField("collectives", lambda v: [CollectiveEstimate.from_dict(c) for c in v],
               lambda cs: [c.to_dict() for c in cs]),

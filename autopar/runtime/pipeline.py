@@ -58,9 +58,15 @@ class PipelineRunner(StagePlacement):
         selective_stages: Sequence[bool] = (),
         fuse: bool = True,
         param_copies: bool = True,
+        cotangent_specs: Sequence[dict[int, Any]] | None = None,
+        contraction_specs: Sequence[dict[str, Any]] | None = None,
     ):
         super().__init__(pp, stages, devices, specs)
         self.pieces, self.schedule = list(pieces), schedule
+        # per stage: the plan's layout of forward values' cotangents, where not their own
+        self.cotangent_specs = list(cotangent_specs or [{} for _ in stages])
+        # and where it reads contractions' operands otherwise than they come
+        self.contraction_specs = list(contraction_specs or [{} for _ in stages])
         self.stage_of_piece = list(stage_of_piece)
         self.segments, self.home = list(segments), dict(home)
         self.m = schedule.num_microbatches
@@ -109,13 +115,16 @@ class PipelineRunner(StagePlacement):
         schedule = make_schedule(layout.schedule, len(stages), plan.num_microbatches,
                                  layout.num_chunks)
         specs = [st.tensor_shardings for st in plan.stages]
+        cotangents = [st.cotangent_shardings for st in plan.stages]
+        contractions = [st.contraction_shardings for st in plan.stages]
         remat = list(layout.remat_stages)
         checkpoints = layout.checkpoint_positions or layout.layer_positions
         layers = cut_pieces(pp.forward, list(checkpoints)) if any(remat) else []
         return cls(pp, pieces, owner, stages, segments, home, schedule, devices, specs,
                    remat_layers=layers, remat_stages=remat,
                    selective_stages=layout.selective_stages, fuse=fuse,
-                   param_copies=param_copies)
+                   param_copies=param_copies, cotangent_specs=cotangents,
+                   contraction_specs=contractions)
 
     # -- executables ---------------------------------------------------------------------------
 
@@ -124,7 +133,9 @@ class PipelineRunner(StagePlacement):
         layers = self.remat_layers if self.remat_stages[stage] else ()
         return piece_tasks(self.pp, piece, stage, self.meshes[stage], self.specs[stage], layers,
                            read_copies=self._read_copies,
-                           selective=self.selective_stages[stage])
+                           selective=self.selective_stages[stage],
+                           cotangent_specs=self.cotangent_specs[stage],
+                           contraction_specs=self.contraction_specs[stage])
 
     def _input_split_fns(self) -> list[tuple[int, list[int], Any]]:
         """Per stacked step input: (its id, its slices' ids, a jitted function making them).

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import jax
 from jax.sharding import Mesh, NamedSharding
 
+from autopar.ir.cotangent_marks import dot_with_held_backward, held_contraction
 from autopar.ir.layered_grad import piece_function
 from autopar.ir.pieces import Piece
 from autopar.ir.pipeline_pieces import piece_roles
@@ -60,7 +62,9 @@ class PieceTasks:
 
 def piece_tasks(pp: PipelineProgram, piece: Piece, stage: int, mesh: Mesh,
                 specs: dict[int, Any], remat_layers: Sequence[Piece] = (),
-                read_copies: bool = False, selective: bool = False) -> PieceTasks:
+                read_copies: bool = False, selective: bool = False,
+                cotangent_specs: dict[int, Any] | None = None,
+                contraction_specs: dict[str, Any] | None = None) -> PieceTasks:
     """``piece``'s jitted tasks on ``stage`` (its devices as ``mesh``, ``specs`` its plan's
     forward value id -> ShardingSpec). ``remat_layers``: the forward cut at every layer
     boundary when the stage is rematerialised (empty otherwise): each layer of the piece then
@@ -69,7 +73,11 @@ def piece_tasks(pp: PipelineProgram, piece: Piece, stage: int, mesh: Mesh,
     (``runtime.param_copies``; the caller makes them with ``make_copies`` and passes them in
     those parameters' places), their gradients left for the caller to reduce once per step
     (a pipeline that is not rematerialised and has no layer scans). ``selective``: the
-    layers' checkpoints keep their matmuls' outputs (``dots_with_no_batch_dims_saveable``)."""
+    layers' checkpoints keep their matmuls' outputs (``dots_with_no_batch_dims_saveable``).
+    ``cotangent_specs``: the plan's layout of forward values' cotangents where it is not the
+    value's own: the backward is held to it there. ``contraction_specs``: where the plan reads
+    a contraction's operands, forward and backward, otherwise than they come ("eqn:k:role";
+    ``ir.cotangent_marks``)."""
     fwd = pp.forward
     roles = piece_roles(pp, piece)
     diff, params, nondiff = list(roles.diff), list(roles.params), list(roles.nondiff)
@@ -89,11 +97,17 @@ def piece_tasks(pp: PipelineProgram, piece: Piece, stage: int, mesh: Mesh,
     # a constraint's transpose constrains the cotangent alike)
     made = {v for i in piece.eqns for v in fwd.eqns[i].outputs}
     held = {v: NamedSharding(mesh, partition_spec(specs[v])) for v in made if v in specs}
+    # where the plan lays a value's cotangent out otherwise than the value (its backward's
+    # own choice: ``ir.cotangent_marks``), the backward is held to that layout instead
+    held_back = {v: NamedSharding(mesh, partition_spec(spec))
+                 for v, spec in (cotangent_specs or {}).items() if v in held}
 
     def hold(v: int, x: Any) -> Any:
         if v in copies.copies:
             return jax.lax.with_sharding_constraint(
                 x, copies.sharding(mesh, v, specs.get(v), x.ndim - 1))
+        if v in held_back:
+            return hold_both_ways(x, held[v], held_back[v])
         return jax.lax.with_sharding_constraint(x, held[v]) if v in held else x
 
     def param_grads(grads: Sequence[Any]) -> list[Any]:
@@ -102,13 +116,36 @@ def piece_tasks(pp: PipelineProgram, piece: Piece, stage: int, mesh: Mesh,
 
     checkpoint = layer_checkpoint(selective)
     run = _forward_run(pp, piece, layers, t, hold if held or copies.copies else None,
-                       checkpoint)
+                       checkpoint, _contraction_bind(mesh, contraction_specs or {}, copies))
     _jit_tasks(t, run, param_grads, mesh, specs)
     return t
 
 
+def _contraction_bind(mesh: Mesh, specs: dict[str, Any], copies: ParamCopies
+                      ) -> Callable[[Any, Sequence[Any]], Sequence[Any]]:
+    """How the piece's forward binds each equation: a contraction the plan reads otherwise
+    than its operands come (``specs``, "eqn:k:role"), forward or in the transposes that make
+    their gradients, with those reads held (``ir.cotangent_marks``); an equation reading
+    parameter copies per group (``copies.bind``); the rest as they are."""
+    held = {key: NamedSharding(mesh, partition_spec(spec)) for key, spec in specs.items()}
+    eqns = {int(key.split(":")[0]) for key in held}
+
+    def hold_operand(key: tuple, x: Any) -> Any:
+        sharding = held.get(":".join(map(str, key)))
+        return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+
+    def bind(eqn: Any, operands: Sequence[Any]) -> Sequence[Any]:
+        if eqn.index not in eqns or any(v in copies.copies for v in eqn.inputs) \
+                or not held_contraction(eqn, operands):
+            return copies.bind(eqn, operands)
+        return dot_with_held_backward(eqn, operands, copies.bind, hold_operand)
+
+    return bind
+
+
 def _forward_run(pp: PipelineProgram, piece: Piece, layers: Sequence[Piece], t: PieceTasks,
-                 hold: Callable[[int, Any], Any] | None, checkpoint: Callable[[Any], Any]
+                 hold: Callable[[int, Any], Any] | None, checkpoint: Callable[[Any], Any],
+                 bind: Callable[[Any, Sequence[Any]], Sequence[Any]]
                  ) -> Callable[[list[Any], list[Any]], tuple[list[Any], list[Any]]]:
     """The piece's forward on its differentiated and other inputs: its float and other
     outputs. Rematerialised (``layers``), each layer under ``jax.checkpoint``; otherwise its
@@ -125,7 +162,7 @@ def _forward_run(pp: PipelineProgram, piece: Piece, layers: Sequence[Piece], t: 
                 outs = checkpoint(piece_function(fwd, layer, ins))([env[v] for v in ins])
                 env.update(zip(layer.outputs, outs, strict=True))
         else:
-            run_forward_eqns(fwd, piece.eqns, env, pp.layer_scans, hold, t.copies.bind)
+            run_forward_eqns(fwd, piece.eqns, env, pp.layer_scans, hold, bind)
         return [env[v] for v in t.float_outputs], [env[v] for v in t.other_outputs]
 
     return run
@@ -187,3 +224,22 @@ def _batch_axes(pp: PipelineProgram, specs: dict[int, Any]) -> tuple[str, ...]:
         if spec is not None and spec.dims and spec.dims[0]:
             return tuple(spec.dims[0])
     return ()
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def hold_both_ways(x: Any, forward: NamedSharding, backward: NamedSharding) -> Any:
+    """``x`` held to ``forward``, its cotangent to ``backward`` (where ``jax.lax.
+    with_sharding_constraint`` alone holds the cotangent to the value's own layout)."""
+    return jax.lax.with_sharding_constraint(x, forward)
+
+
+def _hold_forward(x: Any, forward: NamedSharding, backward: NamedSharding) -> tuple[Any, None]:
+    return jax.lax.with_sharding_constraint(x, forward), None
+
+
+def _hold_backward(forward: NamedSharding, backward: NamedSharding, _: None,
+                   ct: Any) -> tuple[Any]:
+    return (jax.lax.with_sharding_constraint(ct, backward),)
+
+
+hold_both_ways.defvjp(_hold_forward, _hold_backward)

@@ -74,6 +74,41 @@ def test_report_sets_each_stage_emitted_collectives_beside_its_plan(tmp_path, ca
     assert [line for line in shown.splitlines() if "all-reduce" in line] == rows
 
 
+def _stage_collectives(tmp_path, capsys, *extra):
+    doc_path = tmp_path / "report.json"
+    code, _, err = run(["compile", "--model", "gpt", "--size", "tiny", "--method", "pipeshard",
+                        "--microbatches", MICROBATCHES, *extra, "--json", doc_path], capsys)
+    assert code == 0, err
+    doc = json.loads(doc_path.read_text())
+    return Plan.from_dict(doc["plan"]), doc["collectives"]["stages"]
+
+
+def test_a_stage_runs_its_backward_contractions_as_its_plan_does(tmp_path, capsys):
+    """Four stages of two devices: the last stage's plan runs the head's and the tied
+    embedding's gradient contractions split, from operands that come whole, and reduces their
+    partial sums. The runtime derives the backward with jax.vjp, where nothing held those
+    operands: XLA ran the contractions whole on both devices and reduced 32 KiB of the
+    196 KiB the stage predicted. It now holds what each transpose reads
+    (``contraction_shardings``)."""
+    plan, stages = _stage_collectives(tmp_path, capsys, "--stages", "uniform",
+                                      "--num-stages", 4, "--pipeline-layers", 4)
+    assert len(stages) == 4 and any(st.contraction_shardings for st in plan.stages)
+    for s in stages:
+        assert reduced_bytes(s["hlo"]) == pytest.approx(reduced_bytes(s["predicted"]),
+                                                        rel=1e-6), s
+
+
+def test_a_stage_lays_its_cotangents_out_as_its_plan_does(tmp_path, capsys):
+    """One stage of 4 x 2: the plan lays a cotangent out otherwise than its forward value
+    and gathers it for the tied embedding's gradient. Held to the value's layout (what a
+    sharding constraint's transpose does), XLA gathered nothing; held to the plan's
+    (``cotangent_shardings``), the compiled step gathers what the plan predicts."""
+    plan, (stage,) = _stage_collectives(tmp_path, capsys)
+    assert plan.stages[0].cotangent_shardings
+    predicted = stage["predicted"]["all-gather"]["bytes"]
+    assert predicted > 0 and stage["hlo"]["all-gather"]["bytes"] == predicted
+
+
 def test_each_task_program_counts_once_per_microbatch():
     model = get_model("mlp", "tiny", num_layers=2).with_value_and_grad(autopar.value_and_grad)
     method = autopar.PipeshardParallel(num_microbatches=MICROBATCHES, stages="uniform",

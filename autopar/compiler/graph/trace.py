@@ -83,6 +83,7 @@ def build_graph(program: FlatProgram) -> OpGraph:
                      num_carry=r.num_carry)
             for _, r in sorted(program.regions.items())
         ],
+        cotangents=dict(program.cotangents),
     )
 
 

@@ -35,8 +35,12 @@ def compose_costs(pp: PipelineProgram, piece: Piece, units: Sequence[Piece],
     stopped = [c for c in costs if stopped_early(c)]
     gaps = [c.ilp_gap for c in costs if c.ilp_gap is not None]
     values: dict[int, ShardingSpec] = {}
+    cotangents: dict[int, ShardingSpec] = {}
+    contractions: dict[tuple[int, int, str], ShardingSpec] = {}
     for c in costs if specs else ():
         values.update(c.value_specs)
+        cotangents.update(c.cotangent_specs)
+        contractions.update(c.contraction_specs)
     return PieceCost(
         time_s=sum(c.time_s for c in costs),
         compute_s=sum(c.compute_s for c in costs),
@@ -55,6 +59,8 @@ def compose_costs(pp: PipelineProgram, piece: Piece, units: Sequence[Piece],
         collectives=tuple(x for c in costs if specs for x in c.collectives),
         sync_collectives=tuple(x for c in costs if specs for x in c.sync_collectives),
         value_specs=values,
+        cotangent_specs=cotangents,
+        contraction_specs=contractions,
         launch_s=sum(c.launch_s for c in costs),
         update_launch_s=sum(c.update_launch_s for c in costs),
         matmul_output_bytes=sum(c.matmul_output_bytes for c in costs),

@@ -75,16 +75,14 @@ class LayerCostCache:
     derived_levels: int = 0
     # strategy lists, resharding costs and matrices per mesh, shared by every piece on it
     mesh_caches: dict[tuple, MeshCaches] = field(default_factory=dict)
-    # each piece's structure hash and its input and output roles, by its first and last
-    # equation
+    # each piece's structure hash and its input and output roles, by its first, last equation
     signatures: dict[tuple[int, int], str] = field(default_factory=dict)
     roles: dict[tuple[int, int], PieceRoles] = field(default_factory=dict)
     # per structure: what recomputation keeps and rebuilds (``recompute_parts``)
     recompute: dict[str, RecomputeParts] = field(default_factory=dict)
     # bytes of optimizer state per byte of parameters, read off the step once
     state_per_parameter: float | None = None
-    # each structure's train graph, traced once, and the piece it was traced from (whose ids
-    # the graph's paths name)
+    # each structure's train graph, traced once, and the piece it was traced from (its ids)
     graphs: dict[str, tuple[OpGraph, dict[str, int], Piece]] = field(default_factory=dict)
     # the step's work outside the loss function, read off the step once
     work: StepWork | None = None
@@ -94,8 +92,7 @@ class LayerCostCache:
     # the latest built ILPs by (structure, mesh): a piece's memory-lean variant is its
     # fastest's problem restricted, asked for soon after it (``BUILT_PROBLEMS_KEPT``)
     built: dict[tuple, BuiltPiece] = field(default_factory=dict)
-    # the forward's repeated block, once looked for (``use_layers``); each layer's blocks,
-    # by its first and last equation, cut by ``slicer``
+    # the forward's repeated block, once looked for (``use_layers``); each layer's blocks
     grid: RepeatGrid | None = None
     grid_found: bool = False
     units_of: dict[tuple[int, int], list[Piece]] = field(default_factory=dict)
@@ -385,16 +382,19 @@ class LayerCostCache:
         named = self.renamed.get((key, span))
         if named is not None:
             return named
-        # the cached specs name the first piece's values: rename them for this one
-        a, b = self._roles(pp, first), self._roles(pp, piece)
+        a, b = self._roles(pp, first), self._roles(pp, piece)  # the cached specs: renamed
         mapping = dict(zip(a.params + a.acts + a.fixed + a.micro,
                            b.params + b.acts + b.fixed + b.micro, strict=True))
         inputs = {mapping[v]: s for v, s in cost.input_specs.items() if v in mapping}
         # equal signatures: the pieces' equations correspond one to one, in order
-        fwd = pp.forward
-        made = {a: b for i, j in zip(first.eqns, piece.eqns, strict=True)
+        fwd, eqn_of = pp.forward, dict(zip(first.eqns, piece.eqns, strict=True))
+        made = {a: b for i, j in eqn_of.items()
                 for a, b in zip(fwd.eqns[i].outputs, fwd.eqns[j].outputs, strict=True)}
-        values = {made[v]: s for v, s in cost.value_specs.items() if v in made}
-        named = replace(cost, input_specs=inputs, value_specs=values)
+        named = replace(cost, input_specs=inputs,
+                        value_specs={made[v]: s for v, s in cost.value_specs.items() if v in made},
+                        cotangent_specs={made[v]: s for v, s in cost.cotangent_specs.items()
+                                         if v in made},
+                        contraction_specs={(eqn_of[i], k, r): s for (i, k, r), s
+                                           in cost.contraction_specs.items()})
         self.renamed[(key, span)] = named
         return named

@@ -36,7 +36,12 @@ from autopar.compiler.cost.estimate import launch_time_s
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.opgraph import OpGraph
 from autopar.compiler.graph.trace import build_graph
-from autopar.compiler.inter_op.piece_plan import forward_value_specs, piece_collectives
+from autopar.compiler.inter_op.piece_plan import (
+    contraction_specs,
+    cotangent_specs,
+    forward_value_specs,
+    piece_collectives,
+)
 from autopar.compiler.inter_op.recompute_parts import RecomputeParts, recompute_parts
 from autopar.compiler.inter_op.remat import FORWARD_SHARE
 from autopar.compiler.inter_op.step_parts import StepWork, amortise, gradient_nodes
@@ -50,6 +55,7 @@ from autopar.compiler.intra_op.sharding_ilp import (
     read_solution,
     state_split_at_least,
 )
+from autopar.ir.cotangent_marks import mark_cotangent, traced_bind
 from autopar.ir.flatten import flatten_step
 from autopar.ir.pieces import Piece
 from autopar.ir.pipeline_pieces import piece_roles
@@ -97,6 +103,12 @@ class PieceCost:
     collectives: tuple[CollectiveEstimate, ...] = ()
     sync_collectives: tuple[CollectiveEstimate, ...] = ()
     value_specs: dict[int, ShardingSpec] = field(default_factory=dict)
+    # the spec of a forward value's cotangent in the backward where it is not the value's
+    # own (forward value id -> spec; ``ir.cotangent_marks``): the runtime holds it there
+    cotangent_specs: dict[int, ShardingSpec] = field(default_factory=dict)
+    # where the plan reads a contraction's operands (forward and transposes) otherwise than
+    # they come, by (forward equation, operand, role) (``piece_plan.contraction_specs``)
+    contraction_specs: dict[tuple[int, int, str], ShardingSpec] = field(default_factory=dict)
     choices: tuple[int, ...] = ()
     derived: bool = False
     # selective recomputation (``remat="selective"``): the forward's matmul outputs kept per
@@ -143,7 +155,8 @@ def piece_train_graph(pp: PipelineProgram, piece: Piece) -> tuple[OpGraph, dict[
             env = dict(zip(roles.diff, diff_vals, strict=True))
             env.update(zip(roles.fixed, state["c"], strict=True))
             env.update(zip(roles.micro, batch["d"], strict=True))
-            run_forward_eqns(fwd, piece.eqns, env, pp.layer_scans)
+            # what the runtime holds the backward to, marked (``cotangent_marks``)
+            run_forward_eqns(fwd, piece.eqns, env, pp.layer_scans, mark_cotangent, traced_bind)
             return [env[v] for v in roles.float_outputs], [env[v] for v in roles.other_outputs]
 
         outs, vjp_fn, others = jax.vjp(run, [*state["p"], *batch["a"]], has_aux=True)
@@ -274,6 +287,7 @@ def solve_piece(pp: PipelineProgram, piece: Piece, graph: OpGraph, paths: dict[s
             warm.strategies = None
         solution = solve_limited(problem)
     node_strategy, input_spec, _, tensor_spec, _ = read_solution(parts, solution.choices)
+    values = forward_value_specs(pp, piece, graph, paths, tensor_spec)
     updates, makers = gradient_nodes(graph)
     per_microbatch_moves, per_step_moves = piece_collectives(
         parts, graph, node_strategy, tensor_spec, updates, makers)
@@ -326,7 +340,10 @@ def solve_piece(pp: PipelineProgram, piece: Piece, graph: OpGraph, paths: dict[s
         ilp_gap=solution.gap,
         collectives=tuple(per_microbatch_moves),
         sync_collectives=tuple(per_step_moves),
-        value_specs=forward_value_specs(pp, piece, graph, paths, tensor_spec),
+        value_specs=values,
+        cotangent_specs=cotangent_specs(graph, tensor_spec, values),
+        contraction_specs=contraction_specs(pp, piece, graph, paths, node_strategy,
+                                            tensor_spec),
         choices=tuple(int(c) for c in solution.choices),
         launch_s=launched,
         update_launch_s=update_launch,

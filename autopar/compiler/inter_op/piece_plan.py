@@ -30,6 +30,7 @@ from typing import Any
 
 from autopar.compiler.graph.opgraph import OpGraph
 from autopar.compiler.intra_op.sharding_ilp import ProblemParts, reshard_collectives
+from autopar.ir.cotangent_marks import CT, GRAD, IN, OTHER
 from autopar.ir.pieces import Piece
 from autopar.ir.pipeline_program import PipelineProgram
 from autopar.ir.program import TensorKind
@@ -53,6 +54,18 @@ def forward_tensors(pp: PipelineProgram, piece: Piece, graph: OpGraph,
     ``graph`` (see the module), by forward value id: a fact of the graph, whatever the plan,
     kept on it (a structure's graph is solved on every mesh and split level: at GPT-39B the
     match made anew was 0.75 of the layer ILPs' 13 CPU seconds)."""
+    return _matched(pp, piece, graph, paths)[0]
+
+
+def forward_nodes(pp: PipelineProgram, piece: Piece, graph: OpGraph,
+                  paths: dict[str, int]) -> dict[int, int]:
+    """The graph node of each of ``piece``'s forward equations found in ``graph``, by
+    equation index."""
+    return _matched(pp, piece, graph, paths)[1]
+
+
+def _matched(pp: PipelineProgram, piece: Piece, graph: OpGraph,
+             paths: dict[str, int]) -> tuple[dict[int, int], dict[int, int]]:
     key = ("forward_tensors", tuple(piece.eqns), tuple(sorted(paths.items())))
     if key not in graph.derived:
         graph.derived[key] = _match_forward(pp, piece, graph, paths)
@@ -60,7 +73,7 @@ def forward_tensors(pp: PipelineProgram, piece: Piece, graph: OpGraph,
 
 
 def _match_forward(pp: PipelineProgram, piece: Piece, graph: OpGraph,
-                   paths: dict[str, int]) -> dict[int, int]:
+                   paths: dict[str, int]) -> tuple[dict[int, int], dict[int, int]]:
     fwd = pp.forward
     by_path = {io.path: io.tensor for io in graph.inputs}
     tensor_of: dict[int, int] = {fid: by_path[path] for path, fid in paths.items()
@@ -75,6 +88,7 @@ def _match_forward(pp: PipelineProgram, piece: Piece, graph: OpGraph,
         alone = all(o is None for o in operands)
         return (name, operands, outs, repr(sorted(params.items())) if alone else None)
 
+    node_of: dict[int, int] = {}
     waiting: dict[tuple, list[Any]] = {}
     for node in graph.nodes:
         operands = tuple(None if t in constant else t for t in node.inputs)
@@ -102,9 +116,12 @@ def _match_forward(pp: PipelineProgram, piece: Piece, graph: OpGraph,
             outs = results(eqn.outputs, lambda v: fwd.avals[v])
             found = waiting.get(key(eqn.name, tuple(matched), outs, eqn.params))
             if found:
-                tensor_of.update(zip(eqn.outputs, found.pop(0).outputs, strict=True))
+                node = found.pop(0)
+                node_of[i] = node.id
+                tensor_of.update(zip(eqn.outputs, node.outputs, strict=True))
     produced = {v for i in piece.eqns for v in fwd.eqns[i].outputs}
-    return {v: t for v, t in tensor_of.items() if v in produced and graph.tensors[t].ndim > 0}
+    return ({v: t for v, t in tensor_of.items() if v in produced and graph.tensors[t].ndim > 0},
+            node_of)
 
 
 def piece_collectives(parts: ProblemParts, graph: OpGraph, node_strategy: dict[int, Any],
@@ -130,3 +147,57 @@ def piece_collectives(parts: ProblemParts, graph: OpGraph, node_strategy: dict[i
         elif n not in updates:
             per_microbatch.extend(moves)
     return per_microbatch, per_step
+
+
+def cotangent_specs(graph: OpGraph, tensor_spec: dict[int, ShardingSpec],
+                    values: dict[int, ShardingSpec]) -> dict[int, ShardingSpec]:
+    """The plan's layout of each forward value's cotangent (marked in ``graph``:
+    ``ir.cotangent_marks``) where it is not the value's own (``values``), by forward value
+    id: the runtime holds a cotangent to its value's layout otherwise."""
+    out = {}
+    for v, t in graph.cotangents.items():
+        spec = tensor_spec.get(t)
+        if isinstance(v, int) and spec is not None and graph.tensors[t].ndim > 0 \
+                and spec != values.get(v):
+            out[v] = spec
+    return out
+
+
+def contraction_specs(pp: PipelineProgram, piece: Piece, graph: OpGraph,
+                      paths: dict[str, int], node_strategy: dict[int, Any],
+                      tensor_spec: dict[int, ShardingSpec]
+                      ) -> dict[tuple[int, int, str], ShardingSpec]:
+    """Where the plan reads a contraction's operands otherwise than their producers lay them
+    out, keyed as ``ir.cotangent_marks`` holds them: ``(eqn, k, IN)`` for the forward's
+    operand ``k``; for the transpose making operand ``k``'s gradient, ``(eqn, k, CT)`` and
+    ``(eqn, k, OTHER)`` (found from its marked result, through a ``transpose`` after it, and
+    its marked operands). XLA reshards there only when the runtime holds it there."""
+    out: dict[tuple[int, int, str], ShardingSpec] = {}
+
+    def add(key: tuple[int, int, str], node: int, position: int) -> None:
+        need = node_strategy[node].input_specs[position]
+        have = tensor_spec.get(graph.nodes[node].inputs[position])
+        if need is not None and have is not None and need != have:
+            out[key] = need
+
+    fwd = pp.forward
+    for i, node in forward_nodes(pp, piece, graph, paths).items():
+        if fwd.eqns[i].name == "dot_general" and len(graph.nodes[node].inputs) == 2:
+            add((i, 0, IN), node, 0)
+            add((i, 1, IN), node, 1)
+    marks = graph.cotangents
+    for key, t in marks.items():
+        if not (isinstance(key, tuple) and key[2] == GRAD):
+            continue
+        i, k, _ = key
+        node = graph.producer.get(t)
+        while node is not None and graph.nodes[node].primitive == "transpose":
+            node = graph.producer.get(graph.nodes[node].inputs[0])
+        if node is None or graph.nodes[node].primitive != "dot_general":
+            continue
+        for role in (CT, OTHER):
+            read = marks.get((i, k, role))
+            for position, operand in enumerate(graph.nodes[node].inputs):
+                if operand == read:
+                    add((i, k, role), node, position)
+    return out

@@ -164,7 +164,7 @@ def _stage_plan(search: PipeshardSearch, s: int, mesh: LogicalMesh, pieces: Sequ
     partition, m = best.partition, best.num_microbatches
     assignment = partition.stages[s]
     c = assignment.candidate
-    specs, values, compute, costs = {}, {}, 0.0, []
+    specs, values, cotangents, contractions, compute, costs = {}, {}, {}, {}, 0.0, []
     for k, piece in enumerate(pieces):
         if stage_of_piece[k] != s:
             continue
@@ -172,6 +172,9 @@ def _stage_plan(search: PipeshardSearch, s: int, mesh: LogicalMesh, pieces: Sequ
                                          split=state_split_of_key(c.key))
         specs.update(cost.input_specs)
         values.update(cost.value_specs)
+        cotangents.update(cost.cotangent_specs)
+        contractions.update({f"{i}:{k}:{role}": spec
+                             for (i, k, role), spec in cost.contraction_specs.items()})
         compute += cost.compute_s
         costs.append(cost)
     compute = min(compute, c.time)
@@ -186,6 +189,8 @@ def _stage_plan(search: PipeshardSearch, s: int, mesh: LogicalMesh, pieces: Sequ
         input_shardings=_input_paths(pp, specs),
         # what the pieces compute, and what they read (which the runtime places so)
         tensor_shardings=values | specs,
+        cotangent_shardings=cotangents,
+        contraction_shardings=contractions,
         collectives=stage_collectives(costs, m),
         est_time_s=c.time,
         est_compute_time_s=compute,
