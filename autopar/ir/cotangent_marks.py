@@ -74,6 +74,11 @@ IN, CT, OTHER, GRAD = "in", "ct", "other", "grad"
 Hold = Callable[[tuple, Any], Any]
 
 
+def contraction_key(key: tuple[int, int, str]) -> str:
+    """``(eqn, k, role)`` as a plan names it: ``"eqn:k:role"``."""
+    return ":".join(map(str, key))
+
+
 def mark(key: Any, x: Any) -> Any:
     """``x``, marked with ``key`` for the walker."""
     return cotangent_mark_p.bind(x, value=key, role=COTANGENT)

@@ -22,7 +22,11 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from autopar.ir.cotangent_marks import dot_with_held_backward, held_contraction
+from autopar.ir.cotangent_marks import (
+    contraction_key,
+    dot_with_held_backward,
+    held_contraction,
+)
 from autopar.ir.layered_grad import piece_function
 from autopar.ir.pieces import Piece
 from autopar.ir.pipeline_pieces import piece_roles
@@ -131,7 +135,7 @@ def _contraction_bind(mesh: Mesh, specs: dict[str, Any], copies: ParamCopies
     eqns = {int(key.split(":")[0]) for key in held}
 
     def hold_operand(key: tuple, x: Any) -> Any:
-        sharding = held.get(":".join(map(str, key)))
+        sharding = held.get(contraction_key(key))
         return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
 
     def bind(eqn: Any, operands: Sequence[Any]) -> Sequence[Any]:

@@ -286,7 +286,8 @@ def solve_piece(pp: PipelineProgram, piece: Piece, graph: OpGraph, paths: dict[s
         if warm is not None:
             warm.strategies = None
         solution = solve_limited(problem)
-    node_strategy, input_spec, _, tensor_spec, _ = read_solution(parts, solution.choices)
+    node_strategy, input_spec, operand_specs, tensor_spec, _ = read_solution(parts,
+                                                                           solution.choices)
     values = forward_value_specs(pp, piece, graph, paths, tensor_spec)
     updates, makers = gradient_nodes(graph)
     per_microbatch_moves, per_step_moves = piece_collectives(
@@ -342,8 +343,7 @@ def solve_piece(pp: PipelineProgram, piece: Piece, graph: OpGraph, paths: dict[s
         sync_collectives=tuple(per_step_moves),
         value_specs=values,
         cotangent_specs=cotangent_specs(graph, tensor_spec, values),
-        contraction_specs=contraction_specs(pp, piece, graph, paths, node_strategy,
-                                            tensor_spec),
+        contraction_specs=contraction_specs(pp, piece, graph, paths, operand_specs),
         choices=tuple(int(c) for c in solution.choices),
         launch_s=launched,
         update_launch_s=update_launch,

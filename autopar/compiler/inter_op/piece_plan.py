@@ -164,21 +164,20 @@ def cotangent_specs(graph: OpGraph, tensor_spec: dict[int, ShardingSpec],
 
 
 def contraction_specs(pp: PipelineProgram, piece: Piece, graph: OpGraph,
-                      paths: dict[str, int], node_strategy: dict[int, Any],
-                      tensor_spec: dict[int, ShardingSpec]
+                      paths: dict[str, int],
+                      operand_specs: dict[tuple[int, int], ShardingSpec]
                       ) -> dict[tuple[int, int, str], ShardingSpec]:
     """Where the plan reads a contraction's operands otherwise than their producers lay them
     out, keyed as ``ir.cotangent_marks`` holds them: ``(eqn, k, IN)`` for the forward's
     operand ``k``; for the transpose making operand ``k``'s gradient, ``(eqn, k, CT)`` and
     ``(eqn, k, OTHER)`` (found from its marked result, through a ``transpose`` after it, and
-    its marked operands). XLA reshards there only when the runtime holds it there."""
+    its marked operands), from ``operand_specs`` (``read_solution``'s: each use read otherwise
+    than produced). XLA reshards there only when the runtime holds it there."""
     out: dict[tuple[int, int, str], ShardingSpec] = {}
 
     def add(key: tuple[int, int, str], node: int, position: int) -> None:
-        need = node_strategy[node].input_specs[position]
-        have = tensor_spec.get(graph.nodes[node].inputs[position])
-        if need is not None and have is not None and need != have:
-            out[key] = need
+        if (node, position) in operand_specs:
+            out[key] = operand_specs[(node, position)]
 
     fwd = pp.forward
     for i, node in forward_nodes(pp, piece, graph, paths).items():

@@ -40,6 +40,7 @@ from autopar.compiler.planners.stage_costs import (
     stage_dp_options,
     submesh_mesh,
 )
+from autopar.ir.cotangent_marks import contraction_key
 from autopar.ir.pieces import Piece
 from autopar.ir.pipeline_program import PipelineProgram
 from autopar.ir.repeats import RepeatGrid
@@ -173,8 +174,8 @@ def _stage_plan(search: PipeshardSearch, s: int, mesh: LogicalMesh, pieces: Sequ
         specs.update(cost.input_specs)
         values.update(cost.value_specs)
         cotangents.update(cost.cotangent_specs)
-        contractions.update({f"{i}:{k}:{role}": spec
-                             for (i, k, role), spec in cost.contraction_specs.items()})
+        contractions.update({contraction_key(key): spec
+                             for key, spec in cost.contraction_specs.items()})
         compute += cost.compute_s
         costs.append(cost)
     compute = min(compute, c.time)
