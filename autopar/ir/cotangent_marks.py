@@ -24,6 +24,7 @@ plan's layout instead of marking it (``runtime.pipeline_tasks``).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -71,12 +72,53 @@ ad.primitive_transposes[cotangent_mark_p] = _mark_transpose
 # operand ``k``'s gradient, what it reads (``CT``: the result's cotangent; ``OTHER``: the other
 # operand) and its result (``GRAD``)
 IN, CT, OTHER, GRAD = "in", "ct", "other", "grad"
+# a plan's key, not a mark: which dimensions of the result's cotangent the transpose making
+# a parameter's gradient contracts split, its partial sums kept per group (``Sink``)
+SUM = "sum"
 Hold = Callable[[tuple, Any], Any]
+
+
+@dataclass(frozen=True)
+class Sink:
+    """Where the transpose making an operand's gradient puts it instead: partial sums, one
+    per group of the ``groups`` (result dimension of the contraction's cotangent, number of
+    blocks) it contracts, as the cotangent of ``value``, an extra input of shape
+    ``[*blocks, *operand.shape]`` that the forward does not read. The caller sums them."""
+
+    value: Any
+    groups: tuple[tuple[int, int], ...]
 
 
 def contraction_key(key: tuple[int, int, str]) -> str:
     """``(eqn, k, role)`` as a plan names it: ``"eqn:k:role"``."""
     return ":".join(map(str, key))
+
+
+# equations that only relay a value (a parameter's transpose or cast before a contraction):
+# its gradient contraction's partial sums pass back through them (``viewed_parameter``)
+VIEWS = frozenset({"transpose", "convert_element_type", "reshape", "copy", "copy_p",
+                   "squeeze", "expand_dims"})
+
+
+def viewed_parameter(made: dict[int, Any], value: int, params: Any
+                     ) -> tuple[int, tuple[int, ...]] | None:
+    """The parameter among ``params`` that ``value`` is, or is a view of through ``VIEWS``
+    equations (each reading one value; ``made``: value id -> the equation making it), and
+    those equations' indices from it to ``value``; None if it is neither."""
+    chain: list[int] = []
+    while value not in params:
+        eqn = made.get(value)
+        if eqn is None or eqn.name not in VIEWS or len(eqn.inputs) != 1:
+            return None
+        chain.append(eqn.index)
+        value = eqn.inputs[0]
+    return value, tuple(reversed(chain))
+
+
+def parse_contraction_key(key: str) -> tuple[int, int, str]:
+    """``contraction_key``'s ``(eqn, k, role)`` back from ``"eqn:k:role"``."""
+    eqn, k, role = key.split(":")
+    return int(eqn), int(k), role
 
 
 def mark(key: Any, x: Any) -> Any:
@@ -100,49 +142,104 @@ def mark_cotangent(value: int, x: Any) -> Any:
 
 def dot_with_held_backward(eqn: Any, operands: Sequence[Any],
                            bind: Callable[[Any, Sequence[Any]], Sequence[Any]],
-                           hold: Hold) -> Sequence[Any]:
+                           hold: Hold, sinks: dict[int, Sink] | None = None) -> Sequence[Any]:
     """``eqn`` (a two-operand contraction) applied to ``operands`` by ``bind``, its backward
     the two transposes JAX's own rule makes, each operand's gradient from the result's
     cotangent and the other operand, with ``hold((eqn.index, k, role), x)`` applied to what
     the transpose making operand ``k``'s gradient reads (``CT``, ``OTHER``) and to that
     gradient (``GRAD``), and to each operand as the forward reads it (``IN``). An operand the
-    backward does not differentiate gets no transpose."""
-    index = eqn.index
+    backward does not differentiate gets no transpose. Operand ``k`` in ``sinks`` gets no
+    gradient: its transpose's partial sums go to its sink (``Sink``, held as ``(eqn.index,
+    k, SUM)``)."""
+    index, sinks = eqn.index, sinks or {}
+    sunk = sorted(sinks)
 
     def run(a: Any, b: Any) -> Any:
         return bind(eqn, [hold((index, 0, IN), a), hold((index, 1, IN), b)])[0]
 
     @jax.custom_vjp
-    def contract(a: Any, b: Any) -> Any:
+    def contract(a: Any, b: Any, *_sinks: Any) -> Any:
         return run(a, b)
 
-    def forward(a: Any, b: Any) -> tuple[Any, tuple]:
+    def forward(a: Any, b: Any, *_sinks: Any) -> tuple[Any, tuple]:
         # the operands themselves are the residuals: a parameter stays the caller's array
         # (``runtime.vjp_residuals``)
         return run(a.value, b.value), (a.value, b.value, a.perturbed, b.perturbed)
 
-    def backward(res: tuple, ct: Any) -> tuple[Any, Any]:
+    def backward(res: tuple, ct: Any) -> tuple[Any, ...]:
         a, b, need_a, need_b = res
+        grads: list[Any] = [None, None] + [None] * len(sunk)
         if isinstance(ct, jax.custom_derivatives.SymbolicZero):
-            return None, None
-        grads: list[Any] = [None, None]
+            return tuple(grads)
         operands = ((need_a, a, b), (need_b, b, a))
         for k in (1, 0):  # JAX transposes the contraction's tangent terms in this order
             needed, mine, other = operands[k]
-            if not needed:
+            if not needed and k not in sinks:
                 continue
-            held = hold((index, k, OTHER), other)
-
-            def linear(x: Any, held: Any = held, k: int = k) -> Any:
-                return bind(eqn, [x, held] if k == 0 else [held, x])[0]
-
-            (grad,) = jax.linear_transpose(linear, jax.ShapeDtypeStruct(
-                mine.shape, mine.dtype))(hold((index, k, CT), ct))
-            grads[k] = hold((index, k, GRAD), grad)
-        return grads[0], grads[1]
+            held, ct_k = hold((index, k, OTHER), other), hold((index, k, CT), ct)
+            if k in sinks:
+                grads[2 + sunk.index(k)] = hold((index, k, SUM), _partial_sums(
+                    eqn, k, bind, ct_k, held, mine, sinks[k].groups))
+            else:
+                grads[k] = hold((index, k, GRAD), _transpose(eqn, k, bind, ct_k, held, mine))
+        return tuple(grads)
 
     contract.defvjp(forward, backward, symbolic_zeros=True)
-    return [contract(*operands)]
+    return [contract(*operands, *(sinks[k].value for k in sunk))]
+
+
+def _transpose(eqn: Any, k: int, bind: Callable[[Any, Sequence[Any]], Sequence[Any]],
+               ct: Any, other: Any, mine: Any) -> Any:
+    """Operand ``k``'s gradient (shaped like ``mine``) from the result's cotangent ``ct``
+    and the ``other`` operand."""
+
+    def linear(x: Any) -> Any:
+        return bind(eqn, [x, other] if k == 0 else [other, x])[0]
+
+    (grad,) = jax.linear_transpose(linear, jax.ShapeDtypeStruct(mine.shape, mine.dtype))(ct)
+    return grad
+
+
+def _partial_sums(eqn: Any, k: int, bind: Callable[[Any, Sequence[Any]], Sequence[Any]],
+                  ct: Any, other: Any, mine: Any, groups: tuple[tuple[int, int], ...]) -> Any:
+    """``_transpose``'s terms summed per group: each grouped result dimension of ``ct`` and
+    the ``other`` operand's dimension it came from cut into blocks, the transpose of block
+    ``g`` at ``[g, ...]`` (blocks first, in ``groups``' order)."""
+    came_from = _other_dims(eqn, k, ct.ndim, other.ndim)
+
+    def blocked(x: Any, cuts: list[tuple[int, int]]) -> Any:
+        """``x`` with each dimension ``d`` of ``cuts`` (``(d, blocks)``) cut into
+        ``[blocks, d / blocks]``, the block dimensions first in ``cuts``' order."""
+        shape, at = list(x.shape), dict[int, int]()
+        for j in sorted(range(len(cuts)), key=lambda j: cuts[j][0]):
+            d, g = cuts[j]
+            at[j] = d + len(at)  # the cuts before it each added a dimension
+            shape[at[j]:at[j] + 1] = [g, shape[at[j]] // g]
+        return jax.numpy.moveaxis(x.reshape(shape), [at[j] for j in range(len(cuts))],
+                                  list(range(len(cuts))))
+
+    cts = blocked(ct, list(groups))
+    others = blocked(other, [(came_from[d], g) for d, g in groups])
+
+    def one(c: Any, o: Any) -> Any:
+        return _transpose(eqn, k, bind, c, o, jax.ShapeDtypeStruct(
+            mine.shape, mine.dtype))
+
+    for _ in groups:
+        one = jax.vmap(one)
+    return one(cts, others)
+
+
+def _other_dims(eqn: Any, k: int, ct_ndim: int, other_ndim: int) -> dict[int, int]:
+    """For the transpose making operand ``k``'s gradient: each dimension of the result it
+    contracts (the other operand's free dimensions, in the result) -> that dimension of the
+    other operand."""
+    (contract, batch) = eqn.params["dimension_numbers"]
+    j = 1 - k
+    free = [d for d in range(other_ndim) if d not in contract[j] and d not in batch[j]]
+    mine_free = ct_ndim - len(batch[0]) - len(free)
+    first = len(batch[0]) + (mine_free if j == 1 else 0)
+    return {first + i: d for i, d in enumerate(free)}
 
 
 def held_contraction(eqn: Any, operands: Sequence[Any]) -> bool:

@@ -128,8 +128,9 @@ class FlatProgram:
     # the user's with_sharding_constraint calls numbered as copies (``flatten``)
     dropped_constraints: int = 0
     # the backward's cotangent of each forward value marked by ``ir.cotangent_marks``: the
-    # marked value's id (in the program that marked it) -> this program's id
-    cotangents: dict[int, int] = field(default_factory=dict)
+    # marked value's id (in the program that marked it), or a contraction's ``(eqn, k,
+    # role)`` -> this program's id
+    cotangents: dict[Any, int] = field(default_factory=dict)
 
     @property
     def num_eqns(self) -> int:

@@ -31,6 +31,7 @@ from autopar.ir.schedule_orders import make_schedule
 from autopar.ir.schedules import Schedule, TaskKind
 from autopar.plan import Plan
 from autopar.runtime.fused_step import FusedStep
+from autopar.runtime.gradient_sinks import add_partial_sums
 from autopar.runtime.param_copies import sum_copies
 from autopar.runtime.pipeline_placement import StagePlacement
 from autopar.runtime.pipeline_state import StageDevices, StepState, microbatch_mean
@@ -364,13 +365,21 @@ class PipelineRunner(StagePlacement):
             parts = [self.place(st.acts[(fid, i)], stage, fid) for i in range(self.m)]
             st.env[out_id] = self._call(st, f"mean{k}", stage, microbatch_mean, parts)
         grads = {(p, v): g for p, t in enumerate(self.tasks) if p in st.accum
-                 for v, g in zip(t.params, st.accum[p], strict=True)}
+                 for v, g in zip(t.params, st.accum[p][:len(t.params)], strict=True)}
         for p, t in enumerate(self.tasks):  # the groups' partial sums: the step's reduction
             copied = [v for v in t.params if v in t.copies.params]
             if copied and p in st.accum:
                 sums = self._call(st, f"reduce{p}", t.stage, sum_copies,
                                   [grads[(p, v)] for v in copied])
                 grads.update(((p, v), g) for v, g in zip(copied, sums, strict=True))
+            if t.sinks and p in st.accum:  # and the sinks' (``runtime.gradient_sinks``)
+                sunk = list(dict.fromkeys(s.param for s in t.sinks))
+                partials = st.accum[p][len(t.params):]
+                sums = self._call(st, f"sum{p}", t.stage, add_partial_sums,
+                                  [grads[(p, v)] for v in sunk],
+                                  [[x for s, x in zip(t.sinks, partials, strict=True)
+                                    if s.param == v] for v in sunk])
+                grads.update(((p, v), g) for v, g in zip(sunk, sums, strict=True))
         for fid, gid in self.pp.grad_outputs().items():
             stage = self.home[gid]
             total = None

@@ -23,6 +23,8 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from autopar.ir.cotangent_marks import (
+    SUM,
+    Sink,
     contraction_key,
     dot_with_held_backward,
     held_contraction,
@@ -33,6 +35,7 @@ from autopar.ir.pipeline_pieces import piece_roles
 from autopar.ir.pipeline_program import PipelineProgram
 from autopar.ir.remat_loss import layer_checkpoint
 from autopar.ir.scan_units import run_forward_eqns
+from autopar.runtime.gradient_sinks import GradientSink, plan_sinks
 from autopar.runtime.param_copies import ParamCopies, plan_param_copies
 from autopar.runtime.shard import partition_spec
 from autopar.runtime.vjp_residuals import ResidualLayout
@@ -62,6 +65,9 @@ class PieceTasks:
     # the parameters the forward reads as one copy per batch group (``runtime.param_copies``):
     # their gradients come out and accumulate as per-group partial sums, ``[G, ...]``
     copies: ParamCopies = field(default_factory=ParamCopies)
+    # gradient contractions whose partial sums come out per group, ``[*blocks, ...]``, to
+    # accumulate after the parameters' gradients (``runtime.gradient_sinks``)
+    sinks: list[GradientSink] = field(default_factory=list)
 
 
 def piece_tasks(pp: PipelineProgram, piece: Piece, stage: int, mesh: Mesh,
@@ -76,7 +82,8 @@ def piece_tasks(pp: PipelineProgram, piece: Piece, stage: int, mesh: Mesh,
     the parameters whose gradients would be reduced over the batch's axes read as copies
     (``runtime.param_copies``; the caller makes them with ``make_copies`` and passes them in
     those parameters' places), their gradients left for the caller to reduce once per step
-    (a pipeline that is not rematerialised and has no layer scans). ``selective``: the
+    (a pipeline that is not rematerialised), as are its gradient contractions' partial sums
+    where the plan says so (``runtime.gradient_sinks``). ``selective``: the
     layers' checkpoints keep their matmuls' outputs (``dots_with_no_batch_dims_saveable``).
     ``cotangent_specs``: the plan's layout of forward values' cotangents where it is not the
     value's own: the backward is held to it there. ``contraction_specs``: where the plan reads
@@ -92,9 +99,8 @@ def piece_tasks(pp: PipelineProgram, piece: Piece, stage: int, mesh: Mesh,
     inside = set(piece.eqns)
     layers = [layer for layer in remat_layers if layer.eqns and layer.eqns[0] in inside]
     rematerialise = bool(layers)
-    if read_copies and not rematerialise and not pp.layer_scans:
-        t.copies = plan_param_copies(fwd, piece.eqns, params, float_out + other_out, specs,
-                                     dict(mesh.shape), _batch_axes(pp, specs))
+    if read_copies and not rematerialise:
+        _reduce_once_per_step(pp, t, mesh, specs, contraction_specs or {})
     copies = t.copies
     # the stage plan's layout of what the piece computes: held to it as it is made, so
     # XLA communicates where the plan does (the backward, derived by jax.vjp, follows:
@@ -120,44 +126,78 @@ def piece_tasks(pp: PipelineProgram, piece: Piece, stage: int, mesh: Mesh,
 
     checkpoint = layer_checkpoint(selective)
     run = _forward_run(pp, piece, layers, t, hold if held or copies.copies else None,
-                       checkpoint, _contraction_bind(mesh, contraction_specs or {}, copies))
+                       checkpoint, _contraction_bind(mesh, contraction_specs or {}, copies,
+                                                     t.sinks))
     _jit_tasks(t, run, param_grads, mesh, specs)
     return t
 
 
-def _contraction_bind(mesh: Mesh, specs: dict[str, Any], copies: ParamCopies
-                      ) -> Callable[[Any, Sequence[Any]], Sequence[Any]]:
-    """How the piece's forward binds each equation: a contraction the plan reads otherwise
-    than its operands come (``specs``, "eqn:k:role"), forward or in the transposes that make
-    their gradients, with those reads held (``ir.cotangent_marks``); an equation reading
-    parameter copies per group (``copies.bind``); the rest as they are."""
-    held = {key: NamedSharding(mesh, partition_spec(spec)) for key, spec in specs.items()}
-    eqns = {int(key.split(":")[0]) for key in held}
+def _reduce_once_per_step(pp: PipelineProgram, t: PieceTasks, mesh: Mesh,
+                          specs: dict[int, Any], contraction_specs: dict[str, Any]) -> None:
+    """``t``'s parameters read as copies (``runtime.param_copies``; not with layer scans)
+    and its gradient contractions' sinks (``runtime.gradient_sinks``): what the step reduces
+    once, after the last microbatch."""
+    fwd, eqns, sizes = pp.forward, t.piece.eqns, dict(mesh.shape)
+    if not pp.layer_scans:
+        t.copies = plan_param_copies(fwd, eqns, t.params, t.float_outputs + t.other_outputs,
+                                     specs, sizes, _batch_axes(pp, specs))
+    t.sinks = plan_sinks(fwd, eqns, t.params, contraction_specs, t.copies, sizes)
+
+
+def _contraction_bind(mesh: Mesh, specs: dict[str, Any], copies: ParamCopies,
+                      sinks: Sequence[GradientSink]
+                      ) -> Callable[[Sequence[Any]], Callable[[Any, Sequence[Any]], Sequence[Any]]]:
+    """How the piece's forward binds each equation, given its ``sinks``' values: a
+    contraction the plan reads otherwise than its operands come (``specs``, "eqn:k:role"),
+    forward or in the transposes that make their gradients, with those reads held
+    (``ir.cotangent_marks``), and a parameter's gradient contraction with a sink giving its
+    partial sums there; an equation reading parameter copies per group (``copies.bind``);
+    the rest as they are."""
+    held = {key: NamedSharding(mesh, partition_spec(spec)) for key, spec in specs.items()
+            if not key.endswith(f":{SUM}")}
+    sunk = {(s.eqn, s.operand): s for s in sinks}
+    eqns = {int(key.split(":")[0]) for key in held} | {i for i, _ in sunk}
 
     def hold_operand(key: tuple, x: Any) -> Any:
+        if key[2] == SUM:
+            sink = sunk[key[:2]]
+            return jax.lax.with_sharding_constraint(
+                x, sink.sharding(mesh, x.ndim - len(sink.groups)))
         sharding = held.get(contraction_key(key))
         return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
 
-    def bind(eqn: Any, operands: Sequence[Any]) -> Sequence[Any]:
-        if eqn.index not in eqns or any(v in copies.copies for v in eqn.inputs) \
-                or not held_contraction(eqn, operands):
-            return copies.bind(eqn, operands)
-        return dot_with_held_backward(eqn, operands, copies.bind, hold_operand)
+    def with_sinks(values: Sequence[Any]) -> Callable[[Any, Sequence[Any]], Sequence[Any]]:
+        current = list(values)  # each sink, passed through its chain's views so far
 
-    return bind
+        def bind(eqn: Any, operands: Sequence[Any]) -> Sequence[Any]:
+            for j, s in enumerate(sinks):
+                if eqn.index in s.chain:
+                    current[j] = s.through(eqn, current[j])
+            if eqn.index not in eqns or any(v in copies.copies for v in eqn.inputs) \
+                    or not held_contraction(eqn, operands):
+                return copies.bind(eqn, operands)
+            mine = {s.operand: Sink(current[j], s.groups)
+                    for j, s in enumerate(sinks) if s.eqn == eqn.index}
+            return dot_with_held_backward(eqn, operands, copies.bind, hold_operand, mine)
+
+        return bind
+
+    return with_sinks
 
 
 def _forward_run(pp: PipelineProgram, piece: Piece, layers: Sequence[Piece], t: PieceTasks,
                  hold: Callable[[int, Any], Any] | None, checkpoint: Callable[[Any], Any],
-                 bind: Callable[[Any, Sequence[Any]], Sequence[Any]]
-                 ) -> Callable[[list[Any], list[Any]], tuple[list[Any], list[Any]]]:
-    """The piece's forward on its differentiated and other inputs: its float and other
-    outputs. Rematerialised (``layers``), each layer under ``jax.checkpoint``; otherwise its
-    equations with what it makes held to the plan's layouts (``hold``), a stage's whole units
-    of a layer scan run as one shorter scan."""
+                 binder: Callable[[Sequence[Any]], Callable[[Any, Sequence[Any]], Sequence[Any]]]
+                 ) -> Callable[..., tuple[list[Any], list[Any]]]:
+    """The piece's forward on its differentiated and other inputs and its sinks' values:
+    its float and other outputs. Rematerialised (``layers``), each layer under
+    ``jax.checkpoint``; otherwise its equations with what it makes held to the plan's layouts
+    (``hold``), bound as ``binder(sinks)`` binds them, a stage's whole units of a layer scan
+    run as one shorter scan."""
     fwd = pp.forward
 
-    def run(diff_vals: list[Any], nondiff_vals: list[Any]) -> tuple[list[Any], list[Any]]:
+    def run(diff_vals: list[Any], nondiff_vals: list[Any], sinks: Sequence[Any] = ()
+            ) -> tuple[list[Any], list[Any]]:
         env = dict(zip(t.diff, diff_vals, strict=True))
         env.update(zip(t.nondiff, nondiff_vals, strict=True))
         if layers:
@@ -166,48 +206,51 @@ def _forward_run(pp: PipelineProgram, piece: Piece, layers: Sequence[Piece], t: 
                 outs = checkpoint(piece_function(fwd, layer, ins))([env[v] for v in ins])
                 env.update(zip(layer.outputs, outs, strict=True))
         else:
-            run_forward_eqns(fwd, piece.eqns, env, pp.layer_scans, hold, bind)
+            run_forward_eqns(fwd, piece.eqns, env, pp.layer_scans, hold, binder(sinks))
         return [env[v] for v in t.float_outputs], [env[v] for v in t.other_outputs]
 
     return run
 
 
-def _jit_tasks(t: PieceTasks, run: Callable[[list[Any], list[Any]], tuple[list[Any], list[Any]]],
+def _jit_tasks(t: PieceTasks, run: Callable[..., tuple[list[Any], list[Any]]],
                param_grads: Callable[[Sequence[Any]], list[Any]], mesh: Mesh,
                specs: dict[int, Any]) -> None:
     """``t``'s jitted tasks around ``run``: the forward keeps what the backward needs
     (``ResidualLayout``); the backward variants each a schedule's (the fused one adding into
     the donated accumulators, the split input and weight halves of the zero-bubble
-    schedules, and each a first form that makes the accumulators)."""
+    schedules, and each a first form that makes the accumulators). A piece's accumulators
+    are its parameters' gradients, then its sinks' partial sums (``runtime.gradient_sinks``)."""
     n_params = len(t.params)
     copies = t.copies
     layout = ResidualLayout()
 
     def forward(diff_vals, nondiff_vals):
-        outs, vjp_fn, others = jax.vjp(lambda d: run(d, nondiff_vals), diff_vals, has_aux=True)
+        sinks = [s.zeros(mesh) for s in t.sinks]
+        outs, vjp_fn, others = jax.vjp(lambda d, s: run(d, nondiff_vals, s), diff_vals, sinks,
+                                       has_aux=True)
         return outs, others, layout.split(vjp_fn, diff_vals[:n_params])
 
     def grads_of(params, residuals, cots):
-        (grads,) = layout.vjp(params, residuals)(cots)
-        return grads
+        """The activations' gradients, and what the step accumulates."""
+        grads, sunk = layout.vjp(params, residuals)(cots)
+        return grads[n_params:], param_grads(grads) + list(sunk)
 
     def backward(params, residuals, cots, acc):
-        grads = grads_of(params, residuals, cots)
-        return grads[n_params:], [a + g for a, g in zip(acc, param_grads(grads), strict=True)]
+        acts, grads = grads_of(params, residuals, cots)
+        return acts, [a + g for a, g in zip(acc, grads, strict=True)]
 
     def backward_input(params, residuals, cots):
-        return grads_of(params, residuals, cots)[n_params:]
+        return grads_of(params, residuals, cots)[0]
 
     def backward_weight(params, residuals, cots, acc):
-        grads = grads_of(params, residuals, cots)
-        return [a + g for a, g in zip(acc, param_grads(grads), strict=True)]
+        grads = grads_of(params, residuals, cots)[1]
+        return [a + g for a, g in zip(acc, grads, strict=True)]
 
     def backward_first(params, residuals, cots):
-        grads = grads_of(params, residuals, cots)
-        return grads[n_params:], param_grads(grads)
+        return grads_of(params, residuals, cots)
 
     def backward_weight_first(params, residuals, cots):
-        return param_grads(grads_of(params, residuals, cots))
+        return grads_of(params, residuals, cots)[1]
 
     copied = [v for v in t.params if v in copies.params]
     t.make_copies = jax.jit(lambda values: [copies.make(x, v, mesh, specs.get(v))

@@ -12,6 +12,8 @@ from autopar.ir.cotangent_marks import (
     CT,
     GRAD,
     OTHER,
+    SUM,
+    Sink,
     dot_with_held_backward,
     mark_cotangent,
     traced_bind,
@@ -98,3 +100,46 @@ def test_a_contraction_with_held_backward_differentiates_as_jax_does():
     seen.clear()
     jax.grad(held, argnums=0)(w, x)
     assert (eqn.index, 0, GRAD) not in seen and (eqn.index, 1, GRAD) in seen
+
+
+def test_a_sink_takes_an_operands_gradient_as_its_groups_partial_sums():
+    """The transpose making ``w``'s gradient sums over ``x``'s dimensions 0 and 1 (6 x 8);
+    with a sink grouping them into 2 x 4 blocks, ``w`` gets no gradient and the sink gets one
+    partial sum per block (``[2, 4, *w.shape]``), whose sum is JAX's gradient of ``w``; ``x``'s
+    gradient is JAX's. Both operand orders: ``w`` the right operand, then the left."""
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((6, 8, 4)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((4, 5)), jnp.float32)
+    for k, fn, operands in ((1, lambda x, w: jnp.einsum("abk,kj->abj", x, w), (x, w)),
+                            (0, lambda w, x: jnp.einsum("kj,abk->jab", w, x), (w, x))):
+        program = flatten_step(fn, tuple(jax.ShapeDtypeStruct(a.shape, a.dtype)
+                                         for a in operands))
+        (eqn,) = [e for e in program.eqns if e.name == "dot_general"]
+        # the result dimensions ``w``'s transpose contracts: x's 6 and 8, in the result
+        groups = ((0, 2), (1, 4)) if k == 1 else ((1, 2), (2, 4))
+        held = []
+
+        def hold(key, value, held=held):
+            held.append(key)
+            return value
+
+        def with_sink(w, x, z, k=k, eqn=eqn, groups=groups):
+            ops = [x, w] if k == 1 else [w, x]
+            (y,) = dot_with_held_backward(eqn, ops, bind_eqn, hold, {k: Sink(z, groups)})
+            return jnp.sum(jnp.sin(y))
+
+        def plain(w, x, k=k, eqn=eqn):
+            return jnp.sum(jnp.sin(bind_eqn(eqn, [x, w] if k == 1 else [w, x])[0]))
+
+        sink = jnp.zeros((2, 4, *w.shape), w.dtype)
+        gw, gx, partials = jax.grad(with_sink, argnums=(0, 1, 2))(w, x, sink)
+        want_w, want_x = jax.grad(plain, argnums=(0, 1))(w, x)
+        assert not np.any(gw) and partials.shape == (2, 4, 4, 5)
+        np.testing.assert_allclose(partials.sum(axis=(0, 1)), want_w, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(gx, want_x, rtol=1e-6)
+        # block (1, 2) is the transpose of x's rows 3..5 and columns 4..5 alone
+        cut = x[3:6, 4:6]
+        ct = jnp.cos(jnp.einsum("abk,kj->abj", cut, w))
+        np.testing.assert_allclose(partials[1, 2], jnp.einsum("abk,abj->kj", cut, ct),
+                                   rtol=1e-5, atol=1e-6)
+        assert (eqn.index, k, SUM) in held

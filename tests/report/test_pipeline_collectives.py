@@ -52,9 +52,14 @@ def test_report_sets_each_stage_emitted_collectives_beside_its_plan(tmp_path, ca
     assert reduced_bytes(hlo) == pytest.approx(reduced_bytes(predicted), rel=0.1)
     stages = collectives["stages"]
     assert [s["stage"] for s in stages] == [0, 1]
+    # the last stage makes the tied embedding's gradient from a split microbatch and reduces
+    # its partial sums once per step, as its plan prices it (``runtime.gradient_sinks``):
+    # reduced in each microbatch's backward, the stage emitted 22% more than predicted
+    assert any(key.endswith(":sum") for key in plan.stages[1].contraction_shardings)
     for s in stages:  # every stage all-reduces (Megatron's activations), as its plan says
         assert s["hlo"]["all-reduce"]["count"] > 0
-        assert reduced_bytes(s["hlo"]) == pytest.approx(reduced_bytes(s["predicted"]), rel=0.1)
+        assert reduced_bytes(s["hlo"]) == pytest.approx(reduced_bytes(s["predicted"]),
+                                                        rel=1e-6), s
     for kind, total in hlo.items():  # the step's programs are the stages' programs
         assert sum(s["hlo"][kind]["bytes"] for s in stages) == total["bytes"]
 

@@ -127,8 +127,9 @@ class OpGraph:
     outputs: list[GraphIO]
     loops: list[ScanLoop] = field(default_factory=list)
     # the tensor holding the cotangent of each value the traced step marked
-    # (``ir.cotangent_marks``): marked value id -> tensor id
-    cotangents: dict[int, int] = field(default_factory=dict)
+    # (``ir.cotangent_marks``): marked value id, or a contraction's ``(eqn, k, role)`` ->
+    # tensor id
+    cotangents: dict[Any, int] = field(default_factory=dict)
     # facts other passes read off the graph, by what they are and their arguments: the graph
     # does not change once built, so each is computed once (``memory_model.parameter_inputs``,
     # read by every memory estimate of the step)

@@ -40,6 +40,7 @@ from autopar.compiler.inter_op.piece_plan import (
     contraction_specs,
     cotangent_specs,
     forward_value_specs,
+    partial_sum_specs,
     piece_collectives,
 )
 from autopar.compiler.inter_op.recompute_parts import RecomputeParts, recompute_parts
@@ -343,7 +344,8 @@ def solve_piece(pp: PipelineProgram, piece: Piece, graph: OpGraph, paths: dict[s
         sync_collectives=tuple(per_step_moves),
         value_specs=values,
         cotangent_specs=cotangent_specs(graph, tensor_spec, values),
-        contraction_specs=contraction_specs(pp, piece, graph, paths, operand_specs),
+        contraction_specs=contraction_specs(pp, piece, graph, paths, operand_specs)
+        | partial_sum_specs(pp, piece, graph, node_strategy, makers),
         choices=tuple(int(c) for c in solution.choices),
         launch_s=launched,
         update_launch_s=update_launch,

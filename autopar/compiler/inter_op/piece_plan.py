@@ -30,8 +30,9 @@ from typing import Any
 
 from autopar.compiler.graph.opgraph import OpGraph
 from autopar.compiler.intra_op.sharding_ilp import ProblemParts, reshard_collectives
-from autopar.ir.cotangent_marks import CT, GRAD, IN, OTHER
+from autopar.ir.cotangent_marks import CT, GRAD, IN, OTHER, SUM, viewed_parameter
 from autopar.ir.pieces import Piece
+from autopar.ir.pipeline_pieces import piece_roles
 from autopar.ir.pipeline_program import PipelineProgram
 from autopar.ir.program import TensorKind
 from autopar.plan import CollectiveEstimate, ShardingSpec
@@ -185,18 +186,60 @@ def contraction_specs(pp: PipelineProgram, piece: Piece, graph: OpGraph,
             add((i, 0, IN), node, 0)
             add((i, 1, IN), node, 1)
     marks = graph.cotangents
-    for key, t in marks.items():
-        if not (isinstance(key, tuple) and key[2] == GRAD):
-            continue
-        i, k, _ = key
-        node = graph.producer.get(t)
-        while node is not None and graph.nodes[node].primitive == "transpose":
-            node = graph.producer.get(graph.nodes[node].inputs[0])
-        if node is None or graph.nodes[node].primitive != "dot_general":
-            continue
+    for (i, k), node in _gradient_contractions(graph).items():
         for role in (CT, OTHER):
             read = marks.get((i, k, role))
             for position, operand in enumerate(graph.nodes[node].inputs):
                 if operand == read:
                     add((i, k, role), node, position)
+    return out
+
+
+def _gradient_contractions(graph: OpGraph) -> dict[tuple[int, int], int]:
+    """The graph node of each marked transpose (``(eqn, k)``: the one making operand ``k``'s
+    gradient of forward contraction ``eqn``), found from its marked result through a
+    ``transpose`` after it."""
+    out: dict[tuple[int, int], int] = {}
+    for key, t in graph.cotangents.items():
+        if not (isinstance(key, tuple) and key[2] == GRAD):
+            continue
+        node = graph.producer.get(t)
+        while node is not None and graph.nodes[node].primitive == "transpose":
+            node = graph.producer.get(graph.nodes[node].inputs[0])
+        if node is not None and graph.nodes[node].primitive == "dot_general":
+            out[key[:2]] = node
+    return out
+
+
+def partial_sum_specs(pp: PipelineProgram, piece: Piece, graph: OpGraph,
+                      node_strategy: dict[int, Any], makers: set[int]
+                      ) -> dict[tuple[int, int, str], ShardingSpec]:
+    """Where the transpose making a parameter's gradient contracts dimensions the plan
+    splits, so that its partial sums are reduced once per step (the gradient's ``makers``'
+    collectives are priced so: ``step_parts.amortise``), keyed ``(eqn, k, SUM)``: a spec over
+    the result's cotangent naming, for each such dimension it contracts, the mesh axes that
+    split it (in both operands alike). The runtime keeps those partial sums per group over
+    the microbatches and reduces them once (``runtime.pipeline_tasks``)."""
+    params = set(piece_roles(pp, piece).params)
+    marks, fwd = graph.cotangents, pp.forward
+    made = {v: fwd.eqns[i] for i in piece.eqns for v in fwd.eqns[i].outputs}
+    out: dict[tuple[int, int, str], ShardingSpec] = {}
+    for (i, k), node in _gradient_contractions(graph).items():
+        n = graph.nodes[node]
+        ct, other = marks.get((i, k, CT)), marks.get((i, k, OTHER))
+        if viewed_parameter(made, fwd.eqns[i].inputs[k], params) is None \
+                or node not in makers \
+                or ct not in n.inputs or other not in n.inputs or ct == other:
+            continue
+        c = n.inputs.index(ct)
+        specs = node_strategy[node].input_specs
+        (contract, _) = n.params["dimension_numbers"]
+        if specs[c] is None or specs[1 - c] is None:
+            continue
+        dims = [()] * graph.tensors[ct].ndim
+        for dc, do in zip(contract[c], contract[1 - c], strict=True):
+            if specs[c].dims[dc] and specs[c].dims[dc] == specs[1 - c].dims[do]:
+                dims[dc] = tuple(specs[c].dims[dc])
+        if any(dims):
+            out[(i, k, SUM)] = ShardingSpec(tuple(dims))
     return out

@@ -125,8 +125,8 @@ def test_seams_beyond_the_gap_are_solved_whole(agreeing, monkeypatch):
                for k in range(rank)] + [ShardingSpec.replicated(rank)]
     other = next(s for s in layouts if s != read.input_specs[seam])
 
-    def cost(pp_, piece, mesh_, time_limit_s=None, *, split=1):
-        found = real(pp_, piece, mesh_, time_limit_s, split=split)
+    def cost(pp_, piece, mesh_, time_limit_s=None, **options):
+        found = real(pp_, piece, mesh_, time_limit_s, **options)
         if piece is units[1]:  # the second block reads the seam in another layout
             found = dataclasses.replace(found, input_specs={**found.input_specs, seam: other})
         return found
