@@ -41,7 +41,10 @@ class CollectiveSample:
 @dataclass(frozen=True)
 class MatmulSample:
     """One timed ``m x k`` by ``k x n`` matmul in ``dtype``; ``concurrent``: every device ran one
-    at the same time (``seconds`` is then the time of the slowest, i.e. of the whole call)."""
+    at the same time (``seconds`` is then the time of the slowest, i.e. of the whole call).
+    ``gemms`` 3: a dense layer's three GEMMs as a training step runs them (``m`` rows of
+    ``k`` inputs by a ``k x n`` kernel; then the input's gradient from the output's, through
+    the kernel transposed, and the kernel's, through the input transposed), timed as one."""
 
     dtype: str
     m: int
@@ -49,11 +52,12 @@ class MatmulSample:
     k: int
     seconds: float
     concurrent: bool
+    gemms: int = 1
 
     @property
     def flops(self) -> float:
-        """``2 m n k``, as :mod:`autopar.compiler.graph.op_costs` counts a matmul."""
-        return 2.0 * self.m * self.n * self.k
+        """``2 m n k`` per GEMM, as :mod:`autopar.compiler.graph.op_costs` counts a matmul."""
+        return 2.0 * self.m * self.n * self.k * self.gemms
 
     @property
     def flops_per_s(self) -> float:

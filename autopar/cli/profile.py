@@ -222,8 +222,9 @@ def calibrate_profile(result: ProfileResult, base: ClusterSpec | None = None,
             {"kind": s.kind, "axis": s.label, "group_size": s.group_size, "nbytes": s.nbytes,
              "seconds": s.seconds} for s in result.collectives],
         "matmul_samples": [
-            {"dtype": m.dtype, "m": m.m, "n": m.n, "k": m.k, "concurrent": m.concurrent,
-             "seconds": m.seconds, "flops_per_s": m.flops_per_s} for m in result.matmuls],
+            {"dtype": m.dtype, "m": m.m, "n": m.n, "k": m.k, "gemms": m.gemms,
+             "concurrent": m.concurrent, "seconds": m.seconds, "flops_per_s": m.flops_per_s}
+            for m in result.matmuls],
         "runtime_samples": [
             {"kind": r.kind, "devices": r.devices, "nbytes": r.nbytes, "count": r.count,
              "seconds": r.seconds} for r in result.runtime],

@@ -41,7 +41,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autopar.calibration_samples import (
     CALIBRATED_KINDS,
@@ -76,6 +76,10 @@ logger = logging.getLogger(__name__)
 _AXIS_NAMES = ("x", "y")
 _MIN_REPEATS_WHEN_SLOW = 3
 CPU_MATMUL_SIZES = (128, 256, 512)  # 512^3 with 8 devices on 2 cores: ~0.1 s a call
+# a dense layer's rows x inputs x outputs, small to large (``_time_dense_layers``): the GEMMs a
+# CPU step runs reach several rates by their sizes and forms (the largest, with 8 devices on 2
+# cores, about 35 ms a call)
+CPU_DENSE_LAYERS = ((256, 64, 256), (512, 128, 384), (1024, 256, 768))
 ACCELERATOR_MATMUL_SIZES = (1024, 2048, 4096)
 
 
@@ -110,6 +114,8 @@ class ProfileOptions:
     ``max_sample_s``: stop timing a sample once its calls add up to this (three calls at
     least). ``matmul_sizes``: square matmul sides (default by platform: an accelerator needs
     large ones to leave the dispatch-bound range); ``matmul_dtypes`` must include float32.
+    ``dense_layers``: a dense layer's rows x inputs x outputs, its three GEMMs timed as a
+    training step runs them (default: ``CPU_DENSE_LAYERS`` on CPU devices, none elsewhere).
     """
 
     mesh_shapes: tuple[tuple[int, ...], ...] = ()
@@ -120,6 +126,7 @@ class ProfileOptions:
     kinds: tuple[str, ...] = CALIBRATED_KINDS
     matmul_sizes: tuple[int, ...] = ()  # empty: CPU_MATMUL_SIZES or ACCELERATOR_MATMUL_SIZES
     matmul_dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    dense_layers: tuple[tuple[int, int, int], ...] = ()
     dtype: str = "float32"  # of the collectives' buffers
 
     def __post_init__(self) -> None:
@@ -133,9 +140,10 @@ class ProfileOptions:
         if bad or not self.kinds:
             raise InvalidOptionError(f"unknown collective(s) {bad or '(none)'}; valid: "
                                      f"{choices_text(CALIBRATED_KINDS)}")
-        if "float32" not in self.matmul_dtypes or min(self.matmul_sizes, default=1) < 1:
-            raise InvalidOptionError("matmul_dtypes must include float32 and matmul_sizes be "
-                                     "positive")
+        if "float32" not in self.matmul_dtypes or min(self.matmul_sizes, default=1) < 1 \
+                or any(min(shape) < 1 for shape in self.dense_layers):
+            raise InvalidOptionError("matmul_dtypes must include float32 and matmul_sizes "
+                                     "and dense_layers be positive")
 
 
 @dataclass(frozen=True)
@@ -226,13 +234,38 @@ def _time_collectives(mesh: Mesh, options: ProfileOptions) -> list[CollectiveSam
     return out
 
 
+def _dense_layer(x: jax.Array, w: jax.Array, dy: jax.Array) -> tuple[jax.Array, ...]:
+    """One device's dense layer GEMMs as a training step runs them: the forward, the input's
+    gradient (the kernel transposed) and the kernel's (the input transposed)."""
+    x, w, dy = x[0], w[0], dy[0]
+    return (x @ w)[None], (dy @ w.T)[None], (x.T @ dy)[None]
+
+
+def _time_dense_layers(devices: Sequence[Any], dtype_name: str,
+                       options: ProfileOptions) -> list[MatmulSample]:
+    """``_dense_layer`` on every device at once, at each of ``options.dense_layers``'
+    shapes (``CPU_DENSE_LAYERS`` when it gives none)."""
+    everyone = Mesh(np.array(devices), ("d",))
+    fn = shard_mapped(everyone, _dense_layer)
+    out = []
+    for m, k, n in options.dense_layers or CPU_DENSE_LAYERS:
+        shapes = ((m, k), (k, n), (m, n))
+        args = [jax.device_put(np.ones((len(devices), *s), jnp.dtype(dtype_name)),
+                               NamedSharding(everyone, PartitionSpec("d"))) for s in shapes]
+        out.append(MatmulSample(dtype_name, m, n, k, _median_time(fn, tuple(args), options),
+                                concurrent=True, gemms=3))
+    return out
+
+
 def _time_matmuls(devices: Sequence[Any], options: ProfileOptions) -> list[MatmulSample]:
     out = []
     everyone = Mesh(np.array(devices), ("d",))
-    sizes = options.matmul_sizes or (
-        CPU_MATMUL_SIZES if devices[0].platform == "cpu" else ACCELERATOR_MATMUL_SIZES)
+    cpu = devices[0].platform == "cpu"
+    sizes = options.matmul_sizes or (CPU_MATMUL_SIZES if cpu else ACCELERATOR_MATMUL_SIZES)
     for dtype_name in options.matmul_dtypes:
         dtype = jnp.dtype(dtype_name)
+        if cpu or options.dense_layers:
+            out.extend(_time_dense_layers(devices, dtype_name, options))
         for m in sizes:
             one = jax.device_put(np.ones((m, m), dtype), devices[0])
             single = _median_time(jax.jit(jnp.matmul), (one, one), options)

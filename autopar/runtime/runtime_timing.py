@@ -38,7 +38,7 @@ def sharded_ones(mesh: Mesh, local: int, dtype: Any) -> jax.Array:
     return jax.device_put(host, NamedSharding(mesh, P(*mesh.axis_names, None)))
 
 
-def shard_mapped(mesh: Mesh, body: Callable[[jax.Array], jax.Array]) -> Callable[..., Any]:
+def shard_mapped(mesh: Mesh, body: Callable[..., Any]) -> Callable[..., Any]:
     """``body`` per device over every axis of ``mesh``, jitted."""
     spec = P(*mesh.axis_names, None)
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec,

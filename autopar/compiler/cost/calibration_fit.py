@@ -73,6 +73,7 @@ from autopar.compiler.cost.collectives import (
     cheapest_allreduce,
     reduce_scatter_time,
 )
+from autopar.compiler.cost.gemm import fit_gemm_flops, fit_peak_flops, gemm_source
 from autopar.compiler.cost.runtime_fit import (
     fit_in_program_latency,
     fit_memory_bandwidth,
@@ -286,18 +287,6 @@ def fit_all(samples: Sequence[CollectiveSample], relative: bool = True) -> list[
     return fits
 
 
-def fit_peak_flops(matmuls: Sequence[MatmulSample]) -> dict[str, float]:
-    """Per dtype, the best rate attained with every device busy (single-device samples only
-    where a dtype has no concurrent ones)."""
-    out: dict[str, float] = {}
-    for dtype in dict.fromkeys(m.dtype for m in matmuls):
-        rows = [m for m in matmuls if m.dtype == dtype and m.seconds > 0]
-        busy = [m for m in rows if m.concurrent] or rows
-        if busy:
-            out[dtype] = max(m.flops_per_s for m in busy)
-    return out
-
-
 def calibrate_cluster(
     samples: Sequence[CollectiveSample],
     matmuls: Sequence[MatmulSample],
@@ -331,7 +320,7 @@ def calibrate_cluster(
         (f for f in fits if f.kind == options.link_from and f.axis == "all"), None)
     if link is None:
         raise InvalidOptionError(f"no {options.link_from} samples to take the link from")
-    peak = fit_peak_flops(matmuls)
+    peak = fit_gemm_flops(matmuls) if gemm_only else fit_peak_flops(matmuls)
     if "float32" not in peak:
         raise InvalidOptionError("no float32 matmul timed: the device's rate needs one")
     ratio = peak["float32"] / base.device.flops_for("float32")
@@ -356,7 +345,7 @@ def calibrate_cluster(
         f"{link.rms_rel_error:.0%}; a per-call dispatch of {link.dispatch_s * 1e6:.0f} us "
         "fitted and left out); "
         "per-kind and per-axis fits under 'calibration'. "
-        + (f"gemm_flops: best matmul rate with all {num_devices} devices busy at once "
+        + (f"gemm_flops: {gemm_source(matmuls)} with all {num_devices} devices busy at once "
            f"(measured: {', '.join(sorted(peak))}; other dtypes scaled from '{base.name}'); "
            f"peak_flops and compute_efficiency, every other op's, are '{base.name}''s. "
            if gemm_only else

@@ -7,13 +7,19 @@ Multiplication Background User's Guide", chapter 3: tile and wave quantization).
 skinny GEMM, or one split over many devices, reaches less of the peak than a large one: the
 fraction is ``wave_efficiency``. The rest of what separates a large GEMM from the peak is the
 cluster's ``compute_efficiency``.
+
+A CPU's GEMMs have a rate of their own (``DeviceSpec.gemm_flops``): ``fit_gemm_flops`` reads
+it off ``autopar profile``'s timed matmuls.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
+from autopar.calibration_samples import MatmulSample
 
 if TYPE_CHECKING:
     from autopar.cluster import DeviceSpec
@@ -94,3 +100,40 @@ def described_gemm_time_s(flops: float, device: DeviceSpec, dtype: str) -> float
     if not rate:
         return None
     return flops / rate + device.gemm_threading_s
+
+
+def fit_peak_flops(matmuls: Sequence[MatmulSample]) -> dict[str, float]:
+    """Per dtype, the best rate attained with every device busy (single-device samples only
+    where a dtype has no concurrent ones)."""
+    out: dict[str, float] = {}
+    for dtype in dict.fromkeys(m.dtype for m in matmuls):
+        rows = [m for m in matmuls if m.dtype == dtype and m.seconds > 0]
+        busy = [m for m in rows if m.concurrent] or rows
+        if busy:
+            out[dtype] = max(m.flops_per_s for m in busy)
+    return out
+
+
+def gemm_source(matmuls: Sequence[MatmulSample]) -> str:
+    """Where ``fit_gemm_flops``' rate comes from, for a calibrated file's notes."""
+    layers = {(m.m, m.k, m.n) for m in matmuls if m.gemms > 1 and m.concurrent}
+    if not layers:
+        return "best matmul rate"
+    return (f"median rate of a dense layer's three GEMMs (forward and both gradients) at "
+            f"{len(layers)} sizes, rows x inputs x outputs "
+            + ", ".join(f"{m}x{k}x{n}" for m, k, n in sorted(layers)) + ",")
+
+
+def fit_gemm_flops(matmuls: Sequence[MatmulSample]) -> dict[str, float]:
+    """Per dtype, the rate a CPU step's GEMMs reach: the median of the dense layers' (their
+    three GEMMs timed as one, every device busy) over their sizes, where there are any; else
+    ``fit_peak_flops``. A step's GEMMs span sizes and forms, and a CPU reaches its best rate
+    only on the largest squares: with 8 devices on 2 cores the dense layers reached 19-36
+    GF/s per device and a 512^3 square 37 (2026-12-07)."""
+    out = fit_peak_flops(matmuls)
+    for dtype in out:
+        rates = sorted(m.flops_per_s for m in matmuls
+                       if m.dtype == dtype and m.concurrent and m.gemms > 1 and m.seconds > 0)
+        if rates:
+            out[dtype] = statistics.median(rates)
+    return out

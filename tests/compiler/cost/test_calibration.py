@@ -30,7 +30,7 @@ from autopar.compiler.cost.calibration_fit import (
 )
 from autopar.compiler.cost.collectives import allreduce_time, collective_time
 from autopar.compiler.cost.estimate import roofline_time_s
-from autopar.compiler.cost.gemm import described_gemm_time_s
+from autopar.compiler.cost.gemm import described_gemm_time_s, fit_gemm_flops
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.errors import InvalidOptionError
 from autopar.frontend.planning import plan_train_step
@@ -165,6 +165,26 @@ def test_a_cpu_calibration_gives_its_matmul_rate_to_gemms_alone():
     assert ClusterSpec.from_dict(cal.cluster.to_dict()) == cal.cluster
 
 
+def test_a_cpus_gemm_rate_is_the_median_of_its_dense_layers():
+    """Where the profile timed dense layers (three GEMMs each, every device busy), a CPU's
+    GEMM rate is their median over sizes: not the best square's, which a step's GEMMs reach
+    only at the largest sizes; the notes say which."""
+    def layer(m, rate):
+        flops = 3 * 2.0 * m * m // 4 * m
+        return MatmulSample("float32", m, m, m // 4, flops / rate, concurrent=True, gemms=3)
+
+    matmuls = MATMULS + [layer(128, 1e9), layer(256, 3e9), layer(512, 5e9)]
+    assert fit_gemm_flops(matmuls)["float32"] == pytest.approx(3e9)
+    assert fit_gemm_flops(matmuls)["bfloat16"] == pytest.approx(2e9)  # no layers: the best
+    assert fit_gemm_flops(MATMULS)["float32"] == pytest.approx(4e9)
+    cal = calibrate_cluster(synthetic(noise=0.0), matmuls, load_cluster("cpu-sim"),
+                            num_devices=8, name="calibrated-test-8", device_name="test",
+                            source="test", gemm_only=True)
+    assert cal.cluster.device.gemm_flops["float32"] == pytest.approx(3e9)
+    assert "median rate of a dense layer's three GEMMs" in cal.cluster.notes
+    assert "128x32x128, 256x64x256, 512x128x512" in cal.cluster.notes
+
+
 def test_the_memory_bandwidth_is_the_slope_between_two_element_wise_kernels():
     # 300 us of call and kernel overhead, then 2 GB/s per device
     streams = [RuntimeSample("stream", 8, b, 3e-4 + b / 2e9) for b in (5e5, 8e6)]
@@ -242,7 +262,7 @@ PROFILE_SIZES = (16 << 10, 4 << 20)
 @pytest.fixture(scope="module")
 def profiled():
     options = ProfileOptions(sizes=PROFILE_SIZES, repeats=3, matmul_sizes=(64, 128),
-                             matmul_dtypes=("float32",))
+                             matmul_dtypes=("float32",), dense_layers=((64, 16, 32),))
     result = profile_devices(options)
     return result, calibrate_profile(result)
 
@@ -268,8 +288,10 @@ def test_profile_times_every_kind_on_every_axis(profiled):
         # measured seconds: structure only (present, positive, finite); which size took
         # longer depends on the machine's load and belongs in the benchmark, not here
         assert math.isfinite(s.seconds) and s.seconds > 0
-    assert {(m.m, m.concurrent) for m in result.matmuls} == {
-        (64, False), (64, True), (128, False), (128, True)}
+    assert {(m.m, m.concurrent, m.gemms) for m in result.matmuls} == {
+        (64, False, 1), (64, True, 1), (128, False, 1), (128, True, 1), (64, True, 3)}
+    layer = next(m for m in result.matmuls if m.gemms == 3)  # a dense layer's three GEMMs
+    assert (layer.k, layer.n) == (16, 32) and layer.flops == 3 * 2 * 64 * 16 * 32
     assert all(math.isfinite(t) and t > 0 for t in result.empty_program_s.values())
 
 
