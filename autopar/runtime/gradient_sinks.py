@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import jax
@@ -36,7 +37,7 @@ from autopar.ir.program import FlatEqn, FlatProgram, bind_eqn
 from autopar.plan import ShardingSpec
 from autopar.runtime.param_copies import ParamCopies
 
-__all__ = ["GradientSink", "add_partial_sums", "plan_sinks"]
+__all__ = ["GradientSink", "add_partial_sums", "fold_into_sinks", "plan_sinks", "unsunk"]
 
 
 @dataclass(frozen=True)
@@ -109,9 +110,36 @@ def plan_sinks(forward: FlatProgram, eqns: Sequence[int], params: Sequence[int],
     return sinks
 
 
-@jax.jit
-def add_partial_sums(grads: list[Any], partials: list[list[Any]]) -> list[Any]:
-    """Each gradient plus the sum of its sinks' blocks (``partials[j]``: gradient ``j``'s
-    sinks, each ``[*blocks, *shape]``): the plan's one reduction of those partial sums."""
-    return [sum((p.sum(axis=tuple(range(p.ndim - g.ndim))) for p in ps), g)
-            for g, ps in zip(grads, partials, strict=True)]
+def fold_into_sinks(params: Sequence[int], grads: Sequence[Any],
+                    sinks: Sequence[GradientSink], partials: Sequence[Any]) -> list[Any]:
+    """What a piece accumulates over the microbatches: the gradients of its parameters
+    that have no sink (in ``params`` order), then each sink's partial sums (in ``sinks``
+    order), the first sink of a parameter with the rest of that parameter's gradient
+    (``grads``, what did not go to a sink) added into its first block. So a parameter
+    with a sink has one accumulator, not two: the sum of its sinks' blocks is its gradient."""
+    first: dict[int, int] = {}
+    for j, s in enumerate(sinks):
+        first.setdefault(s.param, j)
+    out = [g for v, g in zip(params, grads, strict=True) if v not in first]
+    for j, (s, part) in enumerate(zip(sinks, partials, strict=True)):
+        if first[s.param] == j:
+            rest = grads[list(params).index(s.param)]
+            part = part.at[(0,) * len(s.groups)].add(rest.astype(part.dtype))
+        out.append(part)
+    return out
+
+
+def unsunk(params: Sequence[int], sinks: Sequence[GradientSink]) -> list[int]:
+    """The parameters among ``params`` without a sink: ``fold_into_sinks``' first ones."""
+    sunk = {s.param for s in sinks}
+    return [v for v in params if v not in sunk]
+
+
+@partial(jax.jit, static_argnums=1)
+def add_partial_sums(partials: list[list[Any]], blocks: tuple[tuple[int, ...], ...]
+                     ) -> list[Any]:
+    """Each parameter's gradient from its sinks' partial sums (``partials[j]``: parameter
+    ``j``'s, each ``[*blocks, *shape]``; ``blocks[j]``: how many block dimensions each
+    has): the plan's one reduction of them."""
+    return [sum(p.sum(axis=tuple(range(b))) for p, b in zip(ps, bs, strict=True))
+            for ps, bs in zip(partials, blocks, strict=True)]

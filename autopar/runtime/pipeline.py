@@ -31,7 +31,7 @@ from autopar.ir.schedule_orders import make_schedule
 from autopar.ir.schedules import Schedule, TaskKind
 from autopar.plan import Plan
 from autopar.runtime.fused_step import FusedStep
-from autopar.runtime.gradient_sinks import add_partial_sums
+from autopar.runtime.gradient_sinks import add_partial_sums, unsunk
 from autopar.runtime.param_copies import sum_copies
 from autopar.runtime.pipeline_placement import StagePlacement
 from autopar.runtime.pipeline_state import StageDevices, StepState, microbatch_mean
@@ -364,8 +364,9 @@ class PipelineRunner(StagePlacement):
             # split by channel stay split): replicating each would gather it per microbatch
             parts = [self.place(st.acts[(fid, i)], stage, fid) for i in range(self.m)]
             st.env[out_id] = self._call(st, f"mean{k}", stage, microbatch_mean, parts)
-        grads = {(p, v): g for p, t in enumerate(self.tasks) if p in st.accum
-                 for v, g in zip(t.params, st.accum[p][:len(t.params)], strict=True)}
+        plain = {p: unsunk(t.params, t.sinks) for p, t in enumerate(self.tasks)}
+        grads = {(p, v): g for p in st.accum
+                 for v, g in zip(plain[p], st.accum[p][:len(plain[p])], strict=True)}
         for p, t in enumerate(self.tasks):  # the groups' partial sums: the step's reduction
             copied = [v for v in t.params if v in t.copies.params]
             if copied and p in st.accum:
@@ -374,11 +375,13 @@ class PipelineRunner(StagePlacement):
                 grads.update(((p, v), g) for v, g in zip(copied, sums, strict=True))
             if t.sinks and p in st.accum:  # and the sinks' (``runtime.gradient_sinks``)
                 sunk = list(dict.fromkeys(s.param for s in t.sinks))
-                partials = st.accum[p][len(t.params):]
+                partials = st.accum[p][len(plain[p]):]
+                mine = [[(s, x) for s, x in zip(t.sinks, partials, strict=True)
+                         if s.param == v] for v in sunk]
                 sums = self._call(st, f"sum{p}", t.stage, add_partial_sums,
-                                  [grads[(p, v)] for v in sunk],
-                                  [[x for s, x in zip(t.sinks, partials, strict=True)
-                                    if s.param == v] for v in sunk])
+                                  [[x for _, x in pairs] for pairs in mine],
+                                  tuple(tuple(len(s.groups) for s, _ in pairs)
+                                        for pairs in mine))
                 grads.update(((p, v), g) for v, g in zip(sunk, sums, strict=True))
         for fid, gid in self.pp.grad_outputs().items():
             stage = self.home[gid]

@@ -35,7 +35,7 @@ from autopar.ir.pipeline_pieces import piece_roles
 from autopar.ir.pipeline_program import PipelineProgram
 from autopar.ir.remat_loss import layer_checkpoint
 from autopar.ir.scan_units import run_forward_eqns
-from autopar.runtime.gradient_sinks import GradientSink, plan_sinks
+from autopar.runtime.gradient_sinks import GradientSink, fold_into_sinks, plan_sinks
 from autopar.runtime.param_copies import ParamCopies, plan_param_copies
 from autopar.runtime.shard import partition_spec
 from autopar.runtime.vjp_residuals import ResidualLayout
@@ -219,7 +219,8 @@ def _jit_tasks(t: PieceTasks, run: Callable[..., tuple[list[Any], list[Any]]],
     (``ResidualLayout``); the backward variants each a schedule's (the fused one adding into
     the donated accumulators, the split input and weight halves of the zero-bubble
     schedules, and each a first form that makes the accumulators). A piece's accumulators
-    are its parameters' gradients, then its sinks' partial sums (``runtime.gradient_sinks``)."""
+    are its parameters' gradients, those with a sink folded into it (``runtime.
+    gradient_sinks.fold_into_sinks``)."""
     n_params = len(t.params)
     copies = t.copies
     layout = ResidualLayout()
@@ -233,7 +234,7 @@ def _jit_tasks(t: PieceTasks, run: Callable[..., tuple[list[Any], list[Any]]],
     def grads_of(params, residuals, cots):
         """The activations' gradients, and what the step accumulates."""
         grads, sunk = layout.vjp(params, residuals)(cots)
-        return grads[n_params:], param_grads(grads) + list(sunk)
+        return grads[n_params:], fold_into_sinks(t.params, param_grads(grads), t.sinks, sunk)
 
     def backward(params, residuals, cots, acc):
         acts, grads = grads_of(params, residuals, cots)

@@ -54,6 +54,11 @@ def test_a_gradient_contractions_partial_sums_are_reduced_once_per_step(schedule
     assert wte.axes == (("x",),) and wte.shape == state["params"]["wte"].shape
 
     flat = jax.tree_util.tree_leaves((state, batch))
+    st = runner.new_state(flat)
+    runner.run_step(st)
+    # one accumulator per parameter: the rest of a sunk parameter's gradient is folded into
+    # its sink's first block, not kept beside it
+    assert len(st.accum[len(runner.tasks) - 1]) == len(last.params)
     emitted = step_collectives(runner, flat)
     # every stage reduces what its plan predicts (under ZB-H1 the weight task derives the
     # backward again, with its activation gradients' reductions, which no plan counts)
