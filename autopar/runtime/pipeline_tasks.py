@@ -29,7 +29,6 @@ from autopar.ir.cotangent_marks import (
     dot_with_held_backward,
     held_contraction,
 )
-from autopar.ir.layered_grad import piece_function
 from autopar.ir.pieces import Piece
 from autopar.ir.pipeline_pieces import piece_roles
 from autopar.ir.pipeline_program import PipelineProgram
@@ -82,8 +81,9 @@ def piece_tasks(pp: PipelineProgram, piece: Piece, stage: int, mesh: Mesh,
     the parameters whose gradients would be reduced over the batch's axes read as copies
     (``runtime.param_copies``; the caller makes them with ``make_copies`` and passes them in
     those parameters' places), their gradients left for the caller to reduce once per step
-    (a pipeline that is not rematerialised), as are its gradient contractions' partial sums
-    where the plan says so (``runtime.gradient_sinks``). ``selective``: the
+    (a stage that is not rematerialised), as are its gradient contractions' partial sums
+    where the plan says so (``runtime.gradient_sinks``; recomputed stages too). A recomputed
+    layer runs held and bound as the forward is. ``selective``: the
     layers' checkpoints keep their matmuls' outputs (``dots_with_no_batch_dims_saveable``).
     ``cotangent_specs``: the plan's layout of forward values' cotangents where it is not the
     value's own: the backward is held to it there. ``contraction_specs``: where the plan reads
@@ -98,9 +98,8 @@ def piece_tasks(pp: PipelineProgram, piece: Piece, stage: int, mesh: Mesh,
 
     inside = set(piece.eqns)
     layers = [layer for layer in remat_layers if layer.eqns and layer.eqns[0] in inside]
-    rematerialise = bool(layers)
-    if read_copies and not rematerialise:
-        _reduce_once_per_step(pp, t, mesh, specs, contraction_specs or {})
+    if read_copies:
+        _reduce_once_per_step(pp, t, mesh, specs, contraction_specs or {}, layers)
     copies = t.copies
     # the stage plan's layout of what the piece computes: held to it as it is made, so
     # XLA communicates where the plan does (the backward, derived by jax.vjp, follows:
@@ -133,15 +132,22 @@ def piece_tasks(pp: PipelineProgram, piece: Piece, stage: int, mesh: Mesh,
 
 
 def _reduce_once_per_step(pp: PipelineProgram, t: PieceTasks, mesh: Mesh,
-                          specs: dict[int, Any], contraction_specs: dict[str, Any]) -> None:
-    """``t``'s parameters read as copies (``runtime.param_copies``; not with layer scans)
+                          specs: dict[int, Any], contraction_specs: dict[str, Any],
+                          layers: Sequence[Piece]) -> None:
+    """``t``'s parameters read as copies (``runtime.param_copies``; not with layer scans, nor
+    in a recomputed stage)
     and its gradient contractions' sinks (``runtime.gradient_sinks``): what the step reduces
-    once, after the last microbatch."""
+    once, after the last microbatch. Rematerialised (``layers``), a sink's contraction and
+    the views it reads its parameter through must be in one layer (each layer is its own
+    ``jax.checkpoint``)."""
     fwd, eqns, sizes = pp.forward, t.piece.eqns, dict(mesh.shape)
-    if not pp.layer_scans:
+    if not pp.layer_scans and not layers:
         t.copies = plan_param_copies(fwd, eqns, t.params, t.float_outputs + t.other_outputs,
                                      specs, sizes, _batch_axes(pp, specs))
-    t.sinks = plan_sinks(fwd, eqns, t.params, contraction_specs, t.copies, sizes)
+    sinks = plan_sinks(fwd, eqns, t.params, contraction_specs, t.copies, sizes)
+    layer_of = {i: k for k, layer in enumerate(layers) for i in layer.eqns}
+    t.sinks = [s for s in sinks
+               if len({layer_of.get(i) for i in (s.eqn, *s.chain)}) == 1]
 
 
 def _contraction_bind(mesh: Mesh, specs: dict[str, Any], copies: ParamCopies,
@@ -203,11 +209,28 @@ def _forward_run(pp: PipelineProgram, piece: Piece, layers: Sequence[Piece], t: 
         if layers:
             for layer in layers:
                 ins = [v for v in layer.inputs if v in env]
-                outs = checkpoint(piece_function(fwd, layer, ins))([env[v] for v in ins])
+                outs = checkpoint(_held_layer(fwd, layer, ins, hold, binder))(
+                    [env[v] for v in ins], list(sinks))
                 env.update(zip(layer.outputs, outs, strict=True))
         else:
             run_forward_eqns(fwd, piece.eqns, env, pp.layer_scans, hold, binder(sinks))
         return [env[v] for v in t.float_outputs], [env[v] for v in t.other_outputs]
+
+    return run
+
+
+def _held_layer(fwd: Any, layer: Piece, inputs: Sequence[int],
+                hold: Callable[[int, Any], Any] | None,
+                binder: Callable[[Sequence[Any]], Callable[[Any, Sequence[Any]], Sequence[Any]]]
+                ) -> Callable[[list[Any], list[Any]], list[Any]]:
+    """``layer`` as a function of its ``inputs``' values and the piece's sinks, its
+    equations held and bound as the unrecomputed forward's are (its checkpoint recomputes
+    them so too)."""
+
+    def run(values: list[Any], sinks: list[Any]) -> list[Any]:
+        env = dict(zip(inputs, values, strict=True))
+        run_forward_eqns(fwd, layer.eqns, env, (), hold, binder(sinks))
+        return [env[v] for v in layer.outputs]
 
     return run
 

@@ -2,7 +2,8 @@
 (``runtime.gradient_sinks``): its partial sums are kept per group over the microbatches and
 reduced once per step, as the stage's plan prices it, through a view of the parameter (GPT's
 tied embedding is read transposed by the head), with every schedule's backward (fused, split
-into input and weight halves); and the step still gives the serial numbers."""
+into input and weight halves) and in recomputed stages; and the step still gives the serial
+numbers."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ STEPS = 2
 
 
 @functools.cache
-def planned():
+def planned(remat="none"):
     """GPT tiny in two tensor-parallel stages of 4 devices: the last stage's plan makes the
     tied embedding's gradient from the microbatch split over its 4 devices, while its
     forward splits the vocabulary, so no batch split meets the parameter there
@@ -37,7 +38,7 @@ def planned():
     model = get_model("gpt", "tiny", num_layers=2).with_value_and_grad(autopar.value_and_grad)
     state, batch = model.init_state(jax.random.key(0)), model.make_batch(jax.random.key(10))
     method = autopar.PipeshardParallel(num_microbatches=M, num_stages=2, stages="uniform",
-                                       layers=2)
+                                       layers=2, remat=remat)
     pp = build_pipeline_program(model.train_step, (state, batch), (1,), M)
     return model, state, batch, pp, plan_pipeshard(pp, method, local_cluster(jax.devices()))
 
@@ -78,3 +79,32 @@ def test_a_gradient_contractions_partial_sums_are_reduced_once_per_step(schedule
 def wte_bytes(state) -> int:
     wte = state["params"]["wte"]
     return wte.size * wte.dtype.itemsize
+
+
+def all_reduced(programs, label):
+    return [p.summary.by_kind()["all-reduce"]["bytes"] for p in programs if p.label == label]
+
+
+def test_a_recomputed_stage_runs_its_layers_as_the_plan_does_and_its_forward_twice():
+    """``remat="layers"``: each layer's checkpoint runs its equations held and bound as the
+    stage's unrecomputed forward does (they ran as XLA liked, Wide-ResNet's stages then
+    gathering 98 KB their plan does not), so the sinks reduce once per step there too, and
+    the last stage's backward emits what the unrecomputed backward does plus some of its
+    forward's reductions again, nothing else."""
+    model, state, batch, pp, plan = planned("layers")
+    assert all(plan.pipeline.remat_stages)
+    runner = PipelineRunner.from_plan(pp, plan, jax.devices())
+    assert runner.tasks[-1].sinks
+    flat = jax.tree_util.tree_leaves((state, batch))
+    recomputed = step_collectives(runner, flat).programs
+    plain = step_collectives(PipelineRunner.from_plan(pp, planned()[4], jax.devices()),
+                             flat).programs
+    assert plan.stages[1].tensor_shardings == planned()[4].stages[1].tensor_shardings
+    (forward,) = set(all_reduced(recomputed, "F1"))
+    (backward,) = set(all_reduced(plain, "B1"))
+    (both,) = set(all_reduced(recomputed, "B1"))
+    # what the recomputed forward needs of its reductions (not the loss's: its backward
+    # starts from the loss's cotangent), no more
+    assert backward < both <= backward + forward
+    assert all_reduced(recomputed, "sum1") == all_reduced(plain, "sum1") == [wte_bytes(state)]
+    assert_runner_matches_serial(runner, pp.outer.out_tree, model, STEPS)
