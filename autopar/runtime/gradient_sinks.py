@@ -16,8 +16,10 @@ So where the plan says so (``StagePlan.contraction_shardings``' ``"eqn:k:sum"`` 
 sums per group, ``[*blocks, *parameter.shape]`` with the blocks split over the reduced axes
 (no collective), and gives them out as the cotangent of a *sink*: an extra input of zeros
 the forward never reads (``ir.cotangent_marks.dot_with_held_backward``). The pipeline
-accumulates each sink like a gradient and adds its blocks' sum into the parameter's
-gradient after the last microbatch (``add_partial_sums``): the plan's one reduction.
+accumulates each sink in the parameter's place, the rest of its gradient folded into the
+first block (``fold_into_sinks``: one accumulator per parameter), and sums the blocks after
+the last microbatch (``add_partial_sums``, which sums ``runtime.param_copies``' groups too):
+the plan's one reduction.
 """
 
 from __future__ import annotations
@@ -77,7 +79,6 @@ class GradientSink:
         for _ in self.groups:
             view = jax.vmap(view)
         return view(value)
-
 
 
 def plan_sinks(forward: FlatProgram, eqns: Sequence[int], params: Sequence[int],

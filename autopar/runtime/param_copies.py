@@ -20,7 +20,8 @@ unchanged; but the cotangent of the copies is one partial sum per group, ``[G, .
 over ``A``, which needs no collective. The pipeline makes each piece's copies once per step
 (``PieceTasks.make_copies``; its forwards' residuals leave them out,
 ``runtime.vjp_residuals``), accumulates the partial sums over the microbatches and sums the
-first dimension once after the last (``sum_copies``): one reduction per step, as planned,
+first dimension once after the last (``runtime.gradient_sinks.add_partial_sums``, as the
+sinks' are): one reduction per step, as planned,
 whether the step is one program (``runtime.fused_step``), task by task, or several stages.
 
 Which equations can run per group, and how (``plan_param_copies``): a dot whose batch-split
@@ -48,7 +49,7 @@ from autopar.ir.scan_split import ELEMENTWISE
 from autopar.plan import ShardingSpec
 from autopar.runtime.shard import partition_spec
 
-__all__ = ["GroupedEqn", "ParamCopies", "plan_param_copies", "sum_copies"]
+__all__ = ["GroupedEqn", "ParamCopies", "plan_param_copies"]
 
 Axes = tuple[str, ...]
 
@@ -117,13 +118,6 @@ class ParamCopies:
             in_axes[k] = d
         blocks = jax.vmap(lambda *o: list(bind_eqn(eqn, o)), in_axes=in_axes)(*ops)
         return [_merge(b, grouped.out_dim) for b in blocks]
-
-
-@jax.jit
-def sum_copies(partials: list[Any]) -> list[Any]:
-    """Each gradient's per-group partial sums ``[G, ...]`` summed over the groups: a piece's
-    share of the step's one reduction, as one program."""
-    return [jnp.sum(g, axis=0) for g in partials]
 
 
 def _merge(blocks: Any, dim: int) -> Any:

@@ -32,7 +32,6 @@ from autopar.ir.schedules import Schedule, TaskKind
 from autopar.plan import Plan
 from autopar.runtime.fused_step import FusedStep
 from autopar.runtime.gradient_sinks import add_partial_sums, unsunk
-from autopar.runtime.param_copies import sum_copies
 from autopar.runtime.pipeline_placement import StagePlacement
 from autopar.runtime.pipeline_state import StageDevices, StepState, microbatch_mean
 from autopar.runtime.pipeline_tasks import PieceTasks, piece_tasks
@@ -370,8 +369,8 @@ class PipelineRunner(StagePlacement):
         for p, t in enumerate(self.tasks):  # the groups' partial sums: the step's reduction
             copied = [v for v in t.params if v in t.copies.params]
             if copied and p in st.accum:
-                sums = self._call(st, f"reduce{p}", t.stage, sum_copies,
-                                  [grads[(p, v)] for v in copied])
+                sums = self._call(st, f"reduce{p}", t.stage, add_partial_sums,
+                                  [[grads[(p, v)]] for v in copied], ((1,),) * len(copied))
                 grads.update(((p, v), g) for v, g in zip(copied, sums, strict=True))
             if t.sinks and p in st.accum:  # and the sinks' (``runtime.gradient_sinks``)
                 sunk = list(dict.fromkeys(s.param for s in t.sinks))
