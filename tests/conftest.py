@@ -11,11 +11,17 @@ import tempfile
 # third faster. XLA:CPU's newer fusion emitters (MLIR) compile a fused kernel about twice as
 # slowly as the loop emitters they replace, for the same HLO: they are turned off too, which
 # halves what compiling the zoo's tiny steps takes (16.4 -> 8.3 s for nine programs,
-# 2026-11-27). The serial reference and the parallel steps are compiled alike.
+# 2026-11-27). XLA:CPU also splits each program's code into parts it generates on a thread
+# pool, and runs each device's matmuls on Eigen's threads: on 2 cores already busy with two
+# test workers, both only add threads that wait for a core. Generating the code in one part
+# and the matmuls on the device's own thread took a pipeline-heavy third of the suite from 67
+# to 51 s and the whole suite from 549-599 to 458-483 s (2026-12-07, the same programs and
+# results). The serial reference and the parallel steps are compiled and run alike.
 # (Each flag is added once: the xdist workers and the tests' subprocesses inherit the variable,
 # and JAX's cache key hashes every flag in it.)
 _XLA_FLAGS = ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0",
-              "--xla_llvm_disable_expensive_passes=true", "--xla_cpu_use_fusion_emitters=false")
+              "--xla_llvm_disable_expensive_passes=true", "--xla_cpu_use_fusion_emitters=false",
+              "--xla_cpu_parallel_codegen_split_count=1", "--xla_cpu_multi_thread_eigen=false")
 _given = os.environ.get("XLA_FLAGS", "").split()
 os.environ["XLA_FLAGS"] = " ".join(_given + [f for f in _XLA_FLAGS if f not in _given])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
