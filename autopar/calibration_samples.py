@@ -71,9 +71,10 @@ class RuntimeSample:
     jitted program over ``devices`` devices), ``task`` (an empty jitted program on one
     device, as a pipeline task is launched), ``transfer`` (``jax.device_put`` of ``nbytes``
     to another device), ``accumulate`` (a donated ``acc + g`` of ``nbytes``), ``stream`` (an
-    element-wise kernel of ``nbytes`` per device on every device at once) or ``all-reduces``
-    (one program of ``count`` all-reduces of ``nbytes``, one after the other, over
-    ``devices`` devices); ``seconds``: the median of the timed calls."""
+    element-wise kernel of ``nbytes`` per device on every device at once), ``all-reduces``
+    (one program of ``count`` links over ``devices`` devices, each a small matmul and an
+    all-reduce of ``nbytes``, one after the other) or ``links`` (the same program without its
+    all-reduces); ``seconds``: the median of the timed calls."""
 
     kind: str
     devices: int

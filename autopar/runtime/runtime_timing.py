@@ -6,7 +6,8 @@ with 16 small operands on half the devices (a pipeline task on a stage), a
 ``jax.device_put`` of a small array to another device (a transfer between stages) and a
 donated ``acc + g`` on one device at two sizes (the gradient accumulation's bandwidth), an
 element-wise kernel on every device at once at two sizes (the memory bandwidth a fused kernel
-sees), and programs of 8 and 40 small all-reduces (the slope: an all-reduce's latency inside a
+sees), and programs of 8 and 40 links of a small matmul and an all-reduce, beside the same
+links without the all-reduce (the difference of their slopes: an all-reduce's latency inside a
 step). Calls go back to back, waited for at the end, as the pipeline driver issues them; the
 median over rounds is kept.
 """
@@ -57,7 +58,13 @@ _STREAM_BYTES = (256 << 10, 4 << 20)
 # 9 and 17 on 2 CPU devices timed 646 and 385 us (2026-11-29), a slope below zero that left
 # the calibrated latency at 0, where chains of 4 to 128 give 83-88 us an all-reduce
 # (226 us on 8 devices). And the elements each device all-reduces: few enough that only
-# latency counts.
+# latency counts. Each link computes a little before its all-reduce, as a step does: chains of
+# bare all-reduces, back to back, ran either at 6-9 us an all-reduce on 2 CPU devices or at
+# 60-85, by how the devices' threads fell on the cores from one profile to the next (the
+# calibrated file of 2026-12-07 11:25 took 7 us), where a step's all-reduces, between its
+# kernels, took 60-90 us every time; with a 16x16 matmul and tanh in each link, 79-91 us in
+# six runs (8 devices: 180-186 us, as bare chains gave; 2026-12-07). The same links without the
+# all-reduce are timed too, and their slope taken off.
 ALL_REDUCE_CHAINS = (8, 40)
 _ALL_REDUCE_ROUNDS = 15
 _LATENCY_ELEMENTS = 16
@@ -121,30 +128,39 @@ def time_runtime(devices: Sequence[Any]) -> list[RuntimeSample]:
 
 
 def _time_all_reduce_chains(mesh: Mesh) -> list[RuntimeSample]:
-    """Programs of ``ALL_REDUCE_CHAINS`` small all-reduces over ``mesh``'s one axis, timed
-    in turn within each round (their difference is the slope: a slow spell of the shared
-    cores, which on 2 CPU devices swings an all-reduce between about 20 and 100 us, lands on
-    both), the median over the rounds."""
+    """Programs of ``ALL_REDUCE_CHAINS`` links, each a small matmul and an all-reduce over
+    ``mesh``'s one axis (``all-reduces`` samples), and the same links without the all-reduce
+    (``links``), timed in turn within each round (a slow spell of the shared cores lands on
+    all of them), the median over the rounds."""
     small = sharded_ones(mesh, _LATENCY_ELEMENTS, jnp.float32)
-    calls = [partial(jax.jit(shard_mapped(mesh, partial(_all_reduce_chain, axis="d",
-                                                          count=count))), small)
-             for count in ALL_REDUCE_CHAINS]
-    times: list[list[float]] = [[] for _ in calls]
-    for call in calls:
+    calls = {(kind, count): partial(jax.jit(shard_mapped(mesh, partial(
+        _all_reduce_chain, axis="d", count=count, reduce=kind == "all-reduces"))), small)
+        for kind in ("all-reduces", "links") for count in ALL_REDUCE_CHAINS}
+    times: dict[tuple[str, int], list[float]] = {key: [] for key in calls}
+    for call in calls.values():
         jax.block_until_ready(call())  # compiled before the rounds
     for _ in range(_ALL_REDUCE_ROUNDS):
-        for call, seen in zip(calls, times, strict=True):
-            seen.append(_per_call(call, calls=5, rounds=1))
-    return [RuntimeSample("all-reduces", mesh.size, float(_LATENCY_ELEMENTS * 4),
+        for key, call in calls.items():
+            times[key].append(_per_call(call, calls=5, rounds=1))
+    # each all-reduce: the (L, L) matrix a link makes
+    return [RuntimeSample(kind, mesh.size, float(_LATENCY_ELEMENTS ** 2 * 4),
                           statistics.median(seen), count=count)
-            for count, seen in zip(ALL_REDUCE_CHAINS, times, strict=True)]
+            for (kind, count), seen in times.items()]
 
 
-def _all_reduce_chain(x: jax.Array, axis: str, count: int) -> jax.Array:
-    """``count`` all-reduces of ``x`` over ``axis``, each reading the one before."""
+def _all_reduce_chain(x: jax.Array, axis: str, count: int, reduce: bool = True) -> jax.Array:
+    """``count`` links, each reading the one before: an ``(L, L)`` matmul and tanh of a
+    matrix made of ``x``'s ``L`` elements, then (``reduce``) an all-reduce of it over
+    ``axis``."""
+    size = x.size
+    m = jnp.broadcast_to(x.reshape(1, size), (size, size))
+    weight = jnp.full((size, size), 0.01, x.dtype)
     for _ in range(count):
-        x = jax.lax.optimization_barrier(jax.lax.psum(x, axis) * 0.5)
-    return x
+        m = jnp.tanh(m @ weight)
+        if reduce:
+            m = jax.lax.psum(m, axis) * 0.5
+        m = jax.lax.optimization_barrier(m)
+    return m[:1].reshape(x.shape)
 
 
 def profile_runtime(devices: Sequence[Any] | None = None) -> tuple[RuntimeSample, ...]:

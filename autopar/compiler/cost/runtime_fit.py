@@ -38,11 +38,16 @@ def fit_in_program_latency(samples: Sequence[RuntimeSample], beta: float) -> flo
     """The link latency (alpha) under which the cost model prices one small all-reduce over
     the sampled devices as it took inside a program (the ``all-reduces`` chains' slope), with
     ``beta`` as fitted: the per-call fit leaves alpha to the call's dispatch it takes out,
-    which a step's collectives, many to a program, do not pay. None if not measured."""
+    which a step's collectives, many to a program, do not pay. Where the same chains were
+    timed without their all-reduces (``links`` samples: each link's matmul), that slope is
+    taken off. None if not measured."""
     per = _slope(samples, "all-reduces", "count")
     rows = [r for r in samples if r.kind == "all-reduces"]
     if per is None or rows[0].devices < 2:
         return None
+    work = _slope(samples, "links", "count")
+    if work is not None:
+        per = max(per - work, 0.0)
     n, nbytes = rows[0].devices, rows[0].nbytes
     if allreduce_time(nbytes, n, 0.0, beta) >= per:
         return 0.0

@@ -220,6 +220,12 @@ def test_the_in_program_latency_is_the_all_reduce_chains_slope():
     assert fit_in_program_latency(reduces[:1], BETA) is None
     flat = [RuntimeSample("all-reduces", 8, 64.0, 1e-4, count=k) for k in (9, 17)]
     assert fit_in_program_latency(flat, BETA) is None  # no slope: not measured
+    # each link's matmul (12 us), timed without its all-reduce, is taken off the slope
+    working = [RuntimeSample("all-reduces", 8, 64.0, 3e-4 + k * 52e-6, count=k)
+               for k in (9, 17)]
+    links = [RuntimeSample("links", 8, 64.0, 3e-4 + k * 12e-6, count=k) for k in (9, 17)]
+    assert fit_in_program_latency(working + links, BETA) == pytest.approx(alpha, rel=1e-9)
+    assert fit_in_program_latency(working, BETA) > alpha
     base = load_cluster("cpu-sim")
     fitted = calibrate_cluster(synthetic(noise=0.0), MATMULS, base, num_devices=8, name="a",
                                device_name="d", source="s", runtime=reduces)
@@ -311,9 +317,10 @@ def test_profile_writes_a_cluster_file_that_loads(profiled, tmp_path):
     data = json.loads(path.read_text())["calibration"]
     streams = [r for r in data["runtime_samples"] if r["kind"] == "stream"]
     assert len({r["nbytes"] for r in streams}) == 2  # the bandwidth's two sizes were timed
-    chains = [r for r in data["runtime_samples"] if r["kind"] == "all-reduces"]
-    # both chain lengths, one sample each (the median of their interleaved rounds)
-    assert sorted(r["count"] for r in chains) == sorted(ALL_REDUCE_CHAINS)
+    for kind in ("all-reduces", "links"):  # with and without the all-reduces
+        chains = [r for r in data["runtime_samples"] if r["kind"] == kind]
+        # both chain lengths, one sample each (the median of their interleaved rounds)
+        assert sorted(r["count"] for r in chains) == sorted(ALL_REDUCE_CHAINS)
     chains = [r for r in data["runtime_samples"] if r["kind"] == "all-reduces"]
     assert len({r["count"] for r in chains}) == 2  # the in-program latency's two lengths
     assert data["link"]["kind"] == "all" and len(data["collective_samples"]) == 24
