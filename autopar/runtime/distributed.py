@@ -194,6 +194,25 @@ def put(x: Any, sharding: Any) -> Any:
     return _relay(x, sharding)
 
 
+def put_all(values: Sequence[Any], shardings: Sequence[Any]) -> list[Any]:
+    """``put`` of each value (``None`` sharding: left as it is). Where one process runs, the
+    values not already where they belong go in one ``jax.device_put`` of the list, which
+    moves them together: a step's two batch leaves, placed one by one, took 286 us a call on
+    2 CPU devices, as much as the step's program (2026-12-07)."""
+    out = list(values)
+    todo = [k for k, (x, s) in enumerate(zip(values, shardings, strict=True))
+            if s is not None and not (isinstance(x, jax.Array) and x.committed
+                                      and x.sharding == s)]
+    if jax.process_count() != 1:
+        for k in todo:
+            out[k] = put(values[k], shardings[k])
+    elif todo:
+        moved = jax.device_put([values[k] for k in todo], [shardings[k] for k in todo])
+        for k, value in zip(todo, moved, strict=True):
+            out[k] = value
+    return out
+
+
 def _relay(x: Any, dst: Any) -> Any:
     """Any layout to any layout across processes: replicate on the source devices, then send
     each destination device its slice from a source device (one on its own process when there

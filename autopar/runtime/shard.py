@@ -19,7 +19,7 @@ from autopar.errors import MeshError, PlanError
 from autopar.ir.attention_op import BACKWARD_NAME, FORWARD_NAME, Ring
 from autopar.ir.program import FlatEqn, FlatProgram, bind_eqn
 from autopar.plan import Plan, ShardingSpec, StagePlan
-from autopar.runtime.distributed import global_devices, put
+from autopar.runtime.distributed import global_devices, put_all
 from autopar.runtime.ring_attention import ring_backward, ring_forward
 
 # the memory space of the leaves a plan keeps off the device between steps
@@ -133,10 +133,8 @@ class ShardedProgram:
         """Move arguments to the devices and layouts the plan wants (no-op where they are).
         Across processes a host value (numpy, uncommitted array) becomes a global array, each
         process placing its own shards of it (every process holds the same value)."""
-        return [
-            put(a, s) if isinstance(a, jax.Array | np.ndarray) else a
-            for a, s in zip(flat_args, self.in_shardings, strict=True)
-        ]
+        return put_all(flat_args, [s if isinstance(a, jax.Array | np.ndarray) else None
+                                   for a, s in zip(flat_args, self.in_shardings, strict=True)])
 
     def compiled(self, flat_args: Sequence[Any]) -> Any:
         """The XLA executable for arguments shaped like ``flat_args``, compiled once: running

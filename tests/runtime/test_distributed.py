@@ -32,7 +32,7 @@ from autopar.ir.pieces import cut_pieces
 from autopar.ir.pipeline_pieces import piece_roles
 from autopar.ir.pipeline_program import build_pipeline_program
 from autopar.runtime import process_start
-from autopar.runtime.distributed import host_layout
+from autopar.runtime.distributed import host_layout, put_all
 from autopar.runtime.local_cluster import local_cluster
 from autopar.runtime.process_start import _local_cpu_devices, _size_cpu_thread_pool
 
@@ -265,3 +265,24 @@ def test_launch_timeout_and_usage_errors():
         autopar.runtime.distributed.initialize("nohost", 2, 0)
     with pytest.raises(DistributedError, match="process_id=2 is not in 0..1"):
         autopar.runtime.distributed.initialize("127.0.0.1:1234", 2, 2)
+
+
+def test_put_all_moves_what_is_not_in_place_and_keeps_what_is():
+    """One process: the values not where they belong are placed (one device_put of the list),
+    a value already in its sharding is returned as it is, and a ``None`` sharding leaves a
+    value alone (a Python scalar of the step)."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("d",))
+    whole, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("d"))
+    placed = jax.device_put(np.ones(4, np.float32), whole)
+    host = np.arange(4, dtype=np.float32)
+    elsewhere = jax.device_put(np.arange(4, dtype=np.float32), jax.devices()[3])
+    out = put_all([placed, host, elsewhere, 3], [whole, split, whole, None])
+    assert out[0] is placed and out[3] == 3
+    assert out[1].sharding == split and out[2].sharding == whole
+    np.testing.assert_array_equal(np.asarray(out[1]), host)
+    np.testing.assert_array_equal(np.asarray(out[2]), host)
+
