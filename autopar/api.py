@@ -92,6 +92,11 @@ class ParallelizedStep:
         """The input signature of a call with ``args``: static arguments by value; for the
         others the tree structure, each array leaf's shape and dtype and each non-array
         (static) leaf's type and value. A new signature traces, plans and compiles anew."""
+        return self._signature(args, None)
+
+    def _signature(self, args: Sequence[Any], arrays: list[Any] | None) -> tuple:
+        """``signature_key``; ``arrays``, when given, gets the array leaves of the non-static
+        arguments appended: the program's flat inputs, read in the same pass."""
         parts: list[Any] = []
         names = self._argument_names.get(len(args))
         if names is None:  # inspecting the signature on every call costs more than the rest
@@ -107,7 +112,7 @@ class ParallelizedStep:
                     ) from None
                 parts.append(("static", arg))
                 continue
-            parts.append(signature_part(names[i], arg))
+            parts.append(signature_part(names[i], arg, arrays))
         return tuple(parts)
 
     def trace(self, *args: Any) -> Traced:
@@ -125,8 +130,8 @@ class ParallelizedStep:
                 )
         return trace(self, args, self.signature_key(args))
 
-    def _compiled(self, args: Sequence[Any]) -> Compiled:
-        key = self.signature_key(args)
+    def _compiled(self, args: Sequence[Any], key: tuple | None = None) -> Compiled:
+        key = self.signature_key(args) if key is None else key
         found = self._compiled_steps.get(key)
         if found is None:
             found = self.trace(*args).plan().compile()
@@ -134,7 +139,9 @@ class ParallelizedStep:
         return found
 
     def __call__(self, *args: Any) -> Any:
-        return self._compiled(args).run(args)
+        flat: list[Any] = []
+        key = self._signature(args, flat)
+        return self._compiled(args, key).run(args, flat=flat)
 
     def timed_call(self, *args: Any) -> tuple[Any, list[Any]]:
         """Run one step of a pipelined step with every task waited for and timed; returns the

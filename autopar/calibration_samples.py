@@ -73,8 +73,9 @@ class RuntimeSample:
     to another device), ``accumulate`` (a donated ``acc + g`` of ``nbytes``), ``stream`` (an
     element-wise kernel of ``nbytes`` per device on every device at once), ``all-reduces``
     (one program of ``count`` links over ``devices`` devices, each a small matmul and an
-    all-reduce of ``nbytes``, one after the other) or ``links`` (the same program without its
-    all-reduces); ``seconds``: the median of the timed calls."""
+    all-reduce of ``nbytes``, one after the other), ``links`` (the same program without its
+    all-reduces) or ``buffers`` (a program over ``devices`` devices passing ``count`` small
+    arrays through, donated); ``seconds``: the median of the timed calls."""
 
     kind: str
     devices: int

@@ -177,10 +177,12 @@ class Compiled:
         """The executable's flat inputs for a call with ``args``."""
         return self.binding.array_inputs(args)
 
-    def run(self, args: Sequence[Any], *, record: bool = False) -> Any:
+    def run(self, args: Sequence[Any], *, record: bool = False,
+            flat: list[Any] | None = None) -> Any:
         """One step on ``args`` (not checked against the signature: the caller looked it up);
-        ``record``: time every pipeline task."""
-        out = self.executable(self.flat_inputs(args), record=record)
+        ``record``: time every pipeline task; ``flat``: ``flat_inputs(args)`` where the caller
+        has them already."""
+        out = self.executable(self.flat_inputs(args) if flat is None else flat, record=record)
         # the static (non-array) output leaves recorded at trace time go back in
         return self.binding.outputs.restore(out, self.traced.program.out_tree)
 

@@ -61,3 +61,15 @@ def test_fit_runtime_takes_the_medians_and_the_accumulation_slope():
     assert fitted.accumulate_bytes_per_s == pytest.approx(5e9)
     # nothing measured: the base's
     assert fit_runtime([], base) == base
+
+
+def test_each_buffer_of_a_call_is_the_passing_programs_slope_per_device_buffer():
+    base = RuntimeCosts(buffer_s=7.0)
+    # 8 devices, each array one buffer in and one out on each: 16 buffers of 0.5 us an array
+    passing = [RuntimeSample("buffers", 8, 0.0, 1e-4 + k * 16 * 0.5e-6, count=k)
+               for k in (4, 36)]
+    assert fit_runtime(passing, base).buffer_s == pytest.approx(0.5e-6)
+    # one count, or no rise: not measured, the base's
+    assert fit_runtime(passing[:1], base).buffer_s == 7.0
+    flat = [RuntimeSample("buffers", 8, 0.0, 1e-4, count=k) for k in (4, 36)]
+    assert fit_runtime(flat, base).buffer_s == 7.0

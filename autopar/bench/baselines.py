@@ -12,6 +12,7 @@ from dataclasses import replace
 
 from autopar.bench.hand_plans import megatron_specs
 from autopar.cluster import ClusterSpec
+from autopar.compiler.cost.estimate import one_call_time_s, step_arrays
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.trace import TracedStep
 from autopar.methods import DataParallel, ShardParallel
@@ -46,13 +47,15 @@ def plan_megatron(traced: TracedStep, cluster: ClusterSpec, time_limit_s: float 
                                devices_per_host=cluster.devices_per_host)
     # one program per step, as every one-stage plan pays (planners/dispatch)
     stage = plan.stages[0]
-    total = stage.est_time_s + cluster.runtime.call_s
+    runtime = one_call_time_s(cluster.runtime, step_arrays(graph),
+                              min(mesh.num_devices, cluster.devices_per_host))
+    total = stage.est_time_s + runtime
     return replace(plan, est_step_time_s=total).with_planning(
         method_options={"method": MethodName.SHARD.value, "mesh_shape": list(mesh.shape)},
         baseline="megatron",
         estimate={"total_s": total, "compute_s": stage.est_compute_time_s,
                   "communication_s": stage.est_communication_time_s,
-                  "runtime_s": cluster.runtime.call_s},
+                  "runtime_s": runtime},
         planning_time_s=time.perf_counter() - start)
 
 

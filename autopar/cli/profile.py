@@ -178,8 +178,9 @@ def format_calibration(calibration: Any, elapsed_s: float) -> str:
     lines.append("element-wise kernels per device, all busy: " + (
         f"{bandwidth / 1e9:.3g} GB/s" if bandwidth else "not measured (priced by flops)"))
     rt = cluster.runtime
-    lines.append(f"runtime: call {rt.call_s * 1e6:.0f} us, pipeline task {rt.task_s * 1e6:.0f} "
-                 f"us, transfer {rt.transfer_s * 1e6:.0f} us, gradient accumulation "
+    lines.append(f"runtime: call {rt.call_s * 1e6:.0f} us (and {rt.buffer_s * 1e6:.2f} us per "
+                 f"device buffer in or out), pipeline task {rt.task_s * 1e6:.0f} us, transfer "
+                 f"{rt.transfer_s * 1e6:.0f} us, gradient accumulation "
                  f"{rt.accumulate_bytes_per_s / 1e9:.3g} GB/s")
     return "\n".join(lines)
 

@@ -84,16 +84,20 @@ def array_leaves(tree: Any) -> list[Any]:
     return [leaf for leaf in jax.tree_util.tree_leaves(tree) if is_array_leaf(leaf)]
 
 
-def signature_part(name: str, arg: Any) -> tuple:
+def signature_part(name: str, arg: Any, arrays: list[Any] | None = None) -> tuple:
     """The part of the input signature one argument contributes: its tree structure, the shape
     and dtype of each array leaf, the type and value of each static leaf (the type keeps ``1``
     and ``1.0`` and ``True`` apart, which compare equal). Every step call computes it, so it
-    reads leaves without their paths (a path is looked up only for the error)."""
+    reads leaves without their paths (a path is looked up only for the error); ``arrays``, when
+    given, gets the array leaves appended (the program's flat inputs: one pass over the leaves
+    serves both)."""
     parts: list[Any] = []
     leaves, treedef = jax.tree_util.tree_flatten(arg)
     for leaf in leaves:
-        if is_array_leaf(leaf):
+        if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):  # is_array_leaf, inlined
             parts.append((tuple(leaf.shape), leaf.dtype))
+            if arrays is not None:
+                arrays.append(leaf)
             continue
         try:
             hash(leaf)

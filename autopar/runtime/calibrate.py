@@ -53,6 +53,7 @@ from autopar.cluster import format_mesh_shape
 from autopar.errors import InvalidOptionError, MeshError, choices_text
 from autopar.runtime.runtime_timing import (
     ALL_REDUCE_CHAINS,
+    BUFFER_COUNTS,
     profile_runtime,
     shard_mapped,
     sharded_ones,
@@ -62,6 +63,7 @@ from autopar.runtime.runtime_timing import (
 __all__ = [
     "ACCELERATOR_MATMUL_SIZES",
     "ALL_REDUCE_CHAINS",
+    "BUFFER_COUNTS",
     "CPU_MATMUL_SIZES",
     "ProfileOptions",
     "ProfileResult",

@@ -6,10 +6,11 @@ with 16 small operands on half the devices (a pipeline task on a stage), a
 ``jax.device_put`` of a small array to another device (a transfer between stages) and a
 donated ``acc + g`` on one device at two sizes (the gradient accumulation's bandwidth), an
 element-wise kernel on every device at once at two sizes (the memory bandwidth a fused kernel
-sees), and programs of 8 and 40 links of a small matmul and an all-reduce, beside the same
-links without the all-reduce (the difference of their slopes: an all-reduce's latency inside a
-step). Calls go back to back, waited for at the end, as the pipeline driver issues them; the
-median over rounds is kept.
+sees), a program passing 4 and 36 small arrays through (what each array a step's call takes
+and gives back costs), and programs of 8 and 40 links of a small matmul and an all-reduce,
+beside the same links without the all-reduce (the difference of their slopes: an
+all-reduce's latency inside a step). Calls go back to back, waited for at the end, as the
+pipeline driver issues them; the median over rounds is kept.
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ _STREAM_BYTES = (256 << 10, 4 << 20)
 # six runs (8 devices: 180-186 us, as bare chains gave; 2026-12-07). The same links without the
 # all-reduce are timed too, and their slope taken off.
 ALL_REDUCE_CHAINS = (8, 40)
+# A step's call takes each of its arrays in and hands each back, a buffer per device each way:
+# a program passing few and many small arrays through (donated: no copy) over every device.
+# Passing 8 and 64 took 127 and 327 us on 2 CPU devices, 206 and 826 us on 8 (2026-12-07).
+BUFFER_COUNTS = (4, 36)
 _ALL_REDUCE_ROUNDS = 15
 _LATENCY_ELEMENTS = 16
 
@@ -120,11 +125,26 @@ def time_runtime(devices: Sequence[Any]) -> list[RuntimeSample]:
         # bytes moved per device: its part read once and written once
         out.append(RuntimeSample("stream", n, 2.0 * nbytes,
                                  _per_call(partial(scale, v), calls=5)))
+    out += [RuntimeSample("buffers", n, 0.0, _time_passing(every, count), count=count)
+            for count in BUFFER_COUNTS]
     out += _time_all_reduce_chains(every)
     for sample in out:
         logger.info("runtime %s (%d device(s), %d bytes, %d): %.0f us", sample.kind,
                     sample.devices, sample.nbytes, sample.count, sample.seconds * 1e6)
     return out
+
+
+def _time_passing(mesh: Mesh, count: int) -> float:
+    """Seconds per call of a program handing ``count`` small arrays split over ``mesh`` back
+    as they came (donated), each call taking what the one before gave back."""
+    held = [sharded_ones(mesh, 16, jnp.float32) for _ in range(count)]
+    passing = jax.jit(lambda *arrays: arrays, donate_argnums=tuple(range(count)))
+
+    def call() -> Any:
+        held[:] = passing(*held)
+        return held
+
+    return _per_call(call)
 
 
 def _time_all_reduce_chains(mesh: Mesh) -> list[RuntimeSample]:

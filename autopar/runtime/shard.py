@@ -79,6 +79,8 @@ class ShardedProgram:
         )
         self._arriving = {i: self._named(stage.input_shardings, path)
                           for i, path in enumerate(program.in_paths) if path in hosted}
+        # the inputs the compiled call cannot shard itself however they arrive (host memory)
+        self._placed_always = frozenset(self._arriving)
         self._leaving = {i: self.out_shardings[i]
                          for i, path in enumerate(program.out_paths) if path in hosted}
         self._constraints = {
@@ -144,8 +146,22 @@ class ShardedProgram:
         return self._compiled
 
     def __call__(self, flat_args: Sequence[Any]) -> list[Any]:
-        placed = self.place(flat_args)
-        return list(self.compiled(placed)(*placed))
+        args = self._call_arguments(flat_args)
+        return list(self.compiled(args)(*args))
+
+    def _call_arguments(self, flat_args: Sequence[Any]) -> list[Any]:
+        """``flat_args`` as the compiled program's call takes them. In one process that call
+        shards host values and uncommitted arrays itself, in C++: MLP tiny's step on 2 CPU
+        devices took 450 us a call so, against 650 us with its batch placed first in Python
+        (2026-12-07). It refuses committed arrays laid out otherwise, and leaves bound for
+        host memory: those are moved first."""
+        if jax.process_count() != 1:
+            return self.place(flat_args)
+        moves = [s if (i in self._placed_always or isinstance(a, jax.Array) and a.committed)
+                 else None for i, (a, s) in enumerate(zip(flat_args, self.in_shardings,
+                                                         strict=True))]
+        return put_all(flat_args, [s if isinstance(a, jax.Array | np.ndarray) else None
+                                   for a, s in zip(flat_args, moves, strict=True)])
 
     def abstract_args(self, flat_args: Sequence[Any]) -> list[Any]:
         return [

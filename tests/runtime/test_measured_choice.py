@@ -17,7 +17,7 @@ import autopar
 from autopar.errors import InvalidOptionError
 from autopar.models import get_model
 from autopar.runtime import measured_choice
-from autopar.runtime.measured_choice import Candidate, to_measure
+from autopar.runtime.measured_choice import CLOCK_MARGIN, Candidate, kept_by_clock, to_measure
 
 
 def _candidate(name: str, est: float, pipelined: bool = False, plan=None) -> Candidate:
@@ -45,6 +45,17 @@ def test_a_plan_under_two_names_is_timed_once():
     twin = _candidate("shard 2x4", 1.0, plan=chosen.plan)
     names = [c.name for c in to_measure(chosen, [twin, _candidate("data", 2.0)], 3)]
     assert names == ["shard", "data"]
+
+
+def test_the_clock_replaces_the_searchs_choice_only_by_more_than_its_margin():
+    chosen, data, zero2 = (_candidate(n, 1.0) for n in ("shard", "data", "zero2"))
+    timed = [chosen, data, zero2]
+    close = 1.0 - CLOCK_MARGIN / 2  # within the margin: noise, the choice stays
+    assert kept_by_clock(chosen, timed, {"shard": 1.0, "data": close, "zero2": 1.2}) is chosen
+    beyond = 1.0 - 2 * CLOCK_MARGIN
+    assert kept_by_clock(chosen, timed, {"shard": 1.0, "data": close,
+                                         "zero2": beyond}) is zero2
+    assert kept_by_clock(chosen, timed, {"shard": 0.9, "data": 1.0, "zero2": 1.1}) is chosen
 
 
 def test_an_asynchronous_choice_is_not_timed():

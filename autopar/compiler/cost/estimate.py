@@ -112,6 +112,13 @@ def touched_by(graph: OpGraph, tensors: Collection[int]) -> Callable[[OpNode], b
     return touches
 
 
-def one_call_time_s(runtime: RuntimeCosts) -> float:
-    """What the runtime adds to a one-stage step: one call of one jitted program."""
-    return runtime.call_s
+def one_call_time_s(runtime: RuntimeCosts, arrays: int, devices_on_host: int) -> float:
+    """What the runtime adds to a step run as one call of one jitted program: the call, and
+    each device buffer it takes in and hands back (``arrays``: the step's input and output
+    arrays, each on the ``devices_on_host`` devices one host's process drives)."""
+    return runtime.call_s + runtime.buffer_s * arrays * max(1, devices_on_host)
+
+
+def step_arrays(graph: OpGraph) -> int:
+    """The arrays a step's call takes in and hands back."""
+    return len(graph.inputs) + len(graph.outputs)

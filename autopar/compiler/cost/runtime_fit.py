@@ -1,8 +1,9 @@
 """Fitting the runtime's own costs and what a step pays inside its programs to the samples
 ``autopar profile`` takes (``RuntimeSample``; :mod:`autopar.runtime.calibrate`): the memory
-bandwidth with every device busy, the latency of an all-reduce inside a program, and the
-driver's call, task, transfer and accumulation costs. Pure: it touches no devices.
-:mod:`autopar.compiler.cost.calibration_fit` puts them into the calibrated cluster.
+bandwidth with every device busy, the latency of an all-reduce inside a program, the
+driver's call, task, transfer and accumulation costs, and each array's buffers in a call.
+Pure: it touches no devices. :mod:`autopar.compiler.cost.calibration_fit` puts them into the
+calibrated cluster.
 """
 
 from __future__ import annotations
@@ -78,4 +79,14 @@ def fit_runtime(samples: Sequence[RuntimeSample], base: RuntimeCosts) -> Runtime
         bandwidth = rows[0].nbytes / rows[0].seconds
     return RuntimeCosts(call_s=median("call", base.call_s), task_s=median("task", base.task_s),
                         transfer_s=median("transfer", base.transfer_s),
-                        accumulate_bytes_per_s=bandwidth)
+                        accumulate_bytes_per_s=bandwidth,
+                        buffer_s=fit_buffer_s(samples, base.buffer_s))
+
+
+def fit_buffer_s(samples: Sequence[RuntimeSample], default: float) -> float:
+    """What each device buffer a call takes in or hands back costs: the ``buffers``
+    programs' slope per array passed through, over its two buffers (in, out) on each
+    device; ``default`` when not measured."""
+    rows = [r for r in samples if r.kind == "buffers"]
+    per_array = _slope(rows, "buffers", "count")
+    return default if per_array is None else per_array / (2 * rows[0].devices)

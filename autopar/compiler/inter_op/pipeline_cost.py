@@ -30,6 +30,7 @@ from typing import Any
 
 from autopar.cluster import ClusterSpec, RuntimeCosts
 from autopar.compiler.cost.collectives import allreduce_time
+from autopar.compiler.cost.estimate import one_call_time_s
 from autopar.ir.pieces import Piece
 from autopar.ir.pipeline_pieces import least_cut_transfers, piece_roles
 from autopar.ir.pipeline_program import PipelineProgram
@@ -62,9 +63,11 @@ class DriverCounts:
     transfers: int
     calls: int = 0
 
-    def seconds(self, runtime: RuntimeCosts) -> float:
-        """Host seconds per step."""
-        return (self.calls * runtime.call_s + (self.tasks + self.small_ops) * runtime.task_s
+    def seconds(self, runtime: RuntimeCosts, one_call_s: float | None = None) -> float:
+        """Host seconds per step; ``one_call_s``: each call of the whole step's program, its
+        arrays' buffers included (``one_program_call_s``; default: the bare call)."""
+        call_s = runtime.call_s if one_call_s is None else one_call_s
+        return (self.calls * call_s + (self.tasks + self.small_ops) * runtime.task_s
                 + self.transfers * runtime.transfer_s)
 
     def to_dict(self) -> dict[str, int]:
@@ -260,6 +263,14 @@ def estimate_pipeline(schedule: str, num_microbatches: int, stage_times: Sequenc
                             timeline.theoretical_idle_fraction, counts, accumulate_s)
 
 
+def one_program_call_s(pp: PipelineProgram, cluster: ClusterSpec) -> float:
+    """The call of a step over every device of ``cluster`` run as one program: the call and
+    its arrays' buffers (``cost.estimate.one_call_time_s``)."""
+    arrays = len(pp.outer.in_paths) + len(pp.outer.out_paths)
+    return one_call_time_s(cluster.runtime, arrays,
+                           min(cluster.num_devices, cluster.devices_per_host))
+
+
 def tasks_per_microbatch(schedule: str) -> int:
     """Tasks a piece runs per microbatch: forward and backward, and the weight gradient
     apart under zero-bubble schedules."""
@@ -268,13 +279,15 @@ def tasks_per_microbatch(schedule: str) -> int:
 
 def stage_host_seconds(runtime: RuntimeCosts, schedule: str, num_microbatches: int,
                        only_stage: bool, puts_per_microbatch: Any, params: Any,
-                       fixed: Any) -> Any:
+                       fixed: Any, one_call_s: float | None = None) -> Any:
     """The driver's seconds per step for a stage (``only_stage``: it holds every device),
     from what its layers send per microbatch and hold (numbers, or arrays of them over
-    layer ranges: the same operations either way)."""
+    layer ranges: the same operations either way). ``one_call_s``: the step's call when it
+    runs as one program, its arrays' buffers included (``cost.estimate.one_call_time_s``;
+    default: the bare call)."""
     if only_stage and runs_as_one_program(schedule, 1):
         # the only stage: the runtime runs the step as one program (runtime.fused_step)
-        return runtime.call_s
+        return runtime.call_s if one_call_s is None else one_call_s
     per_task = tasks_per_microbatch(schedule)
     return (num_microbatches * (per_task * runtime.task_s
                                 + puts_per_microbatch * runtime.transfer_s)

@@ -18,6 +18,7 @@ from autopar.compiler.inter_op.pipeline_cost import (
     PipelineEstimate,
     driver_counts,
     estimate_pipeline,
+    one_program_call_s,
 )
 from autopar.compiler.inter_op.stages import (
     StagePartition,
@@ -97,7 +98,8 @@ def estimate_candidate(pp: PipelineProgram, partition: StagePartition,
     return estimate_pipeline(
         schedule, m, [st.candidate.time for st in partition.stages],
         [st.candidate.tail_time for st in partition.stages], num_chunks=chunks,
-        before_s=before, host_s=counts.seconds(cluster.runtime), counts=counts,
+        before_s=before, host_s=counts.seconds(cluster.runtime, one_program_call_s(pp, cluster)),
+        counts=counts,
         accumulate_s=accumulate)
 
 

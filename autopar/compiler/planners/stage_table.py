@@ -17,7 +17,11 @@ from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.inter_op.forked import available_cores
 from autopar.compiler.inter_op.layer_costs import LayerCostCache
 from autopar.compiler.inter_op.piece_cost import PieceCost, nbytes
-from autopar.compiler.inter_op.pipeline_cost import replica_allreduce_time, stage_host_seconds
+from autopar.compiler.inter_op.pipeline_cost import (
+    one_program_call_s,
+    replica_allreduce_time,
+    stage_host_seconds,
+)
 from autopar.compiler.inter_op.remat import LayerSums, remat_candidates, state_split_levels
 from autopar.compiler.inter_op.stages import (
     StageCandidate,
@@ -194,7 +198,8 @@ class TableEntries:
         return stage_host_seconds(self.cluster.runtime, self.method.schedule,
                                   self.num_microbatches,
                                   submesh.num_devices == self.cluster.num_devices,
-                                  facts.puts_per_microbatch, facts.params, facts.fixed)
+                                  facts.puts_per_microbatch, facts.params, facts.fixed,
+                                  one_program_call_s(self.pp, self.cluster))
 
     def _variants(self, start: int, end: int, submesh: SubmeshShape, shape: tuple[int, ...],
                   split: int, transfer: float, host: float) -> list[StageCandidate]:

@@ -22,7 +22,11 @@ from typing import Any, Protocol
 import numpy as np
 
 from autopar.compiler.cost.mesh import LogicalMesh
-from autopar.compiler.inter_op.pipeline_cost import replica_allreduce_time, stage_host_seconds
+from autopar.compiler.inter_op.pipeline_cost import (
+    one_program_call_s,
+    replica_allreduce_time,
+    stage_host_seconds,
+)
 from autopar.compiler.inter_op.remat import MAXED_FIELD, LayerSums, state_split_levels
 from autopar.compiler.inter_op.stages import SubmeshShape
 from autopar.compiler.inter_op.submesh import CandidateArrays
@@ -149,7 +153,8 @@ def _submesh_slots(entries: Entries, ranges: _RangeArrays,
     transfer = ranges.bytes * link.beta
     host = np.broadcast_to(stage_host_seconds(
         runtime, entries.method.schedule, entries.num_microbatches,
-        sub.num_devices == cluster.num_devices, ranges.puts, ranges.params, ranges.fixed),
+        sub.num_devices == cluster.num_devices, ranges.puts, ranges.params, ranges.fixed,
+        one_program_call_s(entries.pp, cluster)),
         (n, n + 1))
     most = entries.most_in_flight_on(sub.num_devices)
     budget = entries.options.memory_budget_bytes
