@@ -74,8 +74,10 @@ class RuntimeSample:
     element-wise kernel of ``nbytes`` per device on every device at once), ``all-reduces``
     (one program of ``count`` links over ``devices`` devices, each a small matmul and an
     all-reduce of ``nbytes``, one after the other), ``links`` (the same program without its
-    all-reduces) or ``buffers`` (a program over ``devices`` devices passing ``count`` small
-    arrays through, donated); ``seconds``: the median of the timed calls."""
+    all-reduces), ``buffers`` (a program over ``devices`` devices passing ``count`` small
+    arrays through, donated), ``feeds`` (a program reading ``count`` small arrays split over
+    ``devices`` devices, given from the default device) or ``placed`` (the same, given
+    split); ``seconds``: the median of the timed calls."""
 
     kind: str
     devices: int

@@ -20,7 +20,7 @@ import math
 import numbers
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from dataclasses import field as dataclass_field
 from importlib import resources
 from pathlib import Path
@@ -215,7 +215,8 @@ class RuntimeCosts:
     ``jax.device_put`` of a value to another stage (its bytes go over the links as usual);
     ``accumulate_bytes_per_s``: gradient bytes per second added into the accumulator (one read
     of each operand, one write: memory bandwidth over three); ``buffer_s``: each device buffer
-    a one-stage step's call takes in or hands back (JAX's dispatch handles each of them).
+    a one-stage step's call takes in or hands back (JAX's dispatch handles each of them);
+    ``feed_s``: each device's piece of a batch array the call places from the host.
     Older cluster files have no ``runtime`` entry: they get these defaults, GPU figures (see
     docs/cost-model.md for their sources)."""
 
@@ -224,17 +225,16 @@ class RuntimeCosts:
     transfer_s: float = 10e-6
     accumulate_bytes_per_s: float = 300e9
     buffer_s: float = 0.0
+    feed_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("call_s", "task_s", "transfer_s", "buffer_s"):
+        for name in ("call_s", "task_s", "transfer_s", "buffer_s", "feed_s"):
             _number(getattr(self, name), f"runtime.{name}", positive=False)
         _number(self.accumulate_bytes_per_s, "runtime.accumulate_bytes_per_s")
 
     def to_dict(self) -> dict[str, float]:
         """JSON-able form."""
-        return {"call_s": self.call_s, "task_s": self.task_s, "transfer_s": self.transfer_s,
-                "accumulate_bytes_per_s": self.accumulate_bytes_per_s,
-                "buffer_s": self.buffer_s}
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None, where: str = "runtime.") -> RuntimeCosts:

@@ -73,3 +73,14 @@ def test_each_buffer_of_a_call_is_the_passing_programs_slope_per_device_buffer()
     assert fit_runtime(passing[:1], base).buffer_s == 7.0
     flat = [RuntimeSample("buffers", 8, 0.0, 1e-4, count=k) for k in (4, 36)]
     assert fit_runtime(flat, base).buffer_s == 7.0
+
+
+def test_each_piece_of_a_fed_array_is_the_fed_programs_slope_over_the_placed_ones():
+    base = RuntimeCosts(feed_s=7.0)
+    # 8 devices: fed arrays cost 8 pieces of 20 us each beyond the same arrays in place
+    placed = [RuntimeSample("placed", 8, 0.0, 1e-4 + k * 3e-6, count=k) for k in (4, 36)]
+    fed = [RuntimeSample("feeds", 8, 0.0, 2e-4 + k * (3e-6 + 8 * 20e-6), count=k)
+           for k in (4, 36)]
+    assert fit_runtime(placed + fed, base).feed_s == pytest.approx(20e-6)
+    # without the placed programs there is nothing to take off: not measured
+    assert fit_runtime(fed, base).feed_s == 7.0

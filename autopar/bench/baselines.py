@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from autopar.bench.hand_plans import megatron_specs
 from autopar.cluster import ClusterSpec
-from autopar.compiler.cost.estimate import one_call_time_s, step_arrays
+from autopar.compiler.cost.estimate import call_arrays, one_call_time_s
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.trace import TracedStep
 from autopar.methods import DataParallel, ShardParallel
@@ -47,7 +47,7 @@ def plan_megatron(traced: TracedStep, cluster: ClusterSpec, time_limit_s: float 
                                devices_per_host=cluster.devices_per_host)
     # one program per step, as every one-stage plan pays (planners/dispatch)
     stage = plan.stages[0]
-    runtime = one_call_time_s(cluster.runtime, step_arrays(graph),
+    runtime = one_call_time_s(cluster.runtime, call_arrays(graph, (1,)),
                               min(mesh.num_devices, cluster.devices_per_host))
     total = stage.est_time_s + runtime
     return replace(plan, est_step_time_s=total).with_planning(

@@ -30,7 +30,7 @@ from autopar.bench.hand_oracle import (
 )
 from autopar.bench.hand_plans import HAND_PLANS, HandPlan, graph_leaves
 from autopar.cluster import ClusterSpec
-from autopar.compiler.cost.estimate import one_call_time_s, step_arrays
+from autopar.compiler.cost.estimate import call_arrays, one_call_time_s
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.trace import TracedStep
 from autopar.errors import AutoparError
@@ -72,7 +72,7 @@ def plan_hand(traced: TracedStep, cluster: ClusterSpec, mesh_shape: tuple[int, i
     mesh = LogicalMesh.from_cluster(cluster, mesh_shape)
     plan = plan_pinned(traced, mesh, specs, cluster_name=cluster.name,
                        devices_per_host=cluster.devices_per_host, time_limit_s=time_limit_s)
-    runtime = one_call_time_s(cluster.runtime, step_arrays(traced.graph),
+    runtime = one_call_time_s(cluster.runtime, call_arrays(traced.graph, (1,)),
                               min(mesh.num_devices, cluster.devices_per_host))
     return replace(plan, est_step_time_s=plan.stages[0].est_time_s + runtime)
 

@@ -179,7 +179,8 @@ def format_calibration(calibration: Any, elapsed_s: float) -> str:
         f"{bandwidth / 1e9:.3g} GB/s" if bandwidth else "not measured (priced by flops)"))
     rt = cluster.runtime
     lines.append(f"runtime: call {rt.call_s * 1e6:.0f} us (and {rt.buffer_s * 1e6:.2f} us per "
-                 f"device buffer in or out), pipeline task {rt.task_s * 1e6:.0f} us, transfer "
+                 f"device buffer in or out, {rt.feed_s * 1e6:.1f} us per device piece of a batch "
+                 f"array fed), pipeline task {rt.task_s * 1e6:.0f} us, transfer "
                  f"{rt.transfer_s * 1e6:.0f} us, gradient accumulation "
                  f"{rt.accumulate_bytes_per_s / 1e9:.3g} GB/s")
     return "\n".join(lines)

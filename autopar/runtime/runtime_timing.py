@@ -7,8 +7,9 @@ with 16 small operands on half the devices (a pipeline task on a stage), a
 donated ``acc + g`` on one device at two sizes (the gradient accumulation's bandwidth), an
 element-wise kernel on every device at once at two sizes (the memory bandwidth a fused kernel
 sees), a program passing 4 and 36 small arrays through (what each array a step's call takes
-and gives back costs), and programs of 8 and 40 links of a small matmul and an all-reduce,
-beside the same links without the all-reduce (the difference of their slopes: an
+and gives back costs) and one reading as many fed from the default device and already placed
+(what each batch array costs the call), and programs of 8 and 40 links of a small matmul and
+an all-reduce, beside the same links without the all-reduce (the difference of their slopes: an
 all-reduce's latency inside a step). Calls go back to back, waited for at the end, as the
 pipeline driver issues them; the median over rounds is kept.
 """
@@ -70,6 +71,10 @@ ALL_REDUCE_CHAINS = (8, 40)
 # A step's call takes each of its arrays in and hands each back, a buffer per device each way:
 # a program passing few and many small arrays through (donated: no copy) over every device.
 # Passing 8 and 64 took 127 and 327 us on 2 CPU devices, 206 and 826 us on 8 (2026-12-07).
+# And the batch a step is fed: a program reading as many arrays split over every device,
+# given from the default device at each call (``feeds``) and already in place (``placed``).
+# Eight (32 x 16) arrays fed so took 87 us more an array than placed on 2 CPU devices, 191
+# us on 8 (2026-12-07).
 BUFFER_COUNTS = (4, 36)
 _ALL_REDUCE_ROUNDS = 15
 _LATENCY_ELEMENTS = 16
@@ -127,6 +132,9 @@ def time_runtime(devices: Sequence[Any]) -> list[RuntimeSample]:
                                  _per_call(partial(scale, v), calls=5)))
     out += [RuntimeSample("buffers", n, 0.0, _time_passing(every, count), count=count)
             for count in BUFFER_COUNTS]
+    out += [RuntimeSample(kind, n, 0.0, _time_feeding(every, count, kind == "placed"),
+                          count=count)
+            for kind in ("feeds", "placed") for count in BUFFER_COUNTS]
     out += _time_all_reduce_chains(every)
     for sample in out:
         logger.info("runtime %s (%d device(s), %d bytes, %d): %.0f us", sample.kind,
@@ -145,6 +153,19 @@ def _time_passing(mesh: Mesh, count: int) -> float:
         return held
 
     return _per_call(call)
+
+
+def _time_feeding(mesh: Mesh, count: int, placed: bool) -> float:
+    """Seconds per call of a program reading ``count`` small arrays split over ``mesh``,
+    each given on the default device (a batch as a step is fed it) or, ``placed``, already
+    split."""
+    split = NamedSharding(mesh, P(mesh.axis_names))
+    host = np.ones((2 * mesh.size, 16), np.float32)
+    arrays = [jax.device_put(host, split) if placed else jnp.asarray(host)
+              for _ in range(count)]
+    # each array's own element-wise kernel, split as it came: no collective
+    reading = jax.jit(lambda *a: [v + 1 for v in a], in_shardings=split, out_shardings=split)
+    return _per_call(lambda: reading(*arrays))
 
 
 def _time_all_reduce_chains(mesh: Mesh) -> list[RuntimeSample]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass
 
 from autopar.cluster import RuntimeCosts
 from autopar.compiler.cost.collectives import collective_time
@@ -112,13 +113,25 @@ def touched_by(graph: OpGraph, tensors: Collection[int]) -> Callable[[OpNode], b
     return touches
 
 
-def one_call_time_s(runtime: RuntimeCosts, arrays: int, devices_on_host: int) -> float:
-    """What the runtime adds to a step run as one call of one jitted program: the call, and
-    each device buffer it takes in and hands back (``arrays``: the step's input and output
-    arrays, each on the ``devices_on_host`` devices one host's process drives)."""
-    return runtime.call_s + runtime.buffer_s * arrays * max(1, devices_on_host)
+@dataclass(frozen=True)
+class CallArrays:
+    """The arrays a step's call takes in and hands back (``arrays``), and of its inputs those
+    that arrive from the host at every call (``fed``: the batch's)."""
+
+    arrays: int
+    fed: int = 0
 
 
-def step_arrays(graph: OpGraph) -> int:
-    """The arrays a step's call takes in and hands back."""
-    return len(graph.inputs) + len(graph.outputs)
+def call_arrays(graph: OpGraph, batch_argnums: Collection[int]) -> CallArrays:
+    """A step's arrays in and out, its batch arguments' leaves fed."""
+    fed = sum(1 for io in graph.inputs if io.arg_index in batch_argnums)
+    return CallArrays(len(graph.inputs) + len(graph.outputs), fed)
+
+
+def one_call_time_s(runtime: RuntimeCosts, call: CallArrays, devices_on_host: int) -> float:
+    """What the runtime adds to a step run as one call of one jitted program: the call, each
+    device buffer it takes in and hands back, and each device's piece of every array fed from
+    the host (each array on each of the ``devices_on_host`` devices one host's process
+    drives)."""
+    per_device = runtime.buffer_s * call.arrays + runtime.feed_s * call.fed
+    return runtime.call_s + per_device * max(1, devices_on_host)

@@ -80,7 +80,8 @@ def fit_runtime(samples: Sequence[RuntimeSample], base: RuntimeCosts) -> Runtime
     return RuntimeCosts(call_s=median("call", base.call_s), task_s=median("task", base.task_s),
                         transfer_s=median("transfer", base.transfer_s),
                         accumulate_bytes_per_s=bandwidth,
-                        buffer_s=fit_buffer_s(samples, base.buffer_s))
+                        buffer_s=fit_buffer_s(samples, base.buffer_s),
+                        feed_s=fit_feed_s(samples, base.feed_s))
 
 
 def fit_buffer_s(samples: Sequence[RuntimeSample], default: float) -> float:
@@ -90,3 +91,14 @@ def fit_buffer_s(samples: Sequence[RuntimeSample], default: float) -> float:
     rows = [r for r in samples if r.kind == "buffers"]
     per_array = _slope(rows, "buffers", "count")
     return default if per_array is None else per_array / (2 * rows[0].devices)
+
+
+def fit_feed_s(samples: Sequence[RuntimeSample], default: float) -> float:
+    """What each device's piece of an array fed to a call from the default device costs: the
+    ``feeds`` programs' slope per array less the ``placed`` ones', over the devices;
+    ``default`` when not measured."""
+    fed, placed = _slope(samples, "feeds", "count"), _slope(samples, "placed", "count")
+    if fed is None or placed is None:
+        return default
+    devices = next(r.devices for r in samples if r.kind == "feeds")
+    return max(fed - placed, 0.0) / devices

@@ -30,7 +30,7 @@ from typing import Any
 
 from autopar.cluster import ClusterSpec, RuntimeCosts
 from autopar.compiler.cost.collectives import allreduce_time
-from autopar.compiler.cost.estimate import one_call_time_s
+from autopar.compiler.cost.estimate import CallArrays, one_call_time_s
 from autopar.ir.pieces import Piece
 from autopar.ir.pipeline_pieces import least_cut_transfers, piece_roles
 from autopar.ir.pipeline_program import PipelineProgram
@@ -264,10 +264,10 @@ def estimate_pipeline(schedule: str, num_microbatches: int, stage_times: Sequenc
 
 
 def one_program_call_s(pp: PipelineProgram, cluster: ClusterSpec) -> float:
-    """The call of a step over every device of ``cluster`` run as one program: the call and
-    its arrays' buffers (``cost.estimate.one_call_time_s``)."""
-    arrays = len(pp.outer.in_paths) + len(pp.outer.out_paths)
-    return one_call_time_s(cluster.runtime, arrays,
+    """The call of a step over every device of ``cluster`` run as one program: the call, its
+    arrays' buffers and its batch fed (``cost.estimate.one_call_time_s``)."""
+    call = CallArrays(len(pp.outer.in_paths) + len(pp.outer.out_paths), len(pp.split_inputs))
+    return one_call_time_s(cluster.runtime, call,
                            min(cluster.num_devices, cluster.devices_per_host))
 
 

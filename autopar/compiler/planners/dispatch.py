@@ -17,7 +17,7 @@ from dataclasses import replace
 from typing import Any
 
 from autopar.cluster import ClusterSpec
-from autopar.compiler.cost.estimate import one_call_time_s, step_arrays
+from autopar.compiler.cost.estimate import call_arrays, one_call_time_s
 from autopar.compiler.cost.host_state import host_tensors
 from autopar.compiler.cost.mesh import logical_mesh_for
 from autopar.compiler.graph.attention_forms import trace_with_attention_kernel
@@ -353,7 +353,7 @@ def _plan_one_stage(
                                else 3, **common))
         plan = memo.fastest[data_key]
     stage = plan.stages[0]
-    runtime = one_call_time_s(cluster.runtime, step_arrays(traced.graph),
+    runtime = one_call_time_s(cluster.runtime, call_arrays(traced.graph, batch_argnums),
                               min(mesh.num_devices, cluster.devices_per_host))
     total = stage.est_time_s + runtime
     return replace(plan, est_step_time_s=total).with_planning(

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from autopar.cluster import ClusterSpec
-from autopar.compiler.cost.estimate import one_call_time_s, step_arrays
+from autopar.compiler.cost.estimate import call_arrays, one_call_time_s
 from autopar.compiler.cost.host_state import host_tensors
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.graph.trace import TracedStep
@@ -129,7 +129,7 @@ def plan_within_budget(traced: TracedStep, method: ShardParallel, cluster: Clust
     plan = memo.fastest[key]
     if plan.peak_memory_bytes > limit:
         # its estimate as the step's (below: the runtime's call added)
-        call_s = one_call_time_s(cluster.runtime, step_arrays(traced.graph),
+        call_s = one_call_time_s(cluster.runtime, call_arrays(traced.graph, batch_argnums),
                                  min(mesh.num_devices, cluster.devices_per_host))
         check_can_win(plan, beat, plan.stages[0].est_time_s + call_s)
         fastest = plan

@@ -325,9 +325,10 @@ def test_profile_writes_a_cluster_file_that_loads(profiled, tmp_path):
     chains = [r for r in data["runtime_samples"] if r["kind"] == "all-reduces"]
     assert len({r["count"] for r in chains}) == 2  # the in-program latency's two lengths
     # the buffers a call passes: few and many arrays, over every device
-    passing = [r for r in data["runtime_samples"] if r["kind"] == "buffers"]
-    assert sorted(r["count"] for r in passing) == sorted(BUFFER_COUNTS)
-    assert {r["devices"] for r in passing} == {8}
+    for kind in ("buffers", "feeds", "placed"):  # passed through; fed, and read in place
+        passing = [r for r in data["runtime_samples"] if r["kind"] == kind]
+        assert sorted(r["count"] for r in passing) == sorted(BUFFER_COUNTS)
+        assert {r["devices"] for r in passing} == {8}
     assert data["link"]["kind"] == "all" and len(data["collective_samples"]) == 24
     assert {f["kind"] for f in data["fits"]} == {*CALIBRATED_KINDS, "all"}
 

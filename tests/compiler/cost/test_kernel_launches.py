@@ -92,7 +92,7 @@ def test_devices_sharing_a_host_divide_everything_they_do_but_the_drivers_costs(
         assert s.latency_s == a.latency_s * 4
         assert s.bandwidth_bytes_per_s == a.bandwidth_bytes_per_s / 4
     assert shared.runtime.accumulate_bytes_per_s == alone.runtime.accumulate_bytes_per_s / 4
-    for kept in ("call_s", "task_s", "transfer_s", "buffer_s"):
+    for kept in ("call_s", "task_s", "transfer_s", "buffer_s", "feed_s"):
         assert getattr(shared.runtime, kept) == getattr(alone.runtime, kept)
     assert sharing_one_host(alone.to_dict(), 1) == alone.to_dict()
 

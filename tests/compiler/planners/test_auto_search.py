@@ -64,13 +64,15 @@ def test_a_replicated_step_is_estimated_alike_by_every_planner(opt):
     assert auto.est_step_time_s == pytest.approx(shard.est_step_time_s, rel=0.01)
     assert data.est_step_time_s == pytest.approx(shard.est_step_time_s, rel=0.01)
     one = shard.planning.estimate
-    # one call, and a buffer in and out for each of the step's arrays on its one device
+    # one call, a buffer in and out for each of the step's arrays on its one device, and the
+    # batch's two arrays fed
     graph = dispatch.trace(step, args, autopar.ShardParallel(), (1,)).traced.graph
     arrays = len(graph.inputs) + len(graph.outputs)
     assert arrays == 2 * len(jax.tree.leaves(args[0])) + 2 + 1  # state, batch, loss
-    assert one["runtime_s"] == pytest.approx(cluster.runtime.call_s
-                                             + arrays * cluster.runtime.buffer_s)
-    assert cluster.runtime.buffer_s > 0 and one["communication_s"] == 0
+    runtime = cluster.runtime
+    assert one["runtime_s"] == pytest.approx(runtime.call_s + arrays * runtime.buffer_s
+                                             + 2 * runtime.feed_s)
+    assert runtime.buffer_s > 0 and runtime.feed_s > 0 and one["communication_s"] == 0
     # the same work, kernels aside: each microbatch starts the forward's and backward's
     # kernels again (docs/cost-model.md, "Kernel launches and devices sharing a host")
     work_only = dataclasses.replace(cluster, device=dataclasses.replace(
@@ -94,16 +96,18 @@ def test_a_replicated_step_is_estimated_alike_by_every_planner(opt):
 
 
 def test_a_one_stage_call_pays_each_arrays_buffer_on_every_device_it_drives():
-    """JAX's dispatch handles every input and output array's buffer on each device: on 8
-    devices of one host a one-stage step's call pays 8 per array; the pipeline's one-program
-    form of the same step pays the same."""
+    """JAX's dispatch handles every input and output array's buffer on each device, and the
+    batch arrives from the host in a piece per device: on 8 devices of one host a one-stage
+    step's call pays 8 of each per array; the pipeline's one-program form of the same step
+    pays the same."""
     step, args = mlp_step(optax.sgd(0.1))
     cluster = local_cluster()
     graph = dispatch.trace(step, args, autopar.DataParallel(), (1,)).traced.graph
     arrays = len(graph.inputs) + len(graph.outputs)
     data = planned(step, args, autopar.DataParallel(), cluster).planning.estimate
-    assert data["runtime_s"] == pytest.approx(
-        cluster.runtime.call_s + arrays * cluster.num_devices * cluster.runtime.buffer_s)
+    runtime, fed = cluster.runtime, len(jax.tree.leaves(args[1]))
+    assert data["runtime_s"] == pytest.approx(runtime.call_s + cluster.num_devices * (
+        arrays * runtime.buffer_s + fed * runtime.feed_s))
     pipe = planned(step, args, autopar.PipeshardParallel(num_microbatches=1, num_stages=1),
                    cluster).planning.estimate
     assert pipe["host_s"] == pytest.approx(data["runtime_s"])

@@ -37,11 +37,11 @@ def test_a_stage_per_layer_is_estimated_as_its_pinned_plan_and_pruned_by_its_bou
     # its kernels' launches left out, and its matmuls at the general rate: with them (every
     # stage launches its kernels once per microbatch; the host's GEMM rate makes the layers'
     # compute small beside that) the estimates close in and the deep split is not pruned;
-    # so is the cost of each array's buffer in a one-program step's call (its ~900 arrays,
-    # 0.45 ms, go to the pipelines run as one program only)
+    # so are the costs of each array's buffer and of the batch fed in a one-program step's
+    # call (its ~900 arrays, 0.45 ms, go to the pipelines run as one program only)
     cluster = dataclasses.replace(cluster, device=dataclasses.replace(
         cluster.device, kernel_launch_s=0.0, gemm_flops={}),
-        runtime=dataclasses.replace(cluster.runtime, buffer_s=0.0))
+        runtime=dataclasses.replace(cluster.runtime, buffer_s=0.0, feed_s=0.0))
     method = autopar.PipeshardParallel(num_microbatches=12, schedule="1f1b", remat="none")
     step = dispatch.trace(model.train_step, model.abstract_inputs(), method, (1,))
     pp = step.pipeline
