@@ -65,7 +65,8 @@ class DriverCounts:
 
     def seconds(self, runtime: RuntimeCosts, one_call_s: float | None = None) -> float:
         """Host seconds per step; ``one_call_s``: each call of the whole step's program, its
-        arrays' buffers included (``one_program_call_s``; default: the bare call)."""
+        arrays' buffers and its batch's arrival included (``one_program_call_s``; default:
+        the bare call)."""
         call_s = runtime.call_s if one_call_s is None else one_call_s
         return (self.calls * call_s + (self.tasks + self.small_ops) * runtime.task_s
                 + self.transfers * runtime.transfer_s)
@@ -283,8 +284,8 @@ def stage_host_seconds(runtime: RuntimeCosts, schedule: str, num_microbatches: i
     """The driver's seconds per step for a stage (``only_stage``: it holds every device),
     from what its layers send per microbatch and hold (numbers, or arrays of them over
     layer ranges: the same operations either way). ``one_call_s``: the step's call when it
-    runs as one program, its arrays' buffers included (``cost.estimate.one_call_time_s``;
-    default: the bare call)."""
+    runs as one program, its arrays' buffers and its batch's arrival included
+    (``one_program_call_s``; default: the bare call)."""
     if only_stage and runs_as_one_program(schedule, 1):
         # the only stage: the runtime runs the step as one program (runtime.fused_step)
         return runtime.call_s if one_call_s is None else one_call_s
