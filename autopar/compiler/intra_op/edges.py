@@ -18,6 +18,7 @@ from autopar.compiler.cost.resharding import ReshardCost, reshard_cost
 from autopar.compiler.graph.opgraph import OpGraph, TensorInfo
 from autopar.compiler.intra_op.problem import ProblemEdge
 from autopar.compiler.intra_op.strategies.base import Strategy
+from autopar.compiler.intra_op.strategies.reduce import SPLIT_REDUCTIONS
 from autopar.compiler.intra_op.variables import (
     COLLECTIVE_TIE_BREAK_S,
     DecisionVariables,
@@ -75,31 +76,35 @@ class ReshardingEdges:
         self._cost_cache: dict[tuple, ReshardCost] = table.caches.reshard_costs
         self._matrix_cache: dict[tuple, np.ndarray] = table.caches.matrices
 
-    def cost(self, src: ShardingSpec, dst: ShardingSpec, info: TensorInfo) -> ReshardCost:
-        """Resharding ``info``-typed data from ``src`` to ``dst`` on the table's mesh.
+    def cost(self, src: ShardingSpec, dst: ShardingSpec, info: TensorInfo,
+             price_slice: bool = False) -> ReshardCost:
+        """Resharding ``info``-typed data from ``src`` to ``dst`` on the table's mesh (a
+        slice priced where ``price_slice``: a reduction reads it, ``reshard_cost``).
 
         Cached by what the cost depends on: the specs, the tensor's rank and its bytes (not
         its shape or dtype: tensors of one size and rank reshard alike, about half the
         lookups of a model's build)."""
-        key = (src, dst, info.nbytes, info.ndim)
+        key = (src, dst, info.nbytes, info.ndim, price_slice)
         found = self._cost_cache.get(key)
         if found is None:
-            found = reshard_cost(src, dst, info, self.table.mesh)
+            found = reshard_cost(src, dst, info, self.table.mesh, price_slice)
             self._cost_cache[key] = found
         return found
 
     def use_matrix(
-        self, tensor: int, needs: Callable[[], Sequence[ShardingSpec | None]], key: tuple
+        self, tensor: int, needs: Callable[[], Sequence[ShardingSpec | None]], key: tuple,
+        price_slice: bool = False,
     ) -> np.ndarray:
         """Resharding seconds [producer choice][consumer choice] for one use of ``tensor``;
-        ``needs()[j]`` is the spec the use needs under the consumer's choice j.
+        ``needs()[j]`` is the spec the use needs under the consumer's choice j
+        (``price_slice``: the consumer is a reduction, ``cost``).
 
         Cached by the producer's and consumer's strategy lists: the same op of every tied
         layer reuses one matrix."""
         home, out = self.table.tensor_home[tensor]
         src_list = self.table.variable_of(home).members[home]
         info = self.table.graph.tensors[tensor]
-        full_key = (id(src_list), out, key, info.shape, info.dtype)
+        full_key = (id(src_list), out, key, info.shape, info.dtype, price_slice)
         found = self._matrix_cache.get(full_key)
         if found is None:
             wanted = needs()
@@ -109,22 +114,23 @@ class ReshardingEdges:
             need_index: dict[ShardingSpec, int] = {}
             cols = [-1 if n is None else need_index.setdefault(n, len(need_index))
                     for n in wanted]
-            found = self._priced(tuple(src_index), tuple(need_index), info)[np.ix_(rows, cols)]
+            found = self._priced(tuple(src_index), tuple(need_index), info,
+                                 price_slice)[np.ix_(rows, cols)]
             self._matrix_cache[full_key] = found
         return found
 
     def _priced(self, srcs: tuple[ShardingSpec, ...], needs: tuple[ShardingSpec, ...],
-                info: TensorInfo) -> np.ndarray:
+                info: TensorInfo, price_slice: bool = False) -> np.ndarray:
         """Seconds [src][need] (and a last column of zeros: no need) between distinct specs,
         cached by the specs themselves: ops with different strategy lists often produce and
         need the same few specs of a tensor type."""
-        key = ("priced", srcs, needs, info.nbytes, info.ndim)
+        key = ("priced", srcs, needs, info.nbytes, info.ndim, price_slice)
         small = self._matrix_cache.get(key)
         if small is None:
             small = np.zeros((len(srcs), len(needs) + 1))
             for a, spec in enumerate(srcs):
                 for b, need in enumerate(needs):
-                    move = self.cost(spec, need, info)
+                    move = self.cost(spec, need, info, price_slice)
                     count = sum(c.count for c in move.collectives)
                     small[a, b] = move.time_s + COLLECTIVE_TIE_BREAK_S * count
             self._matrix_cache[key] = small
@@ -140,9 +146,9 @@ class ReshardingEdges:
 
         def add_use(tensor: int, dst_var: Variable,
                     needs: Callable[[], Sequence[ShardingSpec | None]], key: tuple, note: str,
-                    repeat: int = 1) -> None:
+                    repeat: int = 1, price_slice: bool = False) -> None:
             src_var = table.home_variable(tensor)
-            matrix = self.use_matrix(tensor, needs, key)
+            matrix = self.use_matrix(tensor, needs, key, price_slice)
             if repeat > 1:  # a use inside a scan body reshards on every iteration
                 matrix = matrix * repeat
             if src_var.index == dst_var.index:
@@ -163,7 +169,8 @@ class ReshardingEdges:
                 if t not in table.tensor_home:
                     continue  # literal or constant: every device holds it whole
                 add_use(t, var, partial(input_needs, strategies, k), ("use", id(strategies), k),
-                        f"t{t}->n{node.id}.{k}", node.repeat)
+                        f"t{t}->n{node.id}.{k}", node.repeat,
+                        node.primitive in SPLIT_REDUCTIONS)
         for out_t, in_t in ties:
             in_member = table.tensor_home[in_t][0]
             in_var = table.variable_of(in_member)

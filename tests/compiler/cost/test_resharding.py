@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
 
-from autopar.cluster import load_cluster
+from autopar.cluster import ClusterSpec, load_cluster
 from autopar.compiler.cost.mesh import LogicalMesh
 from autopar.compiler.cost.resharding import reshard_cost
 from autopar.compiler.graph.opgraph import TensorInfo
@@ -80,3 +80,25 @@ def test_xla_emits_the_predicted_kinds(src, dst, expected):
     assert set(emitted) == set(expected)
     for kind, nbytes in expected.items():
         assert emitted[kind] == pytest.approx(nbytes, rel=0.1)
+
+
+def test_a_slice_costs_its_kernel_where_a_reduction_reads_it():
+    """A slice moves nothing between devices; the kernel cutting it reads and writes each
+    device's part once at the memory bandwidth, priced where a reduction reads the slice
+    (``price_slice``), and only where the cluster describes the bandwidth."""
+    described = load_cluster("cpu-sim").to_dict()
+    described["device"]["memory_bandwidth_bytes_per_s"] = 1e11
+    mesh = LogicalMesh.from_cluster(ClusterSpec.from_dict(described), (2, 4))
+    whole, sliced = spec("", ""), spec("x", "y")
+    assert reshard_cost(whole, sliced, TENSOR, mesh).time_s == 0.0
+    priced = reshard_cost(whole, sliced, TENSOR, mesh, price_slice=True)
+    assert priced.collectives == ()
+    assert priced.time_s == pytest.approx(2 * (FULL / 8) / 1e11)
+    # a finer split of an already split dim slices only the new part out of what is held
+    finer = reshard_cost(spec("x", ""), spec("xy", ""), TENSOR, mesh, price_slice=True)
+    assert finer.time_s == pytest.approx(2 * (FULL / 8) / 1e11)
+    assert reshard_cost(whole, sliced, TENSOR, MESH, price_slice=True).time_s == 0.0
+    # a gather is what it was
+    gather = spec("x", "")
+    assert reshard_cost(gather, whole, TENSOR, mesh, price_slice=True) == \
+        reshard_cost(gather, whole, TENSOR, mesh)

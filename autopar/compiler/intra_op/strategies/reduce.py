@@ -42,8 +42,12 @@ def kept_dims_strategies(ctx: StrategyContext) -> list[Strategy]:
     return reduction_strategies(ctx, split_reduced=False)
 
 
+# the reductions offered split reduced dims (each device reduces its block, an all-reduce
+# completes it)
+SPLIT_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
+                              "reduce_and", "reduce_or"})
+
 RULES: dict[str, Callable[[StrategyContext], list[Strategy]]] = {
-    **{name: reduction_strategies for name in (
-        "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or")},
+    **{name: reduction_strategies for name in sorted(SPLIT_REDUCTIONS)},
     **{name: kept_dims_strategies for name in ("argmax", "argmin", "reduce_xor")},
 }
