@@ -3,8 +3,9 @@
 Per tensor dimension, the mesh axes splitting it in the source and the destination share a
 common prefix; axes past the prefix are released by the source or acquired by the destination.
 An acquired axis that nobody released is a local slice: no collective (every device already
-holds the data); free, or with ``price_slice`` a kernel that reads and writes the slice at the
-device's memory bandwidth (``slice_time_s``: what a reduction reading it pays). A released
+holds the data); free, or where it splits a dimension of ``price_slice`` a kernel that reads and
+writes the slice at the device's memory bandwidth (``slice_time_s``: what a reduction over that
+dimension pays). A released
 axis that another dimension acquires moves its split there: an all-to-all over the moved
 axes. Every other released axis is gathered: one all-gather per tensor dimension, over the
 axes that dimension releases.
@@ -39,15 +40,18 @@ def _shards(spec_axes: set[str], mesh: LogicalMesh) -> int:
 def slice_time_s(dst: ShardingSpec, tensor: TensorInfo, mesh: LogicalMesh) -> float:
     """Seconds of cutting each device's part ``dst`` out of ``tensor`` it holds more of: the
     part read and written once at the memory bandwidth (0 where the cluster does not describe
-    it). Priced where a reduction reads the slice (``edges``): a reduction over a dimension
-    it slices saves the bytes of the part it leaves out, which the slice itself spends (and
+    it). Priced where a reduction reads the slice and sums over a dimension it splits
+    (``edges``): it reduces less, but only to leave partial sums an all-reduce completes,
+    and the bytes it saves are the ones the slice itself spends (and
     XLA, fusing the slice into the reduction, makes the sliced values twice, whole for their
     other readers and sliced for this one: on CPU devices the layer-norm backward chains of a
     GPT's bias gradients took 100 of a 400 ms step, GPT small on a 2 x 4 mesh, where the plan
     had priced the slices at nothing and the halved reductions as savings;
-    docs/cost-model.md). Other readers fuse a slice and read only their part: left free
-    there, which also keeps the whole-model ILPs at published sizes as quick to prove (priced
-    everywhere, Megatron 76.1B's search took 28 s against 22 s, its estimate within 0.1%)."""
+    docs/cost-model.md). Other slices are left free: a reduction sliced along a dimension it
+    keeps splits its work as any op does, and other readers fuse a slice and read only their
+    part. That also keeps the ILPs at published sizes as quick to prove: priced everywhere,
+    Megatron 76.1B's search took 28 s against 22 s, its estimate within 0.1%; priced for
+    every reduction, 18.4B's took 31 s against 24 s (two of its most split layer ILPs)."""
     bandwidth = mesh.device.memory_bandwidth_bytes_per_s
     if bandwidth <= 0:
         return 0.0
@@ -56,10 +60,10 @@ def slice_time_s(dst: ShardingSpec, tensor: TensorInfo, mesh: LogicalMesh) -> fl
 
 def reshard_cost(
     src: ShardingSpec, dst: ShardingSpec, tensor: TensorInfo, mesh: LogicalMesh,
-    price_slice: bool = False,
+    price_slice: frozenset[int] = frozenset(),
 ) -> ReshardCost:
     """Cost of turning ``tensor`` laid out as ``src`` into ``dst`` on ``mesh`` (a slice:
-    free, or ``slice_time_s`` with ``price_slice``)."""
+    free, or ``slice_time_s`` where it splits a dimension of ``price_slice``)."""
     if src == dst or tensor.ndim == 0:
         return FREE
     if src.ndim != tensor.ndim or dst.ndim != tensor.ndim:
@@ -78,7 +82,8 @@ def reshard_cost(
     moved = [a for a, d in released.items() if a in acquired and acquired[a] != d]
     gathered = [a for a in released if a not in moved]
     if not moved and not gathered:
-        return ReshardCost(slice_time_s(dst, tensor, mesh), ()) if price_slice else FREE
+        priced = not price_slice.isdisjoint(acquired.values())
+        return ReshardCost(slice_time_s(dst, tensor, mesh), ()) if priced else FREE
     src_axes = {a for axes in src.dims for a in axes}
     collectives: list[CollectiveEstimate] = []
     if moved:

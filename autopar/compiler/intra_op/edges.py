@@ -15,7 +15,7 @@ from functools import partial
 import numpy as np
 
 from autopar.compiler.cost.resharding import ReshardCost, reshard_cost
-from autopar.compiler.graph.opgraph import OpGraph, TensorInfo
+from autopar.compiler.graph.opgraph import OpGraph, OpNode, TensorInfo
 from autopar.compiler.intra_op.problem import ProblemEdge
 from autopar.compiler.intra_op.strategies.base import Strategy
 from autopar.compiler.intra_op.strategies.reduce import SPLIT_REDUCTIONS
@@ -55,6 +55,14 @@ def state_ties(graph: OpGraph, tensor_home: dict[int, tuple[int, int]]) -> list[
     return ties
 
 
+def summed_dims(node: OpNode) -> frozenset[int]:
+    """The operand dimensions a reduction that may split them sums over (none for other
+    ops): a slice of its operand along one is priced (``reshard_cost``)."""
+    if node.primitive not in SPLIT_REDUCTIONS:
+        return frozenset()
+    return frozenset(int(a) for a in node.params["axes"])
+
+
 def input_needs(strategies: Sequence[Strategy], k: int) -> list[ShardingSpec | None]:
     """The spec each of ``strategies`` reads its operand ``k`` in (None: any)."""
     return [s.input_specs[k] for s in strategies]
@@ -77,9 +85,10 @@ class ReshardingEdges:
         self._matrix_cache: dict[tuple, np.ndarray] = table.caches.matrices
 
     def cost(self, src: ShardingSpec, dst: ShardingSpec, info: TensorInfo,
-             price_slice: bool = False) -> ReshardCost:
+             price_slice: frozenset[int] = frozenset()) -> ReshardCost:
         """Resharding ``info``-typed data from ``src`` to ``dst`` on the table's mesh (a
-        slice priced where ``price_slice``: a reduction reads it, ``reshard_cost``).
+        slice priced where it splits a dimension of ``price_slice``: one a reduction reading
+        it sums over, ``reshard_cost``).
 
         Cached by what the cost depends on: the specs, the tensor's rank and its bytes (not
         its shape or dtype: tensors of one size and rank reshard alike, about half the
@@ -93,11 +102,12 @@ class ReshardingEdges:
 
     def use_matrix(
         self, tensor: int, needs: Callable[[], Sequence[ShardingSpec | None]], key: tuple,
-        price_slice: bool = False,
+        price_slice: frozenset[int] = frozenset(),
     ) -> np.ndarray:
         """Resharding seconds [producer choice][consumer choice] for one use of ``tensor``;
         ``needs()[j]`` is the spec the use needs under the consumer's choice j
-        (``price_slice``: the consumer is a reduction, ``cost``).
+        (``price_slice``: the dimensions the consumer sums over, where it is a reduction,
+        ``cost``).
 
         Cached by the producer's and consumer's strategy lists: the same op of every tied
         layer reuses one matrix."""
@@ -120,7 +130,7 @@ class ReshardingEdges:
         return found
 
     def _priced(self, srcs: tuple[ShardingSpec, ...], needs: tuple[ShardingSpec, ...],
-                info: TensorInfo, price_slice: bool = False) -> np.ndarray:
+                info: TensorInfo, price_slice: frozenset[int] = frozenset()) -> np.ndarray:
         """Seconds [src][need] (and a last column of zeros: no need) between distinct specs,
         cached by the specs themselves: ops with different strategy lists often produce and
         need the same few specs of a tensor type."""
@@ -146,7 +156,7 @@ class ReshardingEdges:
 
         def add_use(tensor: int, dst_var: Variable,
                     needs: Callable[[], Sequence[ShardingSpec | None]], key: tuple, note: str,
-                    repeat: int = 1, price_slice: bool = False) -> None:
+                    repeat: int = 1, price_slice: frozenset[int] = frozenset()) -> None:
             src_var = table.home_variable(tensor)
             matrix = self.use_matrix(tensor, needs, key, price_slice)
             if repeat > 1:  # a use inside a scan body reshards on every iteration
@@ -169,8 +179,7 @@ class ReshardingEdges:
                 if t not in table.tensor_home:
                     continue  # literal or constant: every device holds it whole
                 add_use(t, var, partial(input_needs, strategies, k), ("use", id(strategies), k),
-                        f"t{t}->n{node.id}.{k}", node.repeat,
-                        node.primitive in SPLIT_REDUCTIONS)
+                        f"t{t}->n{node.id}.{k}", node.repeat, summed_dims(node))
         for out_t, in_t in ties:
             in_member = table.tensor_home[in_t][0]
             in_var = table.variable_of(in_member)

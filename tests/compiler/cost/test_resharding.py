@@ -82,23 +82,28 @@ def test_xla_emits_the_predicted_kinds(src, dst, expected):
         assert emitted[kind] == pytest.approx(nbytes, rel=0.1)
 
 
-def test_a_slice_costs_its_kernel_where_a_reduction_reads_it():
+def test_a_slice_costs_its_kernel_where_a_reduction_sums_over_what_it_splits():
     """A slice moves nothing between devices; the kernel cutting it reads and writes each
-    device's part once at the memory bandwidth, priced where a reduction reads the slice
-    (``price_slice``), and only where the cluster describes the bandwidth."""
+    device's part once at the memory bandwidth, priced where it splits a dimension a
+    reduction reading it sums over (``price_slice``), and only where the cluster describes
+    the bandwidth."""
     described = load_cluster("cpu-sim").to_dict()
     described["device"]["memory_bandwidth_bytes_per_s"] = 1e11
     mesh = LogicalMesh.from_cluster(ClusterSpec.from_dict(described), (2, 4))
     whole, sliced = spec("", ""), spec("x", "y")
+    summed = frozenset({1})
     assert reshard_cost(whole, sliced, TENSOR, mesh).time_s == 0.0
-    priced = reshard_cost(whole, sliced, TENSOR, mesh, price_slice=True)
+    priced = reshard_cost(whole, sliced, TENSOR, mesh, price_slice=summed)
     assert priced.collectives == ()
     assert priced.time_s == pytest.approx(2 * (FULL / 8) / 1e11)
-    # a finer split of an already split dim slices only the new part out of what is held
-    finer = reshard_cost(spec("x", ""), spec("xy", ""), TENSOR, mesh, price_slice=True)
+    # a finer split of a summed dim: the part cut out of what each device holds
+    finer = reshard_cost(spec("", "x"), spec("", "xy"), TENSOR, mesh, price_slice=summed)
     assert finer.time_s == pytest.approx(2 * (FULL / 8) / 1e11)
-    assert reshard_cost(whole, sliced, TENSOR, MESH, price_slice=True).time_s == 0.0
+    # a slice along a kept dim splits the reduction's work: free
+    kept = reshard_cost(whole, spec("x", ""), TENSOR, mesh, price_slice=summed)
+    assert kept.time_s == 0.0
+    assert reshard_cost(whole, sliced, TENSOR, MESH, price_slice=summed).time_s == 0.0
     # a gather is what it was
     gather = spec("x", "")
-    assert reshard_cost(gather, whole, TENSOR, mesh, price_slice=True) == \
+    assert reshard_cost(gather, whole, TENSOR, mesh, price_slice=summed) == \
         reshard_cost(gather, whole, TENSOR, mesh)
