@@ -5,10 +5,9 @@ common prefix; axes past the prefix are released by the source or acquired by th
 An acquired axis that nobody released is a local slice: no collective (every device already
 holds the data); free, or where it splits a dimension of ``price_slice`` a kernel that reads and
 writes the slice at the device's memory bandwidth (``slice_time_s``: what a reduction over that
-dimension pays). A released
-axis that another dimension acquires moves its split there: an all-to-all over the moved
-axes. Every other released axis is gathered: one all-gather per tensor dimension, over the
-axes that dimension releases.
+dimension pays). A released axis that another dimension acquires moves its split there: an
+all-to-all over the moved axes. Every other released axis is gathered: one all-gather per
+tensor dimension, over the axes that dimension releases.
 """
 
 from __future__ import annotations
@@ -42,16 +41,16 @@ def slice_time_s(dst: ShardingSpec, tensor: TensorInfo, mesh: LogicalMesh) -> fl
     part read and written once at the memory bandwidth (0 where the cluster does not describe
     it). Priced where a reduction reads the slice and sums over a dimension it splits
     (``edges``): it reduces less, but only to leave partial sums an all-reduce completes,
-    and the bytes it saves are the ones the slice itself spends (and
-    XLA, fusing the slice into the reduction, makes the sliced values twice, whole for their
-    other readers and sliced for this one: on CPU devices the layer-norm backward chains of a
-    GPT's bias gradients took 100 of a 400 ms step, GPT small on a 2 x 4 mesh, where the plan
-    had priced the slices at nothing and the halved reductions as savings;
-    docs/cost-model.md). Other slices are left free: a reduction sliced along a dimension it
-    keeps splits its work as any op does, and other readers fuse a slice and read only their
-    part. That also keeps the ILPs at published sizes as quick to prove: priced everywhere,
-    Megatron 76.1B's search took 28 s against 22 s, its estimate within 0.1%; priced for
-    every reduction, 18.4B's took 31 s against 24 s (two of its most split layer ILPs)."""
+    and the bytes it saves are the ones the slice itself spends (and XLA, fusing the slice
+    into the reduction, makes the sliced values twice, whole for their other readers and
+    sliced for this one: on CPU devices the layer-norm backward chains of a GPT's bias
+    gradients took 100 of a 400 ms step, GPT small on a 2 x 4 mesh, where the plan had priced
+    the slices at nothing and the halved reductions as savings; docs/cost-model.md). Other
+    slices are left free: a reduction sliced along a dimension it keeps splits its work as
+    any op does, and other readers fuse a slice and read only their part. That also keeps
+    the ILPs at published sizes as quick to prove: priced everywhere, Megatron 76.1B's
+    search took 28 s against 22 s, its estimate within 0.1%; priced for every reduction,
+    18.4B's took 31 s against 24 s (two of its most split layer ILPs)."""
     bandwidth = mesh.device.memory_bandwidth_bytes_per_s
     if bandwidth <= 0:
         return 0.0
