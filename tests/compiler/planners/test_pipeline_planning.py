@@ -19,6 +19,7 @@ from autopar.errors import BatchSizeError, NoLossFunctionError, PlanError
 from autopar.ir.pipeline_program import build_pipeline_program
 from autopar.models import get_model
 from autopar.plan import Plan
+from autopar.runtime.measured_choice import CLOCK_MARGIN
 
 # the end-to-end tier: compiles and runs parallel steps (the fast tier is -m 'not e2e')
 pytestmark = pytest.mark.e2e
@@ -69,14 +70,15 @@ def test_default_method_is_the_full_search_and_falls_back_without_a_marked_loss(
     chosen = [c for c in plan.planning.candidates if c["chosen"]]
     assert len(chosen) == 1 and chosen[0]["method"] == plan.method
     # on the devices it runs on, the search timed its choice beside the simple plans and kept
-    # the fastest measured (``AutoParallel.measure_candidates``; a one-stage pipeline is set
-    # aside when a one-stage plan fits, ``eligible`` false: its split's costs are not in its
-    # estimate)
+    # the fastest measured, or its own choice where none was faster by more than the clock's
+    # margin (``AutoParallel.measure_candidates``, ``measured_choice.CLOCK_MARGIN``; a
+    # one-stage pipeline is set aside when a one-stage plan fits, ``eligible`` false: its
+    # split's costs are not in its estimate)
     measured = {c["name"]: c["measured_step_time_s"] for c in plan.planning.candidates
                 if "measured_step_time_s" in c}
     assert {"data", "shard"} & set(measured) and len(measured) >= 2
     assert chosen[0]["name"] in measured
-    assert measured[chosen[0]["name"]] == min(measured.values())
+    assert measured[chosen[0]["name"]] * (1 - CLOCK_MARGIN) <= min(measured.values())
     ref_state, ref_loss = jax.jit(step)(state, batch)
     new_state, loss = auto(state, batch)
     assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5)
