@@ -16,8 +16,8 @@ Process 0 appends each step's loss to ``OUT/losses.jsonl`` (with the number of p
 ran it); at the end it writes the state to ``OUT/final.npz`` (leaves keyed by their pytree path)
 and ``OUT/run.json`` (where the run started, on how many processes and devices). Every process
 writes its pid to ``OUT/pids/<N>proc-<process id>.pid`` (N: the run's process count).
-``--die-at S --die-process P``: process P dispatches step S (its peers are inside it, waiting
-for its part) and kills itself with SIGKILL, as a host that is lost mid-step.
+``--die-at S --die-process P``: process P kills itself with SIGKILL as step S begins, while its
+peers are inside that step waiting for its part, as a host that is lost mid-step.
 """
 
 from __future__ import annotations
@@ -70,9 +70,11 @@ def main() -> None:
     first = (resumed_from or 0) + 1
 
     for s in range(first, args.steps + 1):
-        state, loss = step(state, batch(s))
         if s == args.die_at and me == args.die_process:
-            os.kill(os.getpid(), signal.SIGKILL)  # the step is in flight: its peers wait for it
+            # before its part of the step: killed after dispatching it, the tiny step could
+            # finish first (the gradient's all-reduce done), and process 0 logged its loss
+            os.kill(os.getpid(), signal.SIGKILL)  # its peers are in the step, waiting for it
+        state, loss = step(state, batch(s))
         loss = float(loss)  # on every process: the loss is on every device
         if me == 0:
             with open(args.out_dir / "losses.jsonl", "a") as fh:
