@@ -52,8 +52,9 @@ def full_search(model: ZooModel, cluster: ClusterSpec, *, microbatches: int,
     method = autopar.AutoParallel(num_microbatches=microbatches, layers=pipeline_layers,
                                   memory_budget_bytes=memory_budget_bytes, prune=False,
                                   per_microbatch_statistics=True)
+    args = marked.abstract_inputs()  # the user's arguments: made before planning starts
     start = time.perf_counter()
-    step = dispatch.trace(marked.train_step, marked.abstract_inputs(), method, (1,))
+    step = dispatch.trace(marked.train_step, args, method, (1,))
     trace_s = time.perf_counter() - start
     planned = dispatch.plan(step, cluster)
     # (the plan's batch argument is the step's (1,): traced so above)

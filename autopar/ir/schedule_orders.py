@@ -20,67 +20,73 @@ from autopar.ir.schedules import (
     Task,
     TaskKind,
     check_schedule_options,
+    peak_in_flight,
+    splits_backward,
 )
 
+# Each builder gives one stage's order as (kind, microbatch, chunk) steps: ``_build`` makes them
+# the schedule's ``Task``s, and ``_activation_counts`` counts them as they are (the stage DP asks
+# for every stage count up to its most: at 256 microbatches, 64 stage counts of 1F1B took 1.3 s
+# as tasks, most of it making them).
+Step = tuple[TaskKind, int, int]
 
-def _gpipe(p: int, m: int, stage: int) -> list[Task]:
+
+def _gpipe(p: int, m: int, stage: int) -> list[Step]:
     # All forwards, then all backwards: every microbatch's activations are held at once.
-    return [Task(TaskKind.F, i, stage) for i in range(m)] + [
-        Task(TaskKind.B, i, stage) for i in range(m)
-    ]
+    return [(TaskKind.F, i, 0) for i in range(m)] + [(TaskKind.B, i, 0) for i in range(m)]
 
 
-def _one_f_one_b(p: int, m: int, stage: int) -> list[Task]:
+def _one_f_one_b(p: int, m: int, stage: int) -> list[Step]:
     # PipeDream-flush: enough warm-up forwards to fill the pipe below this stage, then one
     # forward and one backward in turn, then drain the remaining backwards.
     warmup = min(p - stage - 1, m)
-    tasks = [Task(TaskKind.F, i, stage) for i in range(warmup)]
+    steps: list[Step] = [(TaskKind.F, i, 0) for i in range(warmup)]
     for j in range(m - warmup):
-        tasks += [Task(TaskKind.F, warmup + j, stage), Task(TaskKind.B, j, stage)]
-    tasks += [Task(TaskKind.B, j, stage) for j in range(m - warmup, m)]
-    return tasks
+        steps += [(TaskKind.F, warmup + j, 0), (TaskKind.B, j, 0)]
+    steps += [(TaskKind.B, j, 0) for j in range(m - warmup, m)]
+    return steps
 
 
-def _zb_h1(p: int, m: int, stage: int) -> list[Task]:
+def _zb_h1(p: int, m: int, stage: int) -> list[Step]:
     # 1F1B's F/B order, with W split off and held back by `stage` backwards: stage s keeps
     # p - s - 1 warm-up forwards + 1 + s delayed weight gradients = p microbatches until W, the
     # same peak as 1F1B's stage 0, and its delayed Ws fill the cool-down where 1F1B idles.
     warmup = min(p - stage - 1, m)
     w_delay = stage
-    tasks = [Task(TaskKind.F, i, stage) for i in range(warmup)]
+    steps: list[Step] = [(TaskKind.F, i, 0) for i in range(warmup)]
     next_forward, next_w = warmup, 0
     for j in range(m):
         if next_forward < m:
-            tasks.append(Task(TaskKind.F, next_forward, stage))
+            steps.append((TaskKind.F, next_forward, 0))
             next_forward += 1
-        tasks.append(Task(TaskKind.B, j, stage))
+        steps.append((TaskKind.B, j, 0))
         if j + 1 - next_w > w_delay:
-            tasks.append(Task(TaskKind.W, next_w, stage))
+            steps.append((TaskKind.W, next_w, 0))
             next_w += 1
-    tasks += [Task(TaskKind.W, i, stage) for i in range(next_w, m)]
-    return tasks
+    steps += [(TaskKind.W, i, 0) for i in range(next_w, m)]
+    return steps
 
 
-def _interleaved(p: int, m: int, v: int, stage: int) -> list[Task]:
+def _interleaved(p: int, m: int, v: int, stage: int) -> list[Step]:
     # Megatron-LM's interleaved 1F1B. Microbatches go through the chunks in groups of p: the k-th
     # forward of this stage is chunk (k // p) % v of microbatch (k // (p*v)) * p + k % p;
     # backwards walk the chunks in reverse. Warm-up covers the deeper stages' first round.
     total = m * v
 
-    def forward(k: int) -> Task:
+    def forward(k: int) -> Step:
         group, within = divmod(k, p * v)
-        return Task(TaskKind.F, group * p + within % p, stage, within // p)
+        return (TaskKind.F, group * p + within % p, within // p)
 
-    def backward(k: int) -> Task:
+    def backward(k: int) -> Step:
         group, within = divmod(k, p * v)
-        return Task(TaskKind.B, group * p + within % p, stage, v - 1 - within // p)
+        return (TaskKind.B, group * p + within % p, v - 1 - within // p)
 
     warmup = min(2 * (p - stage - 1) + (v - 1) * p, total)
-    tasks = [forward(k) for k in range(warmup)]
+    steps = [forward(k) for k in range(warmup)]
     for k in range(total - warmup):
-        tasks += [forward(warmup + k), backward(k)]
-    tasks += [backward(k) for k in range(total - warmup, total)]
-    return tasks
+        steps += [forward(warmup + k), backward(k)]
+    steps += [backward(k) for k in range(total - warmup, total)]
+    return steps
 
 
 def make_schedule(
@@ -104,19 +110,23 @@ def _validated(name: ScheduleName, p: int, m: int, v: int) -> Schedule:
     return schedule
 
 
-def _build(name: ScheduleName, p: int, m: int, v: int) -> Schedule:
-    """The task lists of checked options, not yet validated (``make_schedule`` validates)."""
+def _stage_steps(name: ScheduleName, p: int, m: int, v: int, stage: int) -> list[Step]:
     if name == ScheduleName.GPIPE:
-        lists = [_gpipe(p, m, s) for s in range(p)]
-    elif name in (ScheduleName.ONE_F_ONE_B, *ASYNC_SCHEDULES):
+        return _gpipe(p, m, stage)
+    if name in (ScheduleName.ONE_F_ONE_B, *ASYNC_SCHEDULES):
         # asynchronous schedules run 1F1B's order; ``m`` microbatches in a row without a flush
         # in between is their steady state (the versions each task uses: ``async_schedules``)
-        lists = [_one_f_one_b(p, m, s) for s in range(p)]
-    elif name == ScheduleName.ZB_H1:
-        lists = [_zb_h1(p, m, s) for s in range(p)]
-    else:
-        lists = [_interleaved(p, m, v, s) for s in range(p)]
-    return Schedule(name, p, m, v, tuple(tuple(ts) for ts in lists))
+        return _one_f_one_b(p, m, stage)
+    if name == ScheduleName.ZB_H1:
+        return _zb_h1(p, m, stage)
+    return _interleaved(p, m, v, stage)
+
+
+def _build(name: ScheduleName, p: int, m: int, v: int) -> Schedule:
+    """The task lists of checked options, not yet validated (``make_schedule`` validates)."""
+    return Schedule(name, p, m, v, tuple(
+        tuple(Task(kind, microbatch, s, chunk) for kind, microbatch, chunk in
+              _stage_steps(name, p, m, v, s)) for s in range(p)))
 
 
 def activation_counts(
@@ -125,15 +135,16 @@ def activation_counts(
     """Per stage, how many microbatches' worth of that stage's activations it holds at peak.
 
     The one source of this fact for the compiler (stage DP, stage memory): the schedule's own
-    task lists, :meth:`Schedule.in_flight` counted until the task that frees a forward's stored
-    values (W when the schedule splits the backward, since the weight gradient still reads
-    them; else B), divided by ``num_chunks`` (an interleaved chunk holds ``1/v`` of the stage's
-    layers). Fractional for interleaved schedules: p=4, m=8, v=2 gives (5.5, 4.5, 3.5, 2.5).
-    Asynchronous schedules are counted in their steady state (calls back to back, no drain
-    between them: ``p - i`` on stage ``i`` whatever ``m``). Cached per (schedule, p, m, v);
-    InvalidOptionError as :func:`make_schedule`. The lists are
-    the ones :func:`make_schedule` returns, without its validation (a dependency walk that
-    costs far more than the count, and that the schedule tests run on every builder).
+    task orders, counted as :meth:`Schedule.in_flight` counts them (``peak_in_flight``) until
+    the task that frees a forward's stored values (W when the schedule splits the backward,
+    since the weight gradient still reads them; else B), divided by ``num_chunks`` (an
+    interleaved chunk holds ``1/v`` of the stage's layers). Fractional for interleaved
+    schedules: p=4, m=8, v=2 gives (5.5, 4.5, 3.5, 2.5). Asynchronous schedules are counted in
+    their steady state (calls back to back, no drain between them: ``p - i`` on stage ``i``
+    whatever ``m``). Cached per (schedule, p, m, v); InvalidOptionError as
+    :func:`make_schedule`. The orders are the ones :func:`make_schedule`'s tasks are made
+    from, without its validation (a dependency walk that costs far more than the count, and
+    that the schedule tests run on every builder).
     """
     name = check_schedule_options(name, num_stages, num_microbatches, num_chunks)
     return _activation_counts(name, num_stages, num_microbatches, num_chunks)
@@ -143,14 +154,12 @@ def activation_counts(
 def _activation_counts(
     name: ScheduleName, num_stages: int, num_microbatches: int, num_chunks: int
 ) -> tuple[float, ...]:
+    m, v = num_microbatches, num_chunks
     if name in ASYNC_SCHEDULES:  # the pipeline is not drained between calls
-        schedule = _build(name, num_stages, steady_microbatches(num_stages, num_microbatches), 1)
-    else:
-        schedule = _build(name, num_stages, num_microbatches, num_chunks)
-    until = TaskKind.W if schedule.splits_backward else TaskKind.B
-    return tuple(
-        schedule.in_flight(stage, until=until) / num_chunks for stage in range(num_stages)
-    )
+        m, v = steady_microbatches(num_stages, num_microbatches), 1
+    until = TaskKind.W if splits_backward(name) else TaskKind.B
+    return tuple(peak_in_flight(_stage_steps(name, num_stages, m, v, stage), until) / num_chunks
+                 for stage in range(num_stages))
 
 
 def steady_microbatches(num_stages: int, num_microbatches: int) -> int:

@@ -16,7 +16,7 @@ With ``v`` chunks per stage (interleaved 1F1B) the model is cut into ``p * v`` p
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -96,6 +96,27 @@ def _needs(kind: TaskKind, microbatch: int, piece: int, last_piece: int
     return ((TaskKind.B, microbatch, piece),)
 
 
+def splits_backward(name: ScheduleName) -> bool:
+    """Whether schedule ``name`` splits backwards into B (input gradient) and W (weight
+    gradient)."""
+    return name == ScheduleName.ZB_H1
+
+
+def peak_in_flight(steps: Iterable[tuple[TaskKind, int, int]], until: TaskKind) -> int:
+    """Peak number of (microbatch, chunk) pairs whose F ran and ``until`` not yet, over one
+    stage's ``(kind, microbatch, chunk)`` steps in order (``Schedule.in_flight``)."""
+    open_pairs: set[tuple[int, int]] = set()
+    peak = 0
+    for kind, microbatch, chunk in steps:
+        if kind is TaskKind.F:
+            open_pairs.add((microbatch, chunk))
+            if len(open_pairs) > peak:
+                peak = len(open_pairs)
+        elif kind is until:
+            open_pairs.discard((microbatch, chunk))
+    return peak
+
+
 @dataclass(frozen=True)
 class Schedule:
     """Per-stage ordered task lists: ``m`` microbatches through ``p`` stages of ``v`` chunks."""
@@ -114,7 +135,7 @@ class Schedule:
     @property
     def splits_backward(self) -> bool:
         """Whether backwards are split into B (input gradient) and W (weight gradient)."""
-        return self.name == ScheduleName.ZB_H1
+        return splits_backward(self.name)
 
     def task_at(self, kind: TaskKind, microbatch: int, piece: int) -> Task:
         """The task of ``kind`` on ``microbatch`` that runs model piece ``piece``."""
@@ -229,16 +250,7 @@ class Schedule:
             raise InvalidOptionError(
                 f"stage {stage} is out of range: valid stages are 0..{self.num_stages - 1}"
             )
-        open_pairs: set[tuple[int, int]] = set()
-        peak = 0
-        for task in self.tasks[stage]:
-            pair = (task.microbatch, task.chunk)
-            if task.kind is TaskKind.F:
-                open_pairs.add(pair)
-                peak = max(peak, len(open_pairs))
-            elif task.kind is until:
-                open_pairs.discard(pair)
-        return peak
+        return peak_in_flight(((t.kind, t.microbatch, t.chunk) for t in self.tasks[stage]), until)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe form; tasks are ``[kind, microbatch, chunk]`` in each stage's list."""

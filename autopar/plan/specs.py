@@ -47,8 +47,11 @@ class CollectiveEstimate:
     time_s: float
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", collective_kind(self.kind))
-        object.__setattr__(self, "axes", tuple(int(a) for a in self.axes))
+        # the cost model makes tens of thousands per layer ILP, already of these types
+        if type(self.kind) is not CollectiveKind:
+            object.__setattr__(self, "kind", collective_kind(self.kind))
+        if type(self.axes) is not tuple or any(type(a) is not int for a in self.axes):
+            object.__setattr__(self, "axes", tuple(int(a) for a in self.axes))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form."""

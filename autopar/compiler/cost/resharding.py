@@ -57,20 +57,24 @@ def slice_time_s(dst: ShardingSpec, tensor: TensorInfo, mesh: LogicalMesh) -> fl
     return 2.0 * tensor.nbytes / _shards({a for axes in dst.dims for a in axes}, mesh) / bandwidth
 
 
-def reshard_cost(
-    src: ShardingSpec, dst: ShardingSpec, tensor: TensorInfo, mesh: LogicalMesh,
-    price_slice: frozenset[int] = frozenset(),
-) -> ReshardCost:
-    """Cost of turning ``tensor`` laid out as ``src`` into ``dst`` on ``mesh`` (a slice:
-    free, or ``slice_time_s`` where it splits a dimension of ``price_slice``)."""
-    if src == dst or tensor.ndim == 0:
-        return FREE
-    if src.ndim != tensor.ndim or dst.ndim != tensor.ndim:
-        raise ValueError(f"spec rank mismatch for tensor of shape {tensor.shape}: {src} -> {dst}")
+@dataclass(frozen=True)
+class ReshardSteps:
+    """What turning ``src`` into ``dst`` does on one mesh, whatever the tensor's size: the
+    collectives, each as (kind, the number of shards its group's bytes are the tensor's
+    bytes over, mesh axes), or where there are none the dimensions a local slice acquires
+    axes on. Computed once per spec pair and mesh (``ReshardingEdges`` keeps them): a layer's
+    ILP prices thousands of (spec pair, tensor size) moves, most pairs several times."""
+
+    collectives: tuple[tuple[CollectiveKind, int, tuple[int, ...]], ...]
+    sliced_dims: frozenset[int]
+
+
+def reshard_steps(src: ShardingSpec, dst: ShardingSpec, mesh: LogicalMesh) -> ReshardSteps:
+    """The collectives (or the local slice) of resharding ``src`` to ``dst`` on ``mesh``
+    (specs of one rank, not equal)."""
     released: dict[str, int] = {}
     acquired: dict[str, int] = {}
-    for d in range(tensor.ndim):
-        s, t = src.dims[d], dst.dims[d]
+    for d, (s, t) in enumerate(zip(src.dims, dst.dims, strict=True)):
         p = 0
         while p < min(len(s), len(t)) and s[p] == t[p]:
             p += 1
@@ -81,18 +85,14 @@ def reshard_cost(
     moved = [a for a, d in released.items() if a in acquired and acquired[a] != d]
     gathered = [a for a in released if a not in moved]
     if not moved and not gathered:
-        priced = not price_slice.isdisjoint(acquired.values())
-        return ReshardCost(slice_time_s(dst, tensor, mesh), ()) if priced else FREE
+        return ReshardSteps((), frozenset(acquired.values()))
     src_axes = {a for axes in src.dims for a in axes}
-    collectives: list[CollectiveEstimate] = []
+    steps: list[tuple[CollectiveKind, int, tuple[int, ...]]] = []
     if moved:
         # One all-to-all over the moved axes: it exchanges the whole tensor of its group, i.e.
         # the tensor divided by the splits of every axis that does not take part.
-        group_bytes = tensor.nbytes / _shards(src_axes - set(moved), mesh)
-        axes = tuple(sorted(mesh.axis_index(a) for a in moved))
-        collectives.append(
-            estimate_collective(CollectiveKind.ALL_TO_ALL, group_bytes, mesh, axes)
-        )
+        steps.append((CollectiveKind.ALL_TO_ALL, _shards(src_axes - set(moved), mesh),
+                      tuple(sorted(mesh.axis_index(a) for a in moved))))
     # Gathers one tensor dimension at a time, minor dimension first, each over all the axes it
     # releases, as XLA's partitioner does (seen in jax 0.10's CPU HLO: a dimension split over
     # both axes of a 2x4 mesh is gathered whole by one all-gather over its 8 devices; P('x','y')
@@ -104,9 +104,31 @@ def reshard_cost(
         by_dim.setdefault(released[a], []).append(a)
     for d in sorted(by_dim, reverse=True):
         remaining.difference_update(by_dim[d])
-        group_bytes = tensor.nbytes / _shards(remaining, mesh)
-        axes = tuple(sorted(mesh.axis_index(a) for a in by_dim[d]))
-        collectives.append(
-            estimate_collective(CollectiveKind.ALL_GATHER, group_bytes, mesh, axes)
-        )
-    return ReshardCost(sum(c.time_s for c in collectives), tuple(collectives))
+        steps.append((CollectiveKind.ALL_GATHER, _shards(remaining, mesh),
+                      tuple(sorted(mesh.axis_index(a) for a in by_dim[d]))))
+    return ReshardSteps(tuple(steps), frozenset())
+
+
+def price_steps(steps: ReshardSteps, dst: ShardingSpec, tensor: TensorInfo, mesh: LogicalMesh,
+                price_slice: frozenset[int] = frozenset()) -> ReshardCost:
+    """``steps`` (``reshard_steps`` of a move to ``dst``) priced for ``tensor`` on ``mesh``
+    (a slice: free, or ``slice_time_s`` where it splits a dimension of ``price_slice``)."""
+    if not steps.collectives:
+        priced = not price_slice.isdisjoint(steps.sliced_dims)
+        return ReshardCost(slice_time_s(dst, tensor, mesh), ()) if priced else FREE
+    collectives = tuple(estimate_collective(kind, tensor.nbytes / shards, mesh, axes)
+                        for kind, shards, axes in steps.collectives)
+    return ReshardCost(sum(c.time_s for c in collectives), collectives)
+
+
+def reshard_cost(
+    src: ShardingSpec, dst: ShardingSpec, tensor: TensorInfo, mesh: LogicalMesh,
+    price_slice: frozenset[int] = frozenset(),
+) -> ReshardCost:
+    """Cost of turning ``tensor`` laid out as ``src`` into ``dst`` on ``mesh`` (a slice:
+    free, or ``slice_time_s`` where it splits a dimension of ``price_slice``)."""
+    if src == dst or tensor.ndim == 0:
+        return FREE
+    if src.ndim != tensor.ndim or dst.ndim != tensor.ndim:
+        raise ValueError(f"spec rank mismatch for tensor of shape {tensor.shape}: {src} -> {dst}")
+    return price_steps(reshard_steps(src, dst, mesh), dst, tensor, mesh, price_slice)

@@ -14,7 +14,13 @@ from functools import partial
 
 import numpy as np
 
-from autopar.compiler.cost.resharding import ReshardCost, reshard_cost
+from autopar.compiler.cost.resharding import (
+    FREE,
+    ReshardCost,
+    ReshardSteps,
+    price_steps,
+    reshard_steps,
+)
 from autopar.compiler.graph.opgraph import OpGraph, OpNode, TensorInfo
 from autopar.compiler.intra_op.problem import ProblemEdge
 from autopar.compiler.intra_op.strategies.base import Strategy
@@ -82,6 +88,7 @@ class ReshardingEdges:
         # shared by builds on the same mesh (``MeshCaches``): costs depend on specs, type and
         # mesh only, matrices on the strategy lists at both ends, which the builds share
         self._cost_cache: dict[tuple, ReshardCost] = table.caches.reshard_costs
+        self._steps_cache: dict[tuple, ReshardSteps] = table.caches.reshard_steps
         self._matrix_cache: dict[tuple, np.ndarray] = table.caches.matrices
 
     def cost(self, src: ShardingSpec, dst: ShardingSpec, info: TensorInfo,
@@ -96,7 +103,14 @@ class ReshardingEdges:
         key = (src, dst, info.nbytes, info.ndim, price_slice)
         found = self._cost_cache.get(key)
         if found is None:
-            found = reshard_cost(src, dst, info, self.table.mesh, price_slice)
+            if src == dst or info.ndim == 0:
+                found = FREE
+            else:
+                steps = self._steps_cache.get((src, dst))
+                if steps is None:
+                    steps = reshard_steps(src, dst, self.table.mesh)
+                    self._steps_cache[(src, dst)] = steps
+                found = price_steps(steps, dst, info, self.table.mesh, price_slice)
             self._cost_cache[key] = found
         return found
 

@@ -138,6 +138,7 @@ class MeshCaches:
     ambiguous: dict[tuple, frozenset] = field(default_factory=dict)
     follow: dict[tuple, list[Strategy] | None] = field(default_factory=dict)
     reshard_costs: dict[tuple, Any] = field(default_factory=dict)
+    reshard_steps: dict[tuple, Any] = field(default_factory=dict)
     matrices: dict[tuple, Any] = field(default_factory=dict)
     # each shared strategy list's ``decision_cost``s, by the list's id (the lists above
     # live as long as these caches: every id here names a list they hold)
