@@ -73,6 +73,8 @@ def _plan_row(run: PublishedRun, planned: PlannedRun) -> dict[str, Any]:
 def run_published(run: PublishedRun) -> dict[str, Any]:
     """Plan ``run`` pinned and by the full search; the row (a search that finds no plan
     within the device memory is the row's ``search_error``)."""
+    import jax
+
     from autopar.errors import AutoparError
 
     pinned = plan_pinned(run)
@@ -91,7 +93,12 @@ def run_published(run: PublishedRun) -> dict[str, Any]:
                                "peak_memory_gib": unbounded.plan.peak_memory_bytes / 2**30}
     # the earlier rows' cyclic garbage collected first, untimed: planning freezes what the
     # process holds (``planners.common.fewer_full_collections``), and GPT-39B's search
-    # took 9.9 s after six rows' garbage where it took 9.3 s alone (2026-12-07)
+    # took 9.9 s after six rows' garbage where it took 9.3 s alone (2026-12-07). JAX's
+    # caches of the earlier rows' traced steps are let go too, as a process planning one
+    # model holds no others': after the six Alpa rows before it, GPT-39B's search took
+    # 9.15-11.34 s with them kept, 8.84-10.15 s without (the same code, one after the
+    # other, 2026-12-08)
+    jax.clear_caches()
     gc.collect()
     started = time.perf_counter()
     try:
