@@ -124,11 +124,18 @@ def price_steps(steps: ReshardSteps, dst: ShardingSpec, tensor: TensorInfo, mesh
 def reshard_cost(
     src: ShardingSpec, dst: ShardingSpec, tensor: TensorInfo, mesh: LogicalMesh,
     price_slice: frozenset[int] = frozenset(),
+    steps_cache: dict[tuple[ShardingSpec, ShardingSpec], ReshardSteps] | None = None,
 ) -> ReshardCost:
     """Cost of turning ``tensor`` laid out as ``src`` into ``dst`` on ``mesh`` (a slice:
-    free, or ``slice_time_s`` where it splits a dimension of ``price_slice``)."""
+    free, or ``slice_time_s`` where it splits a dimension of ``price_slice``).
+    ``steps_cache``: ``reshard_steps`` by spec pair, kept by the caller for this mesh."""
     if src == dst or tensor.ndim == 0:
         return FREE
     if src.ndim != tensor.ndim or dst.ndim != tensor.ndim:
         raise ValueError(f"spec rank mismatch for tensor of shape {tensor.shape}: {src} -> {dst}")
-    return price_steps(reshard_steps(src, dst, mesh), dst, tensor, mesh, price_slice)
+    steps = None if steps_cache is None else steps_cache.get((src, dst))
+    if steps is None:
+        steps = reshard_steps(src, dst, mesh)
+        if steps_cache is not None:
+            steps_cache[(src, dst)] = steps
+    return price_steps(steps, dst, tensor, mesh, price_slice)

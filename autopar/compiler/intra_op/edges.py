@@ -14,13 +14,7 @@ from functools import partial
 
 import numpy as np
 
-from autopar.compiler.cost.resharding import (
-    FREE,
-    ReshardCost,
-    ReshardSteps,
-    price_steps,
-    reshard_steps,
-)
+from autopar.compiler.cost.resharding import ReshardCost, ReshardSteps, reshard_cost
 from autopar.compiler.graph.opgraph import OpGraph, OpNode, TensorInfo
 from autopar.compiler.intra_op.problem import ProblemEdge
 from autopar.compiler.intra_op.strategies.base import Strategy
@@ -103,14 +97,8 @@ class ReshardingEdges:
         key = (src, dst, info.nbytes, info.ndim, price_slice)
         found = self._cost_cache.get(key)
         if found is None:
-            if src == dst or info.ndim == 0:
-                found = FREE
-            else:
-                steps = self._steps_cache.get((src, dst))
-                if steps is None:
-                    steps = reshard_steps(src, dst, self.table.mesh)
-                    self._steps_cache[(src, dst)] = steps
-                found = price_steps(steps, dst, info, self.table.mesh, price_slice)
+            found = reshard_cost(src, dst, info, self.table.mesh, price_slice,
+                                 self._steps_cache)
             self._cost_cache[key] = found
         return found
 
